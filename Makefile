@@ -1,0 +1,39 @@
+# Pollen — `make run` runs the default federated simulation, `make test` runs the test suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pollen-installed
+
+# Flower: project-local home, no telemetry, no update check, no per-run `uv sync`.
+export FLWR_HOME ?= $(CURDIR)/.flwr-home
+export FLWR_TELEMETRY_ENABLED := 0
+export FLWR_DISABLE_UPDATE_CHECK := 1
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
+# Full MNIST / Fashion-MNIST for the tests that need them (skipped when absent).
+export POLLEN_DATA_ROOT ?= $(if $(wildcard $(CURDIR)/../shared/data/MNIST),$(abspath $(CURDIR)/../shared/data),)
+
+NUM_SUPERNODES ?= 5
+RUN_CONFIG ?=
+OUT_DIR ?= $(CURDIR)/runs
+PYTEST_ARGS ?=
+
+.PHONY: install run test bench fleet clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip >/dev/null
+	$(PY) -m pip install -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m pollen.app.launch --num-supernodes $(NUM_SUPERNODES) \
+		--run-config "out-dir='$(OUT_DIR)' $(RUN_CONFIG)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf .flwr-home runs pollen-runs .pytest_cache

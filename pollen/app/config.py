@@ -1,0 +1,279 @@
+"""Typed, validated run configuration.
+
+Flower hands every app a flat ``context.run_config`` (the keys of ``[tool.flwr.app.config]``, possibly
+overridden with ``--run-config``). This module turns it into one frozen :class:`RunConfig`, checking
+every key *before* any data is loaded or any model trained, so a typo fails in the first second with
+a message that names the key and the allowed values.
+
+``DEFAULTS`` mirrors ``pyproject.toml`` (a test keeps them equal) so unit tests and library users
+need no Flower context at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+PROFILES = ("quick", "paper")
+DEVICES = ("auto", "cpu", "cuda")
+WEIGHTINGS = ("samples", "uniform")
+
+# Every run key with its default. Keep in sync with [tool.flwr.app.config] in pyproject.toml.
+DEFAULTS: dict[str, Any] = {
+    # common
+    "method": "fedavg",
+    "task": "uci-dirichlet",
+    "profile": "quick",
+    "num-server-rounds": 5,
+    "seed": 0,
+    "data-root": "",
+    "download": False,
+    "out-dir": "",
+    "fraction-fit": 1.0,
+    "fraction-evaluate": 1.0,
+    "min-available-clients": 2,
+    "device": "auto",
+    "torch-threads": 1,
+    "model": "",
+    "model-width": 0.0,
+    "local-epochs": 1,
+    "batch-size": 32,
+    "lr": 0.05,
+    "momentum": 0.5,
+    "weight-decay": 0.0,
+    "max-train-samples": 0,
+    # task keys
+    "dirichlet-alpha": 0.5,
+    "shot-ways": 3,
+    "shot-shots": 100,
+    "shot-stdev": 2,
+    "shot-test-per-class": 40,
+    # weight averaging (FedAvg / FedProx)
+    "avg-weighting": "samples",
+    "fedprox-mu": 0.01,
+}
+
+# Width used when ``model-width = 0`` ("let the profile decide"). The small nets (FedProto's CNN, DLG's
+# LeNet) are already CPU-sized and always keep their paper width unless ``model-width`` says otherwise.
+PROFILE_WIDTH = {"quick": 0.25, "paper": 1.0}
+FULL_WIDTH_MODELS = frozenset({"cnn_mnist", "lenet"})
+
+
+class ConfigError(ValueError):
+    """A run-config or node-config value is missing, mistyped or out of range."""
+
+
+def _key_error(key: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
+
+
+def _as_int(raw: Mapping[str, Any], key: str, minimum: int | None = None) -> int:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise _key_error(key, value, "an integer")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise _key_error(key, value, f"an integer >= {minimum}")
+    return value
+
+
+def _as_float(raw: Mapping[str, Any], key: str, low: float | None = None, high: float | None = None,
+              low_open: bool = False) -> float:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _key_error(key, value, "a number")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise _key_error(key, value, "a finite number")
+    if low is not None and (value <= low if low_open else value < low):
+        raise _key_error(key, value, f"a number {'>' if low_open else '>='} {low}")
+    if high is not None and value > high:
+        raise _key_error(key, value, f"a number <= {high}")
+    return value
+
+
+def _as_choice(raw: Mapping[str, Any], key: str, allowed: tuple[str, ...]) -> str:
+    value = raw[key]
+    if not isinstance(value, str) or value not in allowed:
+        raise _key_error(key, value, "one of " + ", ".join(allowed))
+    return value
+
+
+def _as_str(raw: Mapping[str, Any], key: str) -> str:
+    value = raw[key]
+    if not isinstance(value, str):
+        raise _key_error(key, value, "a string")
+    return value
+
+
+def _as_bool(raw: Mapping[str, Any], key: str) -> bool:
+    value = raw[key]
+    if not isinstance(value, bool):
+        raise _key_error(key, value, "true or false")
+    return value
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Validated run configuration (see README, "Run configuration", for every key)."""
+
+    method: str
+    task: str
+    profile: str
+    num_server_rounds: int
+    seed: int
+    data_root: str | None
+    download: bool
+    out_dir: str
+    fraction_fit: float
+    fraction_evaluate: float
+    min_available_clients: int
+    device: str
+    torch_threads: int
+    model: str | None
+    model_width: float
+    local_epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    max_train_samples: int
+    dirichlet_alpha: float
+    shot_ways: int
+    shot_shots: int
+    shot_stdev: int
+    shot_test_per_class: int
+    avg_weighting: str
+    fedprox_mu: float
+    # Method-specific keys (prefixed in the run config) that a method module validates itself.
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def width_for(self, model_name: str) -> float:
+        """Model width multiplier: explicit ``model-width``, else the profile's default."""
+        if self.model_width > 0:
+            return self.model_width
+        return 1.0 if model_name in FULL_WIDTH_MODELS else PROFILE_WIDTH[self.profile]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run config with Flower's key spelling, as written to ``config.json``."""
+        out = {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "extra"}
+        out["data-root"] = self.data_root or ""
+        out["model"] = self.model or ""
+        out.update(self.extra)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
+    """Build a :class:`RunConfig` from a Flower run config, filling gaps from ``DEFAULTS``.
+
+    Unknown method or task names are checked against the registries, so the error lists what exists.
+    """
+    merged: dict[str, Any] = dict(DEFAULTS)
+    extra_defaults = _method_defaults()
+    merged.update(extra_defaults)
+    if raw:
+        unknown = sorted(k for k in raw if k not in merged)
+        if unknown:
+            raise ConfigError(
+                f"unknown run config key(s) {unknown}; known keys: {', '.join(sorted(merged))}")
+        merged.update(dict(raw))
+
+    from pollen.app.registry import METHODS  # late import: the registry imports this module
+    from pollen.datasets.tasks import TASKS
+
+    method = _as_choice(merged, "method", tuple(sorted(METHODS)))
+    task = _as_choice(merged, "task", tuple(sorted(TASKS)))
+    data_root = _as_str(merged, "data-root").strip() or os.environ.get("POLLEN_DATA_ROOT") or None
+    cfg = RunConfig(
+        method=method,
+        task=task,
+        profile=_as_choice(merged, "profile", PROFILES),
+        num_server_rounds=_as_int(merged, "num-server-rounds", 1),
+        seed=_as_int(merged, "seed", 0),
+        data_root=str(Path(data_root).expanduser()) if data_root else None,
+        download=_as_bool(merged, "download"),
+        out_dir=_as_str(merged, "out-dir").strip(),
+        fraction_fit=_as_float(merged, "fraction-fit", 0.0, 1.0, low_open=True),
+        fraction_evaluate=_as_float(merged, "fraction-evaluate", 0.0, 1.0),
+        min_available_clients=_as_int(merged, "min-available-clients", 1),
+        device=_as_choice(merged, "device", DEVICES),
+        torch_threads=_as_int(merged, "torch-threads", 1),
+        model=_as_str(merged, "model").strip() or None,
+        model_width=_as_float(merged, "model-width", 0.0),
+        local_epochs=_as_int(merged, "local-epochs", 0),
+        batch_size=_as_int(merged, "batch-size", 1),
+        lr=_as_float(merged, "lr", 0.0, low_open=True),
+        momentum=_as_float(merged, "momentum", 0.0, 1.0),
+        weight_decay=_as_float(merged, "weight-decay", 0.0),
+        max_train_samples=_as_int(merged, "max-train-samples", 0),
+        dirichlet_alpha=_as_float(merged, "dirichlet-alpha", 0.0, low_open=True),
+        shot_ways=_as_int(merged, "shot-ways", 1),
+        shot_shots=_as_int(merged, "shot-shots", 1),
+        shot_stdev=_as_int(merged, "shot-stdev", 0),
+        shot_test_per_class=_as_int(merged, "shot-test-per-class", 1),
+        avg_weighting=_as_choice(merged, "avg-weighting", WEIGHTINGS),
+        fedprox_mu=_as_float(merged, "fedprox-mu", 0.0),
+        extra={k: merged[k] for k in extra_defaults},
+    )
+    if cfg.model is not None:
+        from pollen.models import MODEL_NAMES
+
+        if cfg.model not in MODEL_NAMES:
+            raise _key_error("model", cfg.model, "empty (task default) or one of " + ", ".join(MODEL_NAMES))
+    if cfg.shot_shots - cfg.shot_stdev < 1:
+        raise ConfigError(
+            f"run config keys 'shot-shots' = {cfg.shot_shots} and 'shot-stdev' = {cfg.shot_stdev} "
+            "allow clients with fewer than 1 sample per class: need shot-shots - shot-stdev >= 1")
+    from pollen.app.registry import validate_method_config
+
+    validate_method_config(cfg)
+    return cfg
+
+
+def _method_defaults() -> dict[str, Any]:
+    from pollen.app.registry import method_defaults
+
+    return method_defaults()
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What a SuperNode's ``--node-config`` (or the simulation engine) says about this client."""
+
+    partition_id: int
+    num_partitions: int
+    data_root: str | None = None
+    model: str | None = None
+
+
+def parse_node_config(raw: Mapping[str, Any]) -> NodeConfig:
+    """Validate the node config; a SuperNode started without its keys fails here, naming them."""
+    missing = [k for k in ("partition-id", "num-partitions") if k not in raw]
+    if missing:
+        raise ConfigError(
+            f"node config is missing {', '.join(repr(k) for k in missing)}: start the SuperNode with "
+            "--node-config \"partition-id=<i> num-partitions=<n>\" (simulation sets them itself)")
+    try:
+        pid, num = int(raw["partition-id"]), int(raw["num-partitions"])
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"node config partition-id/num-partitions must be integers, got "
+                          f"{raw['partition-id']!r}/{raw['num-partitions']!r}") from err
+    if num < 1 or not 0 <= pid < num:
+        raise ConfigError(f"node config needs 0 <= partition-id < num-partitions, got {pid} and {num}")
+    data_root = str(raw.get("data-root", "") or "").strip() or None
+    model = str(raw.get("model", "") or "").strip() or None
+    if model is not None:
+        from pollen.models import MODEL_NAMES
+
+        if model not in MODEL_NAMES:
+            raise ConfigError(f"node config 'model' = {model!r} is invalid: expected one of "
+                              + ", ".join(MODEL_NAMES))
+    return NodeConfig(partition_id=pid, num_partitions=num, data_root=data_root, model=model)

@@ -1,0 +1,72 @@
+"""What every Pollen client shares: device, threads, seeds, its data, its model, its state.
+
+Method clients subclass :class:`PollenClient` and implement ``fit``/``evaluate``. The client object
+itself is rebuilt for every message (Flower calls ``client_fn`` each time), so anything that must
+outlive one message goes through ``self.state`` (``context.state``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from flwr.client import NumPyClient
+from flwr.common import Context
+
+from pollen.clients.state import ClientState
+from pollen.clients.training import derive_seed, pick_device, seed_everything
+from pollen.datasets.tasks import ClientData, TaskOptions, build_client_data, get_task
+from pollen.models import SplitModel, build_model
+
+if TYPE_CHECKING:  # the app layer builds these; clients only read them
+    from pollen.app.config import NodeConfig, RunConfig
+
+
+class PollenClient(NumPyClient):
+    """Base NumPyClient: resolved config, device, seeded RNG, lazily built data, state access."""
+
+    def __init__(self, cfg: "RunConfig", node: "NodeConfig", context: Context):
+        self.cfg = cfg
+        self.node = node
+        self.flower_context = context
+        self.state = ClientState(context.state)
+        self.task = get_task(cfg.task)
+        torch.set_num_threads(cfg.torch_threads)
+        self.device = pick_device(cfg.device)
+
+    # identity and randomness ---------------------------------------------------------------
+    @property
+    def partition_id(self) -> int:
+        return self.node.partition_id
+
+    def round_generator(self, server_round: int, purpose: int = 0) -> torch.Generator:
+        """Seed all RNGs from (run seed, partition, round, purpose): reproducible in any process."""
+        return seed_everything(derive_seed(self.cfg.seed, self.partition_id, server_round, purpose))
+
+    def base_metrics(self) -> dict[str, Any]:
+        return {"partition-id": self.partition_id}
+
+    # data and model ------------------------------------------------------------------------
+    @functools.cached_property
+    def data(self) -> ClientData:
+        opts = TaskOptions(
+            data_root=self.node.data_root or self.cfg.data_root, download=self.cfg.download,
+            seed=self.cfg.seed, dirichlet_alpha=self.cfg.dirichlet_alpha, ways=self.cfg.shot_ways,
+            shots=self.cfg.shot_shots, stdev=self.cfg.shot_stdev,
+            test_per_class=self.cfg.shot_test_per_class, max_train_samples=self.cfg.max_train_samples)
+        return build_client_data(self.cfg.task, opts, self.partition_id, self.node.num_partitions)
+
+    @property
+    def model_name(self) -> str:
+        """Node config beats run config beats the task's per-partition default."""
+        return self.node.model or self.cfg.model or self.task.model_for(self.partition_id)
+
+    def new_model(self, init_seed: int | None = None, **kwargs) -> SplitModel:
+        """A fresh model on this client's device; ``init_seed`` makes initial weights reproducible."""
+        if init_seed is not None:
+            torch.manual_seed(init_seed)
+        fmt = self.task.fmt
+        model = build_model(self.model_name, self.task.num_classes, in_channels=fmt.channels,
+                            image_size=fmt.size, width=self.cfg.width_for(self.model_name), **kwargs)
+        return model.to(self.device)

@@ -1,0 +1,91 @@
+"""Clients for parameter-averaging baselines: FedAvg / FedProx, and local-only training."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pollen.clients.base import PollenClient
+from pollen.clients.training import (cross_entropy_loss, evaluate_classifier, make_sgd, proximal_term,
+                                     train_epochs)
+
+
+def model_arrays(model: torch.nn.Module) -> list[np.ndarray]:
+    """The full state (parameters and buffers) in ``state_dict`` order, as sent to the server."""
+    return [v.detach().cpu().numpy() for v in model.state_dict().values()]
+
+
+def load_model_arrays(model: torch.nn.Module, arrays: list[np.ndarray]) -> None:
+    keys = list(model.state_dict().keys())
+    if len(keys) != len(arrays):
+        raise ValueError(f"received {len(arrays)} arrays for a model with {len(keys)} state entries; "
+                         "do server and client use the same model and width?")
+    device = next(model.parameters()).device
+    model.load_state_dict({k: torch.from_numpy(np.array(a, copy=True)).to(device)
+                           for k, a in zip(keys, arrays)})
+
+
+class WeightClient(PollenClient):
+    """Trains the received global model with CE (+ FedProx's proximal term when ``proximal-mu`` > 0)."""
+
+    def get_parameters(self, config):
+        return model_arrays(self.new_model(init_seed=self.cfg.seed))
+
+    def fit(self, parameters, config):
+        server_round = int(config.get("server-round", 0))
+        mu = float(config.get("proximal-mu", 0.0))
+        model = self.new_model()
+        load_model_arrays(model, parameters)
+        generator = self.round_generator(server_round)
+        anchor = [p.detach().clone() for p in model.parameters()]
+
+        def loss_fn(m, x, y):
+            loss, parts = cross_entropy_loss(m, x, y)
+            if mu > 0:
+                prox = proximal_term(m, anchor)
+                loss = loss + 0.5 * mu * prox
+                parts["prox"] = float(prox.detach())
+            return loss, parts
+
+        history = train_epochs(model, self.data.x_train, self.data.y_train, epochs=self.cfg.local_epochs,
+                               batch_size=self.cfg.batch_size, generator=generator, device=self.device,
+                               optimizer=make_sgd(model, self.cfg.lr, self.cfg.momentum, self.cfg.weight_decay),
+                               loss_fn=loss_fn)
+        metrics = self.base_metrics()
+        if history:
+            metrics["train-loss"] = history[-1].loss
+        return model_arrays(model), self.data.num_train, metrics
+
+    def evaluate(self, parameters, config):
+        model = self.new_model()
+        load_model_arrays(model, parameters)
+        loss, acc = evaluate_classifier(model, self.data.x_test, self.data.y_test, self.device)
+        return loss, len(self.data.y_test), {**self.base_metrics(), "accuracy": acc}
+
+
+class LocalClient(PollenClient):
+    """Local-only baseline: the client's own model lives in ``context.state`` and never leaves."""
+
+    STATE_KEY = "local-model"
+
+    def _load(self):
+        model = self.new_model(init_seed=self.cfg.seed)
+        self.state.load_module(self.STATE_KEY, model)
+        return model
+
+    def fit(self, parameters, config):
+        server_round = int(config.get("server-round", 0))
+        model = self._load()
+        history = train_epochs(model, self.data.x_train, self.data.y_train, epochs=self.cfg.local_epochs,
+                               batch_size=self.cfg.batch_size, generator=self.round_generator(server_round),
+                               device=self.device,
+                               optimizer=make_sgd(model, self.cfg.lr, self.cfg.momentum, self.cfg.weight_decay))
+        self.state.save_module(self.STATE_KEY, model)
+        metrics = self.base_metrics()
+        if history:
+            metrics["train-loss"] = history[-1].loss
+        return [], self.data.num_train, metrics
+
+    def evaluate(self, parameters, config):
+        loss, acc = evaluate_classifier(self._load(), self.data.x_test, self.data.y_test, self.device)
+        return loss, len(self.data.y_test), {**self.base_metrics(), "accuracy": acc}

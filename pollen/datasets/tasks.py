@@ -1,0 +1,202 @@
+"""Named federated tasks: which data, split how, into what input format, with which default model.
+
+A task maps ``(partition id, number of partitions)`` to the :class:`ClientData` that client holds.
+Everything is derived from the run seed, so every process (Ray actor, SuperNode, test) that asks
+for the same partition gets the same samples without any coordination. Results are cached per
+process: a client serving many rounds converts its data to model input once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pollen.datasets.partition import PartitionError, dirichlet, iid, n_way_k_shot
+from pollen.datasets.sources import ImageSet, load_source
+from pollen.datasets.transforms import CIFAR10_FORMAT, MNIST_FORMAT, ImageFormat, to_model_input
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """The run-config values a task reads (hashable, so built data can be cached)."""
+
+    data_root: str | None = None
+    download: bool = False
+    seed: int = 0
+    dirichlet_alpha: float = 0.5
+    ways: int = 3
+    shots: int = 100
+    stdev: int = 2
+    test_per_class: int = 40
+    max_train_samples: int = 0  # 0 = no cap; otherwise cap each client's training set
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's data, already converted to normalised float model input."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    classes: tuple[int, ...]  # labels this client holds (all classes for homogeneous tasks)
+    domain: str | None = None
+    fmt: ImageFormat | None = None
+    # Other test sets the client evaluates on (e.g. other domains), name -> (x, y).
+    extra_tests: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def num_train(self) -> int:
+        return int(self.y_train.shape[0])
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Static facts about a task: enough to build models and validate sizes without loading data."""
+
+    name: str
+    description: str
+    num_classes: int
+    fmt: ImageFormat
+    default_model: str
+    needs_data_root: bool
+    build: Callable[[TaskOptions, int, int], ClientData]
+    # Fixed number of clients the task is defined for (e.g. one per domain); None = any number.
+    fixed_partitions: int | None = None
+    # Default architecture per partition for heterogeneous tasks (cycled when shorter).
+    partition_models: tuple[str, ...] = ()
+
+    def model_for(self, partition_id: int) -> str:
+        if self.partition_models:
+            return self.partition_models[partition_id % len(self.partition_models)]
+        return self.default_model
+
+
+class TaskError(ValueError):
+    """The task cannot be built with these options (sizes, partitions)."""
+
+
+def _cap(indices: np.ndarray, cap: int, seed: int) -> np.ndarray:
+    if cap <= 0 or len(indices) <= cap:
+        return indices
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(indices, size=cap, replace=False))
+
+
+def _as_data(train: ImageSet, test: ImageSet, fmt: ImageFormat, classes: tuple[int, ...],
+             domain: str | None = None) -> ClientData:
+    return ClientData(
+        x_train=to_model_input(train.images, fmt),
+        y_train=train.labels.clone(),
+        x_test=to_model_input(test.images, fmt),
+        y_test=test.labels.clone(),
+        num_classes=train.num_classes,
+        classes=classes,
+        domain=domain,
+        fmt=fmt,
+    )
+
+
+def _dirichlet_task(source: str, fmt: ImageFormat) -> Callable[[TaskOptions, int, int], ClientData]:
+    """Homogeneous label skew: Dirichlet(alpha) over the training set, IID shares of the test set.
+
+    The test set is split IID so that the sample-weighted mean of per-client accuracies of one global
+    model equals its accuracy on the whole test set.
+    """
+
+    def build(opts: TaskOptions, partition_id: int, num_partitions: int) -> ClientData:
+        train = load_source(source, opts.data_root, "train", download=opts.download)
+        test = load_source(source, opts.data_root, "test", download=opts.download)
+        try:
+            parts = dirichlet(train.labels.numpy(), num_partitions, opts.dirichlet_alpha, opts.seed)
+        except PartitionError as err:
+            raise TaskError(f"task cannot split {source} into {num_partitions} clients: {err}") from err
+        mine = _cap(parts[partition_id], opts.max_train_samples, opts.seed + partition_id)
+        test_part = iid(len(test), num_partitions, opts.seed)[partition_id]
+        classes = tuple(range(train.num_classes))
+        return _as_data(train.subset(mine), test.subset(test_part), fmt, classes)
+
+    return build
+
+
+def _shot_task(source: str, fmt: ImageFormat) -> Callable[[TaskOptions, int, int], ClientData]:
+    """FedProto's N-way K-shot split: each client holds a few classes with ~K samples each."""
+
+    def build(opts: TaskOptions, partition_id: int, num_partitions: int) -> ClientData:
+        split = _shot_splits(source, opts, num_partitions)[partition_id]
+        train = load_source(source, opts.data_root, "train", download=opts.download)
+        test = load_source(source, opts.data_root, "test", download=opts.download)
+        return _as_data(train.subset(split.train), test.subset(split.test), fmt, split.classes)
+
+    return build
+
+
+@functools.lru_cache(maxsize=8)
+def _shot_splits(source: str, opts: TaskOptions, num_partitions: int):
+    train = load_source(source, opts.data_root, "train", download=opts.download)
+    test = load_source(source, opts.data_root, "test", download=opts.download)
+    try:
+        return n_way_k_shot(train.labels.numpy(), test.labels.numpy(), num_partitions, opts.ways,
+                            opts.shots, opts.stdev, opts.test_per_class, train.num_classes, opts.seed)
+    except PartitionError as err:
+        raise TaskError(f"task cannot split {source} {opts.ways}-way {opts.shots}-shot (stdev "
+                        f"{opts.stdev}) over {num_partitions} clients: {err}") from err
+
+
+# UCI digits are 8x8; upsampled to 28x28 so the same MNIST CNN serves both.
+UCI_FORMAT = ImageFormat(channels=1, size=28, mean=(0.305,), std=(0.32,))
+
+TASKS: dict[str, TaskSpec] = {}
+
+
+def register_task(spec: TaskSpec) -> TaskSpec:
+    """Add a task to the registry (method modules may register their own tasks)."""
+    TASKS[spec.name] = spec
+    return spec
+
+
+register_task(TaskSpec(
+    name="uci-dirichlet",
+    description="UCI handwritten digits (embedded in scikit-learn, 8x8), Dirichlet label skew; "
+                "needs no files — the default task",
+    num_classes=10, fmt=UCI_FORMAT, default_model="cnn_mnist", needs_data_root=False,
+    build=_dirichlet_task("uci_digits", UCI_FORMAT)))
+register_task(TaskSpec(
+    name="mnist-dirichlet", description="MNIST, Dirichlet label skew (needs data-root)",
+    num_classes=10, fmt=MNIST_FORMAT, default_model="cnn_mnist", needs_data_root=True,
+    build=_dirichlet_task("mnist", MNIST_FORMAT)))
+register_task(TaskSpec(
+    name="fmnist-dirichlet", description="Fashion-MNIST, Dirichlet label skew (needs data-root)",
+    num_classes=10, fmt=MNIST_FORMAT, default_model="cnn_mnist", needs_data_root=True,
+    build=_dirichlet_task("fashion_mnist", ImageFormat(1, 28, (0.2860,), (0.3530,)))))
+register_task(TaskSpec(
+    name="mnist-shot", description="FedProto MNIST: N-way K-shot with stdev (needs data-root)",
+    num_classes=10, fmt=MNIST_FORMAT, default_model="cnn_mnist", needs_data_root=True,
+    build=_shot_task("mnist", MNIST_FORMAT)))
+register_task(TaskSpec(
+    name="cifar10-shot", description="FedProto CIFAR-10: N-way K-shot, ResNet-18 (needs data-root)",
+    num_classes=10, fmt=CIFAR10_FORMAT, default_model="resnet18", needs_data_root=True,
+    build=_shot_task("cifar10", CIFAR10_FORMAT)))
+
+
+def get_task(name: str) -> TaskSpec:
+    if name not in TASKS:
+        raise TaskError(f"unknown task {name!r}; available tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+@functools.lru_cache(maxsize=4)
+def build_client_data(task: str, opts: TaskOptions, partition_id: int, num_partitions: int) -> ClientData:
+    """The data of one client (cached per process; callers must not modify the tensors)."""
+    spec = get_task(task)
+    if spec.fixed_partitions is not None and num_partitions != spec.fixed_partitions:
+        raise TaskError(f"task {task!r} is defined for exactly {spec.fixed_partitions} clients "
+                        f"(one per domain), got num-partitions = {num_partitions}")
+    if not 0 <= partition_id < num_partitions:
+        raise TaskError(f"partition id {partition_id} outside 0..{num_partitions - 1}")
+    return spec.build(opts, partition_id, num_partitions)

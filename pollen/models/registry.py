@@ -1,0 +1,116 @@
+"""Build any Pollen model by name, so configs and task definitions can name architectures."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable
+
+from .base import SplitModel
+from .mobile import EfficientNetB0, GoogLeNet, MobileNetV2
+from .resnet import RESNET_BLOCKS, ResNet
+from .small import CNNMnist, LeNet
+
+MODEL_NAMES: tuple[str, ...] = (
+    "resnet10",
+    "resnet12",
+    "resnet18",
+    "resnet34",
+    "efficientnet_b0",
+    "mobilenet_v2",
+    "googlenet",
+    "cnn_mnist",
+    "lenet",
+)
+
+# Extra keyword arguments each model accepts beyond the common ones.
+MODEL_KWARGS: dict[str, tuple[str, ...]] = {
+    "resnet10": (),
+    "resnet12": (),
+    "resnet18": (),
+    "resnet34": (),
+    "efficientnet_b0": ("dropout", "drop_connect_rate"),
+    "mobilenet_v2": (),
+    "googlenet": (),
+    "cnn_mnist": ("channels", "dropout"),
+    "lenet": ("seed", "generator"),
+}
+
+
+def _resnet(name: str) -> Callable[..., SplitModel]:
+    def make(num_classes: int, in_channels: int, image_size: int, width: float, **kw: Any) -> SplitModel:
+        return ResNet(RESNET_BLOCKS[name], num_classes, in_channels=in_channels, width=width)
+
+    return make
+
+
+def _no_size(cls: type) -> Callable[..., SplitModel]:
+    """Globally pooled nets accept any input size, so ``image_size`` is only validated."""
+
+    def make(num_classes: int, in_channels: int, image_size: int, width: float, **kw: Any) -> SplitModel:
+        return cls(num_classes, in_channels=in_channels, width=width, **kw)
+
+    return make
+
+
+def _sized(cls: type) -> Callable[..., SplitModel]:
+    def make(num_classes: int, in_channels: int, image_size: int, width: float, **kw: Any) -> SplitModel:
+        return cls(num_classes, in_channels=in_channels, image_size=image_size, width=width, **kw)
+
+    return make
+
+
+_BUILDERS: dict[str, Callable[..., SplitModel]] = {
+    **{name: _resnet(name) for name in RESNET_BLOCKS},
+    "efficientnet_b0": _no_size(EfficientNetB0),
+    "mobilenet_v2": _no_size(MobileNetV2),
+    "googlenet": _no_size(GoogLeNet),
+    "cnn_mnist": _sized(CNNMnist),
+    "lenet": _sized(LeNet),
+}
+assert set(_BUILDERS) == set(MODEL_NAMES) == set(MODEL_KWARGS)
+
+
+def _positive_int(value: Any, arg: str) -> int:
+    """``value`` as an int >= 1 (numpy integers accepted; bools and floats rejected)."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = 0
+    if isinstance(value, bool) or number < 1:
+        raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+    return number
+
+
+def build_model(
+    name: str,
+    num_classes: int,
+    in_channels: int = 3,
+    image_size: int = 32,
+    width: float = 1.0,
+    **kwargs: Any,
+) -> SplitModel:
+    """A fresh :class:`SplitModel` called ``name`` (one of :data:`MODEL_NAMES`).
+
+    ``width`` scales every convolutional channel count (rounded, at least 4); 1.0 gives the
+    papers' sizes. It does not touch fixed embedding sizes (CNNMnist's 50-d prototype). Extra
+    keyword arguments, per model (see :data:`MODEL_KWARGS`): efficientnet_b0 ``dropout``,
+    ``drop_connect_rate``; cnn_mnist ``channels`` (second conv width, FedProto's 18/20/22),
+    ``dropout``; lenet ``seed`` / ``generator`` (its U(-0.5, 0.5) init).
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model name {name!r}; allowed: {', '.join(MODEL_NAMES)}")
+    num_classes = _positive_int(num_classes, "num_classes")
+    in_channels = _positive_int(in_channels, "in_channels")
+    image_size = _positive_int(image_size, "image_size")
+    is_number = isinstance(width, (int, float)) and not isinstance(width, bool)
+    if not is_number or not math.isfinite(width) or width <= 0:
+        raise ValueError(f"width must be a finite number > 0 (1.0 = paper size), got {width!r}")
+    allowed = MODEL_KWARGS[name]
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"unexpected argument(s) {', '.join(unknown)} for model {name!r}; "
+            f"allowed: {', '.join(allowed) if allowed else 'none'}"
+        )
+    return _BUILDERS[name](num_classes, in_channels, image_size, float(width), **kwargs)

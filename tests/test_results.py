@@ -1,0 +1,31 @@
+import json
+
+from pollen.app.results import RunRecorder
+
+
+def test_recorder_writes_round_lines_summary_and_plot(tmp_path, capsys):
+    rec = RunRecorder(tmp_path / "run", {"method": "fedavg", "task": "uci-dirichlet"}, num_rounds=2)
+    for rnd, acc in ((1, 0.5), (2, 0.75)):
+        r = rec.round(rnd)
+        r["bytes-down"] += 2048
+        r["bytes-up"] += 1024
+        r["fit"] = {"train-loss": 1.0 / rnd}
+        r["evaluate"] = {"accuracy": acc, "accuracy-client-mean": acc, "accuracy-client-std": 0.1}
+        r["evaluate-clients"] = {"partition 0": {"accuracy": acc}}
+        if rnd == 2:
+            r["rejected"].append({"round": 2, "client": "partition 1", "reason": "NaN"})
+        rec.end_round(rnd)
+    summary = rec.finish()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == [1, 2]
+    assert lines[1]["rejected"][0]["reason"] == "NaN" and lines[0]["bytes-down"] == 2048
+    assert all(x["wall-time-s"] >= 0 for x in lines)
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved == json.loads(json.dumps(summary))
+    assert saved["final-accuracy"] == {"metric": "accuracy", "mean": 0.75, "std": 0.1}
+    assert saved["bytes-up-total"] == 2048 and saved["rejected-total"] == 1
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["method"] == "fedavg"
+    png = (tmp_path / "run" / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    out = capsys.readouterr().out
+    assert "round 2/2" in out and "accuracy 0.7500 ± 0.1000" in out and "rejected 1" in out

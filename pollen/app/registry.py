@@ -95,3 +95,5 @@ register_method(MethodSpec(
 register_method(MethodSpec(
     name="local", family="local", description="Local-only training: no communication (lower bound)",
     make_strategy=_local_strategy, make_client=LocalClient))
+
+# Method families register themselves on import (one line each, below).

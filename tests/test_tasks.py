@@ -1,0 +1,40 @@
+import numpy as np
+import pytest
+import torch
+
+from pollen.datasets.tasks import TaskError, TaskOptions, build_client_data, get_task
+
+
+def test_default_task_needs_no_files_and_splits_everything_once():
+    opts = TaskOptions(seed=3)
+    parts = [build_client_data("uci-dirichlet", opts, i, 4) for i in range(4)]
+    total_train = sum(p.num_train for p in parts)
+    total_test = sum(len(p.y_test) for p in parts)
+    assert total_train + total_test == 1797  # every UCI digit exactly once
+    assert all(p.x_train.shape[1:] == (1, 28, 28) and p.x_train.dtype == torch.float32 for p in parts)
+    sizes = [len(p.y_test) for p in parts]
+    assert max(sizes) - min(sizes) <= 1  # IID test shares
+    label_sets = [np.bincount(p.y_train.numpy(), minlength=10) for p in parts]
+    assert np.std([c / c.sum() for c in label_sets], axis=0).mean() > 0.05  # Dirichlet skew is visible
+
+
+def test_cap_and_errors():
+    capped = build_client_data("uci-dirichlet", TaskOptions(max_train_samples=50), 0, 2)
+    assert capped.num_train == 50
+    with pytest.raises(TaskError, match="partition id"):
+        build_client_data("uci-dirichlet", TaskOptions(), 5, 2)
+    with pytest.raises(TaskError, match="unknown task"):
+        get_task("nope")
+
+
+def test_mnist_shot_task_matches_fedproto_rules(data_root):
+    opts = TaskOptions(data_root=data_root, ways=3, shots=100, stdev=2, test_per_class=40)
+    seen = []
+    for pid in range(20):
+        d = build_client_data("mnist-shot", opts, pid, 20)
+        assert 2 <= len(d.classes) <= 5
+        assert set(d.y_train.tolist()) == set(d.classes) == set(d.y_test.tolist())
+        assert len(d.y_test) == 40 * len(d.classes)
+        assert 98 * len(d.classes) <= d.num_train <= 102 * len(d.classes)
+        seen.append(d)
+    assert len({tuple(d.classes) for d in seen}) > 5

@@ -20,7 +20,7 @@ def test_no_federations_section_in_pyproject():
 
 def test_defaults_parse():
     cfg = parse_run_config({})
-    assert cfg.method == "fedavg" and cfg.task == "uci-dirichlet" and cfg.num_server_rounds == 5
+    assert cfg.method == "fedavg" and cfg.task == "uci-dirichlet" and cfg.num_server_rounds == 10
     assert cfg.width_for("resnet18") == 0.25 and cfg.width_for("cnn_mnist") == 1.0
     assert parse_run_config({"profile": "paper"}).width_for("resnet18") == 1.0
     assert parse_run_config({"model-width": 0.5}).width_for("cnn_mnist") == 0.5

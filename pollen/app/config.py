@@ -28,7 +28,7 @@ DEFAULTS: dict[str, Any] = {
     "method": "fedavg",
     "task": "uci-dirichlet",
     "profile": "quick",
-    "num-server-rounds": 5,
+    "num-server-rounds": 10,
     "seed": 0,
     "data-root": "",
     "download": False,

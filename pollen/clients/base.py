@@ -17,7 +17,11 @@ from flwr.common import Context
 from pollen.clients.state import ClientState
 from pollen.clients.training import derive_seed, pick_device, seed_everything
 from pollen.datasets.tasks import ClientData, TaskOptions, build_client_data, get_task
-from pollen.models import SplitModel, build_model
+from pollen.models import SplitModel, build_model, to_channels_last
+
+# Conv backbones are stored channels-last (NHWC): faster training on CPU as well as CUDA, see
+# bench/backbones.py and bench/results/backbones.md. The two small nets keep the default layout.
+SMALL_MODELS = frozenset({"cnn_mnist", "lenet"})
 
 if TYPE_CHECKING:  # the app layer builds these; clients only read them
     from pollen.app.config import NodeConfig, RunConfig
@@ -69,4 +73,5 @@ class PollenClient(NumPyClient):
         fmt = self.task.fmt
         model = build_model(self.model_name, self.task.num_classes, in_channels=fmt.channels,
                             image_size=fmt.size, width=self.cfg.width_for(self.model_name), **kwargs)
-        return model.to(self.device)
+        model = model.to(self.device)
+        return model if self.model_name in SMALL_MODELS else to_channels_last(model)

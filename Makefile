@@ -37,3 +37,10 @@ test: $(STAMP)
 
 clean:
 	rm -rf .flwr-home runs pollen-runs .pytest_cache
+
+# Local fleet: one SuperLink + NUM_SUPERNODES SuperNodes (deploy/README.md). Options: METHOD=fedprox
+# ROUNDS=2 TLS=1 RUN_CONFIG="local-epochs=1" FLEET_ARGS="--keep-logs --models ... --gpus 0,1 --timeout 900".
+fleet: $(STAMP)
+	$(PY) -m deploy.fleet --num-supernodes $(NUM_SUPERNODES) --out-dir "$(OUT_DIR)" \
+		$(if $(METHOD),--method $(METHOD)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(TLS),--tls) \
+		--run-config "$(RUN_CONFIG)" $(FLEET_ARGS)

@@ -249,3 +249,112 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- real fleets (deploy/fleet.py): SuperNodes, node registration, TLS health -----------------------
+
+def wait_healthy_tls(port: int, ca_cert: str | Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Like :func:`wait_healthy` for a SuperLink serving HTTPS, trusting only ``ca_cert``.
+
+    A fixed sleep is not enough on a loaded machine: the TLS SuperLink can take several seconds to
+    bind, and ``flwr supernode register`` sent earlier fails instead of retrying.
+    """
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(ca_cert))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited early with code {proc.returncode}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=2, context=context) as resp:
+                if resp.status == 200:
+                    return
+        time.sleep(0.3)
+    raise TimeoutError(f"TLS SuperLink on port {port} not healthy after {timeout:.0f}s")
+
+
+def supernode_args(superlink_address: str, *, port: int, node_config: str = "",
+                   root_certificates: str | Path | None = None,
+                   auth_private_key: str | Path | None = None) -> list[str]:
+    """The ``flower-supernode`` command line: insecure unless a root certificate is given."""
+    args = [flower_bin("flower-supernode"), "--superlink", superlink_address, "--port", str(port)]
+    if root_certificates is None:
+        if auth_private_key is not None:
+            raise ValueError("auth_private_key needs TLS: pass root_certificates as well")
+        args.append("--insecure")
+    else:
+        args += ["--root-certificates", str(root_certificates)]
+    if auth_private_key is not None:
+        args += ["--auth-supernode-private-key", str(auth_private_key)]
+    if node_config:
+        args += ["--node-config", node_config]
+    return args
+
+
+def start_supernode(flwr_home: Path, superlink_address: str, log_path: Path, *, node_config: str = "",
+                    port: int | None = None, root_certificates: str | Path | None = None,
+                    auth_private_key: str | Path | None = None,
+                    extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start one ``flower-supernode`` in its own process group (stop it with :func:`stop_process`).
+
+    Every ClientApp it runs is a child in that group, so stopping the group leaves nothing behind.
+    ``extra_env`` is how a SuperNode gets its GPU (``CUDA_VISIBLE_DEVICES``).
+    """
+    flwr_home = flwr_home.resolve()
+    env = flower_env(flwr_home)
+    env.update(extra_env or {})
+    args = supernode_args(superlink_address, port=port or free_port(), node_config=node_config,
+                          root_certificates=root_certificates, auth_private_key=auth_private_key)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        return subprocess.Popen(args, cwd=flwr_home, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+@contextlib.contextmanager
+def supernode(flwr_home: Path, superlink_address: str, log_path: Path, **kwargs) -> Iterator[subprocess.Popen]:
+    """A SuperNode owned by the caller (arguments as :func:`start_supernode`), stopped on exit."""
+    proc = start_supernode(flwr_home, superlink_address, log_path, **kwargs)
+    try:
+        yield proc
+    finally:
+        stop_process(proc)
+
+
+def list_supernodes(connection: str, flwr_home: Path) -> list[dict]:
+    """``flwr supernode ls`` as dicts with ``node-id`` and ``status`` (registered/online/offline/...)."""
+    env = flower_env(flwr_home.resolve())
+    out = _json_tail(_flwr(["supernode", "ls", connection, "--format", "json"], env, timeout=60))
+    return list(out.get("nodes") or [])
+
+
+def register_supernode(connection: str, flwr_home: Path, public_key: str | Path) -> int:
+    """Register a SuperNode's public key with a SuperLink that runs ``--enable-supernode-auth``."""
+    env = flower_env(flwr_home.resolve())
+    out = _json_tail(_flwr(["supernode", "register", str(public_key), connection, "--format", "json"], env,
+                           timeout=60))
+    if not out.get("success", False) or "node-id" not in out:
+        raise RuntimeError(f"flwr supernode register {public_key} failed: {out}")
+    return int(out["node-id"])
+
+
+def wait_for_supernodes(connection: str, flwr_home: Path, count: int, *, timeout: float = 120.0,
+                        procs: Sequence[subprocess.Popen] = ()) -> list[str]:
+    """Block until ``count`` SuperNodes are online; returns their node ids.
+
+    Submitting before then lets round 1 start with whichever nodes happen to be connected. Fails early
+    when one of ``procs`` (the SuperNodes being waited for) exits.
+    """
+    deadline = time.monotonic() + timeout
+    online: list[str] = []
+    while time.monotonic() < deadline:
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"SuperNode pid {dead[0].pid} exited with code {dead[0].returncode} "
+                               "before coming online (see its log)")
+        online = [str(n["node-id"]) for n in list_supernodes(connection, flwr_home) if n.get("status") == "online"]
+        if len(online) >= count:
+            return online
+        time.sleep(1.0)
+    raise TimeoutError(f"only {len(online)} of {count} SuperNodes online after {timeout:.0f}s")

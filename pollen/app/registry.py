@@ -97,3 +97,6 @@ register_method(MethodSpec(
     make_strategy=_local_strategy, make_client=LocalClient))
 
 # Method families register themselves on import (one line each, below).
+from pollen.app import methods_prototypes  # noqa: E402,F401
+from pollen.app import methods_logits  # noqa: E402,F401
+from pollen.app import methods_glfc  # noqa: E402,F401

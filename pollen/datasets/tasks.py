@@ -200,3 +200,6 @@ def build_client_data(task: str, opts: TaskOptions, partition_id: int, num_parti
     if not 0 <= partition_id < num_partitions:
         raise TaskError(f"partition id {partition_id} outside 0..{num_partitions - 1}")
     return spec.build(opts, partition_id, num_partitions)
+
+from pollen.datasets import domain_tasks  # noqa: E402,F401  (registers digits-offline, digits, office-home)
+from pollen.datasets import incremental  # noqa: E402,F401  (registers mnist-fmnist-cil, cifar100-cil)

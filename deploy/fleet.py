@@ -1,0 +1,528 @@
+"""Run a Pollen method on a local fleet: one SuperLink and N SuperNodes, insecure or TLS + node auth.
+
+Unlike simulation, every client is a real ``flower-supernode`` process with its own
+``--node-config`` (partition id, and optionally data root and model), talking to a real
+``flower-superlink`` over the network stack, exactly as on separate machines. The script
+
+1. checks the run config (method, sizes, keys) before starting anything,
+2. with ``--tls``: writes a CA, a server certificate and one key pair per SuperNode
+   (:mod:`deploy.certs`), starts the SuperLink with ``--enable-supernode-auth`` and registers every
+   node key with ``flwr supernode register``,
+3. starts the SuperNodes and waits until all of them are online,
+4. submits the app with ``flwr run``, streams its log, reads the final status with ``flwr ls``,
+5. stops every process it started, by process group: after the run, on failure, on timeout, on
+   Ctrl-C and on SIGTERM,
+6. prints the status and wall times and writes them to ``<out-dir>/<run-id>/fleet.json``.
+
+The exit code is 0 only for ``finished:completed``. Example (``make fleet`` wraps it)::
+
+    python -m deploy.fleet --method fedprox --num-supernodes 3 --rounds 2 --tls \\
+        --run-config "local-epochs=1 fedprox-mu=0.1"
+
+deploy/README.md explains the same steps for SuperNodes on different machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+if __package__ in (None, ""):  # run as `python deploy/fleet.py`: make `deploy` and `pollen` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deploy import certs  # noqa: E402
+from pollen.app import launch  # noqa: E402
+from pollen.app.config import ConfigError, RunConfig, parse_run_config  # noqa: E402
+
+PROJECT_ROOT = launch.PROJECT_ROOT
+DEFAULT_OUT_DIR = PROJECT_ROOT / "runs"
+
+# Exit codes besides 0 (completed) and 128 + signal number (interrupted).
+EXIT_NOT_COMPLETED = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124
+
+
+class FleetInterrupted(Exception):
+    """SIGTERM/SIGHUP arrived: unwind so every process gets stopped, then exit 128 + signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+# --- pure helpers: config strings and the node plan ---------------------------------------------------
+
+def format_config(values: Mapping[str, Any]) -> str:
+    """``k=v`` pairs as ``flwr run --run-config`` and ``flower-supernode --node-config`` parse them.
+
+    Flower matches ``key=(quoted string | non-space run)`` and reads each value as TOML, so strings are
+    quoted and may not contain both quote kinds; numbers and booleans are written as TOML literals.
+    """
+    parts = []
+    for key, value in values.items():
+        if not key or any(c.isspace() or c == "=" for c in key):
+            raise ConfigError(f"config key {key!r} is invalid: expected a non-empty key without spaces or '='")
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int):
+            text = str(value)
+        elif isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected a finite number")
+            text = repr(value)
+        elif isinstance(value, str):
+            if any(c in value for c in "\n\r"):
+                raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected a single-line string")
+            if "'" not in value:
+                text = f"'{value}'"  # TOML literal string: no escapes, so paths with backslashes survive
+            elif '"' not in value and "\\" not in value:
+                text = f'"{value}"'
+            else:
+                raise ConfigError(f"config key '{key}' = {value!r} is invalid: it holds a single quote and "
+                                  "a double quote or backslash, which Flower's parser cannot carry")
+        else:
+            raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected a bool, int, float or string")
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+def parse_config_string(text: str) -> dict[str, Any]:
+    """Parse a ``k=v`` string exactly as ``flwr run --run-config`` will (Flower's own parser)."""
+    from flwr.common.config import parse_config_args
+
+    if not text.strip():
+        return {}
+    if text.strip().endswith(".toml"):
+        raise ConfigError("--run-config takes 'key=value ...' pairs here, not a TOML file")
+    try:
+        return dict(parse_config_args([text]))
+    except Exception as err:  # click.ClickException: the message says what format is expected
+        raise ConfigError(f"--run-config {text!r} could not be parsed: {err}") from err
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One SuperNode of the fleet: its name, its ``--node-config`` values and (optionally) its GPU."""
+
+    name: str
+    config: Mapping[str, Any]
+    gpu: str | None = None
+
+    @property
+    def node_config(self) -> str:
+        return format_config(self.config)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """One SuperNode per GPU: its ClientApps see exactly one device, as ``cuda:0``."""
+        return {} if self.gpu is None else {"CUDA_VISIBLE_DEVICES": self.gpu}
+
+
+def plan_nodes(num_supernodes: int, *, data_root: str | None = None, models: Sequence[str] = (),
+               gpus: Sequence[str] = ()) -> list[NodeSpec]:
+    """Node configs for a fleet: partition ``i`` of ``num_supernodes`` on SuperNode ``i``.
+
+    ``models`` is empty (the task decides), one name for every node, or one per node (heterogeneous
+    methods); ``gpus`` is assigned round-robin, so 4 nodes on ``0,1`` put two SuperNodes per GPU.
+    """
+    if isinstance(num_supernodes, bool) or not isinstance(num_supernodes, int) or num_supernodes < 1:
+        raise ConfigError(f"--num-supernodes = {num_supernodes!r} is invalid: expected an integer >= 1")
+    models = [m.strip() for m in models if m.strip()]
+    if models:
+        from pollen.models import MODEL_NAMES
+
+        bad = [m for m in models if m not in MODEL_NAMES]
+        if bad:
+            raise ConfigError(f"--models {bad} not known: expected names from {', '.join(MODEL_NAMES)}")
+        if len(models) not in (1, num_supernodes):
+            raise ConfigError(f"--models lists {len(models)} names for {num_supernodes} SuperNodes: "
+                              "give one name for all, or exactly one per SuperNode")
+    gpus = [g.strip() for g in gpus if g.strip()]
+    nodes = []
+    for i in range(num_supernodes):
+        config: dict[str, Any] = {"partition-id": i, "num-partitions": num_supernodes}
+        if data_root:
+            config["data-root"] = str(Path(data_root).expanduser().resolve())
+        if models:
+            config["model"] = models[i] if len(models) > 1 else models[0]
+        nodes.append(NodeSpec(name=f"supernode_{i}", config=config, gpu=gpus[i % len(gpus)] if gpus else None))
+    return nodes
+
+
+def compose_run_config(*, method: str | None, rounds: int | None, out_dir: str | Path | None,
+                       data_root: str | None, user: str = "", num_supernodes: int) -> tuple[dict[str, Any], RunConfig]:
+    """The run config the fleet submits: the user's pairs plus the fleet options, validated here.
+
+    A key given both as an option and inside ``--run-config`` with different values is an error,
+    not a silent override. Refuses ``min-available-clients`` above the fleet size: Flower would wait
+    24 h for clients that never come.
+    """
+    values = parse_config_string(user)
+    for key, value in (("method", method), ("num-server-rounds", rounds)):
+        if value is None:
+            continue
+        if key in values and values[key] != value:
+            raise ConfigError(f"run config key '{key}' given twice: {values[key]!r} in --run-config "
+                              f"and {value!r} as an option")
+        values[key] = value
+    if "out-dir" not in values:
+        values["out-dir"] = str(Path(out_dir or DEFAULT_OUT_DIR).expanduser().resolve())
+    if data_root and "data-root" not in values:
+        values["data-root"] = str(Path(data_root).expanduser().resolve())
+    cfg = parse_run_config(values)
+    if cfg.min_available_clients > num_supernodes:
+        raise ConfigError(f"run config key 'min-available-clients' = {cfg.min_available_clients} exceeds the "
+                          f"{num_supernodes} SuperNodes: expected at most {num_supernodes}")
+    return values, cfg
+
+
+# --- the fleet ---------------------------------------------------------------------------------------
+
+@dataclass
+class SuperNode:
+    """A running SuperNode process and where its log goes."""
+
+    spec: NodeSpec
+    proc: subprocess.Popen
+    log_path: Path
+    key: certs.NodeKey | None = None
+    registered_id: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@dataclass
+class FleetReport:
+    """What one fleet run did, in seconds; written as ``fleet.json`` next to the run's results."""
+
+    method: str
+    num_supernodes: int
+    tls: bool
+    status: str = "not started"
+    run_id: int | None = None
+    superlink_pid: int | None = None
+    results_dir: str | None = None
+    startup_s: float | None = None
+    run_s: float | None = None
+    teardown_s: float | None = None
+    total_s: float | None = None
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Fleet:
+    """One SuperLink plus SuperNodes, all owned by this object and stopped by :meth:`close`.
+
+    Use as a context manager. With ``tls=True`` the SuperLink serves HTTPS with a fresh CA and
+    authenticates SuperNodes: :meth:`add_supernode` writes each node's key pair and registers it
+    (``register=False`` starts a node with a key the SuperLink has never seen, which it refuses).
+    """
+
+    def __init__(self, work_dir: Path, *, tls: bool = False, hosts: Sequence[str] = (), echo: bool = True):
+        self.work_dir = Path(work_dir).resolve()
+        self.flwr_home = self.work_dir / "flwr-home"
+        self.log_dir = self.work_dir / "logs"
+        self.cert_dir = self.work_dir / "certs"
+        self.tls = tls
+        self.hosts = tuple(hosts)
+        self.echo = echo
+        self.credentials: certs.ServerCredentials | None = None
+        self.connection: str | None = None
+        self.port: int | None = None
+        self.superlink_proc: subprocess.Popen | None = None
+        self.supernodes: list[SuperNode] = []
+        self.teardown_s: float | None = None
+        self._stack = contextlib.ExitStack()
+
+    # lifecycle ---------------------------------------------------------------------------------------
+    def __enter__(self) -> "Fleet":
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _say(self, text: str) -> None:
+        if self.echo:
+            print(f"[fleet] {text}", flush=True)
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the SuperLink is not running: use the Fleet as a context manager")
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start the SuperLink (plus certificates for TLS) and wait until it answers."""
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        extra: list[str] = []
+        root = None
+        if self.tls:
+            self.credentials = certs.write_server_credentials(self.cert_dir, self.hosts, force=True)
+            root = str(self.credentials.ca_cert)
+            extra = ["--ssl-ca-certfile", root, "--ssl-certfile", str(self.credentials.server_cert),
+                     "--ssl-keyfile", str(self.credentials.server_key), "--enable-supernode-auth"]
+        self.connection, self.port, self.superlink_proc = self._stack.enter_context(
+            launch.superlink(self.flwr_home, simulation=False, extra_args=extra, connection="fleet",
+                             root_certificates=root))
+        if self.tls:
+            launch.wait_healthy_tls(self.port, root, self.superlink_proc)
+        mode = "TLS + SuperNode auth" if self.tls else "insecure"
+        self._say(f"SuperLink {self.address} ({mode}) pid {self.superlink_proc.pid}, "
+                  f"log {self.superlink_log}")
+
+    @property
+    def superlink_log(self) -> Path:
+        return self.flwr_home / f"superlink-{self.port}.log"
+
+    def add_supernode(self, spec: NodeSpec, *, register: bool = True) -> SuperNode:
+        """Start one SuperNode; with TLS, write its key pair and (unless ``register=False``) register it."""
+        key = registered = None
+        root = None
+        if self.tls:
+            assert self.credentials is not None
+            root = self.credentials.ca_cert
+            key = certs.write_node_key(self.cert_dir / "keys", spec.name, force=True)
+            if register:
+                registered = launch.register_supernode(self.connection, self.flwr_home, key.public_key)
+        log_path = self.log_dir / f"{spec.name}.log"
+        proc = launch.start_supernode(self.flwr_home, self.address, log_path, node_config=spec.node_config,
+                                      root_certificates=root, auth_private_key=key.private_key if key else None,
+                                      extra_env=spec.env)
+        self._stack.callback(launch.stop_process, proc)
+        node = SuperNode(spec, proc, log_path, key, registered)
+        self.supernodes.append(node)
+        gpu = f", CUDA_VISIBLE_DEVICES={spec.gpu}" if spec.gpu is not None else ""
+        self._say(f"{spec.name} pid {proc.pid} --node-config {shlex.quote(spec.node_config)}{gpu}")
+        return node
+
+    def wait_for_nodes(self, count: int | None = None, timeout: float = 180.0) -> list[str]:
+        """Wait until ``count`` (default: all started) SuperNodes are online."""
+        count = len(self.supernodes) if count is None else count
+        ids = launch.wait_for_supernodes(self.connection, self.flwr_home, count, timeout=timeout,
+                                         procs=[n.proc for n in self.supernodes])
+        self._say(f"{len(ids)} SuperNodes online")
+        return ids
+
+    def run(self, run_config: Mapping[str, Any], *, timeout: float = 3600.0, echo: bool | None = None,
+            app_dir: Path = PROJECT_ROOT) -> launch.RunOutcome:
+        """``flwr run`` the app on this fleet and wait for its final status."""
+        return launch.submit_and_wait(app_dir, self.connection, self.flwr_home, run_config=format_config(run_config),
+                                      timeout=timeout, echo=self.echo if echo is None else echo)
+
+    def stop_supernode(self, node: SuperNode, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
+        """Stop one SuperNode's process group now (fault injection); ``close`` skips it later."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            node.proc.wait(timeout=grace)
+        launch.stop_process(node.proc, grace=1.0)
+
+    def process_groups(self) -> list[int]:
+        """Process-group ids of everything started (each process leads its own group)."""
+        groups = [self.superlink_proc.pid] if self.superlink_proc is not None else []
+        return groups + [n.pid for n in self.supernodes]
+
+    def close(self) -> None:
+        """Stop SuperNodes, then the SuperLink (reverse start order); signals are held off meanwhile."""
+        began = time.monotonic()
+        blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        in_main = threading.current_thread() is threading.main_thread()
+        if in_main:
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+        try:
+            self._stack.close()
+        finally:
+            self.teardown_s = round(time.monotonic() - began, 2)
+            if in_main:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def log_tails(self, lines: int = 25) -> str:
+        """The end of every log, for a failure report."""
+        paths = [self.superlink_log] if self.port is not None else []
+        paths += [n.log_path for n in self.supernodes]
+        out = []
+        for path in paths:
+            if path.exists():
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"--- {path} (last {len(tail)} lines)\n" + "\n".join(tail))
+        return "\n".join(out)
+
+
+def groups_alive(groups: Sequence[int]) -> list[int]:
+    """The process groups among ``groups`` that still have a member."""
+    alive = []
+    for pgid in groups:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            pass
+        alive.append(pgid)
+    return alive
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise :class:`FleetInterrupted` (SIGINT already raises KeyboardInterrupt)."""
+    def handler(signum, _frame):
+        raise FleetInterrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pollen.app.registry import METHODS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.fleet",
+        description="Run a Pollen method on a local SuperLink + N SuperNodes fleet (insecure or TLS + node auth).",
+        epilog="Registered methods (family: method): " + ", ".join(sorted({f"{s.family}: {s.name}" for s in METHODS.values()})))
+    parser.add_argument("--method", default=None,
+                        help=f"method to run (default: the run config's, else fedavg); one of {', '.join(sorted(METHODS))}")
+    parser.add_argument("--num-supernodes", type=int, default=2, help="SuperNodes to start (partition i of N each)")
+    parser.add_argument("--rounds", type=int, default=None, help="num-server-rounds (default: the run config's)")
+    parser.add_argument("--run-config", default="", help="extra run config pairs, e.g. \"local-epochs=1 lr=0.1\"")
+    parser.add_argument("--tls", action="store_true",
+                        help="HTTPS with a fresh CA and SuperNode authentication (keys written and registered)")
+    parser.add_argument("--host", action="append", default=[],
+                        help="with --tls: extra DNS name/IP for the server certificate (repeatable)")
+    parser.add_argument("--data-root", default=None, help="dataset root given to every SuperNode (node config)")
+    parser.add_argument("--models", default="",
+                        help="comma-separated model names: one for all SuperNodes or one per SuperNode")
+    parser.add_argument("--gpus", default="",
+                        help="comma-separated GPU indices assigned round-robin as CUDA_VISIBLE_DEVICES "
+                             "(one SuperNode per GPU); run config device='auto' (default) or 'cuda' then trains on it")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is abandoned")
+    parser.add_argument("--out-dir", default=None, help=f"results root (default: {DEFAULT_OUT_DIR})")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="folder for FLWR_HOME, certificates and logs (default: a fresh temporary folder)")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep the work folder after a completed run (it is always kept after a failure)")
+    parser.add_argument("--quiet", action="store_true", help="do not stream the run's log")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        nodes = plan_nodes(args.num_supernodes, data_root=args.data_root, models=args.models.split(","),
+                           gpus=args.gpus.split(","))
+        values, cfg = compose_run_config(method=args.method, rounds=args.rounds, out_dir=args.out_dir,
+                                         data_root=args.data_root, user=args.run_config,
+                                         num_supernodes=args.num_supernodes)
+        if args.host and not args.tls:
+            raise ConfigError("--host only applies to the TLS server certificate: add --tls")
+        if args.timeout <= 0:
+            raise ConfigError(f"--timeout = {args.timeout} is invalid: expected seconds > 0")
+        if args.work_dir is not None and (args.work_dir.resolve() == PROJECT_ROOT
+                                          or PROJECT_ROOT in args.work_dir.resolve().parents):
+            raise ConfigError(f"--work-dir {args.work_dir} is inside the app directory {PROJECT_ROOT}: "
+                              "`flwr run` would pack its files into the app; choose a folder outside it")
+    except ConfigError as err:
+        print(f"[fleet] error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="pollen-fleet-"))
+    report = FleetReport(method=cfg.method, num_supernodes=len(nodes), tls=args.tls)
+    code = EXIT_NOT_COMPLETED
+    fleet = Fleet(work_dir, tls=args.tls, hosts=args.host)
+    started = time.monotonic()
+    with _signals_raise():
+        try:
+            try:
+                with fleet:
+                    for spec in nodes:
+                        fleet.add_supernode(spec)
+                    fleet.wait_for_nodes(timeout=min(300.0, args.timeout))
+                    report.startup_s = round(time.monotonic() - started, 2)
+                    outcome = fleet.run(values, timeout=args.timeout, echo=not args.quiet)
+                    report.run_id, report.status = outcome.run_id, outcome.status
+                    report.run_s = round(outcome.wall_time_s, 2)
+                    code = 0 if outcome.completed else EXIT_NOT_COMPLETED
+            except TimeoutError as err:
+                report.status, code = f"timeout: {err}", EXIT_TIMEOUT
+            except FleetInterrupted as err:
+                report.status, code = str(err), 128 + err.signum
+            except KeyboardInterrupt:
+                report.status, code = "interrupted by SIGINT", 128 + signal.SIGINT
+            except (RuntimeError, OSError, certs.CertError) as err:
+                report.status, code = f"error: {err}", EXIT_NOT_COMPLETED
+        except (FleetInterrupted, KeyboardInterrupt):
+            report.status, code = "interrupted during teardown", 128 + signal.SIGTERM
+    ended = time.monotonic()
+    report.teardown_s = fleet.teardown_s
+    report.total_s = round(ended - started, 2)
+    report.superlink_pid = fleet.superlink_proc.pid if fleet.superlink_proc is not None else None
+    report.nodes = [{"name": n.spec.name, "pid": n.pid, "node-config": n.spec.node_config, "gpu": n.spec.gpu,
+                     "exit-code": n.proc.returncode} for n in fleet.supernodes]
+    if report.run_id is not None:
+        run_dir = Path(values["out-dir"]) / str(report.run_id)
+        if run_dir.is_dir():
+            report.results_dir = str(run_dir)
+            (run_dir / "fleet.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    _print_report(report, fleet, code)
+    left = groups_alive(fleet.process_groups())
+    if left:
+        print(f"[fleet] warning: process groups still alive after teardown: {left}", file=sys.stderr)
+    if code == 0 and not args.keep_logs and args.work_dir is None:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    else:
+        print(f"[fleet] logs, certificates and FLWR_HOME kept in {work_dir}")
+    return code
+
+
+def _print_report(report: FleetReport, fleet: Fleet, code: int) -> None:
+    def secs(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}s"
+
+    print(f"[fleet] {report.method} on {report.num_supernodes} SuperNodes "
+          f"({'TLS + node auth' if report.tls else 'insecure'}): run {report.run_id}: {report.status}", flush=True)
+    print(f"[fleet] wall time: fleet up {secs(report.startup_s)} | run {secs(report.run_s)} | "
+          f"teardown {secs(report.teardown_s)} | total {secs(report.total_s)}", flush=True)
+    if report.results_dir:
+        summary_path = Path(report.results_dir) / "summary.json"
+        extra = ""
+        if summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            acc = summary.get("final-accuracy") or {}
+            if acc.get("mean") is not None:
+                extra += f" | final {acc.get('metric')} {acc['mean']:.4f}"
+            extra += f" | failures {summary.get('failures-total', 0)} rejected {summary.get('rejected-total', 0)}"
+        print(f"[fleet] results: {report.results_dir}{extra}", flush=True)
+    if code != 0:
+        print(fleet.log_tails(), file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

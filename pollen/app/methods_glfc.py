@@ -1,0 +1,218 @@
+"""Registry entries for the class-incremental family: GLFC, its ablations, FedAvg + iCaRL, Finetune.
+
+All share :class:`~pollen.strategies.glfc.IncrementalFedAvg` and
+:class:`~pollen.clients.glfc.IncrementalClient`; the method name picks the objective, the memory, the
+old model and the proxy. They run on the class-incremental tasks of :mod:`pollen.datasets.incremental`
+(``mnist-fmnist-cil``, ``cifar100-cil``). Run keys are prefixed ``glfc-`` (README, "Run configuration").
+Start the simulation with ``glfc-initial-clients + (glfc-tasks - 1) · glfc-new-clients`` SuperNodes and
+``num-server-rounds = glfc-tasks · glfc-rounds-per-task``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+from typing import TYPE_CHECKING
+
+from pollen.app.config import ConfigError
+from pollen.app.registry import MethodSpec, register_method
+from pollen.clients.glfc import IncrementalClient, IncrementalSettings, build_lenet, build_stream_model
+from pollen.clients.incremental_losses import LR_SCHEDULES
+from pollen.clients.training import pick_device
+from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, is_stream_task, plan_stream, stream_data
+from pollen.strategies.glfc import IncrementalFedAvg
+
+if TYPE_CHECKING:
+    from pollen.app.config import RunConfig
+
+GLFC_DEFAULTS = {
+    "glfc-tasks": 4,
+    "glfc-classes-per-task": 5,
+    "glfc-rounds-per-task": 2,
+    "glfc-initial-clients": 4,
+    "glfc-new-clients": 2,
+    "glfc-clients-per-round": 3,
+    "glfc-old-fraction": 0.1,
+    "glfc-class-fraction": 0.6,
+    "glfc-duplicate-data": False,
+    "glfc-max-per-class": 200,
+    "glfc-class-order": "label",
+    "glfc-memory-size": 100,
+    "glfc-tau": 1.2,
+    "glfc-oracle-boundary": False,
+    "glfc-detect-all-clients": False,
+    "glfc-lr-schedule": "cosine",
+    "glfc-herding-distinct": True,
+    "glfc-perturb-steps": 50,
+    "glfc-perturb-lr": 0.2,
+    "glfc-proxy-iterations": 250,
+    "glfc-proxy-keep": 20,
+    "glfc-proxy-lr": 0.1,
+    "glfc-proxy-reset-per-task": True,
+    "glfc-proxy-chunk": 128,
+    "glfc-eval-per-class": 0,
+    "glfc-faulty-partition": -1,
+}
+
+# method -> (objective, use_gc, use_rd, use_memory, old model source)
+VARIANTS = {
+    "glfc": ("glfc", True, True, True, "proxy"),
+    "glfc-wo-gc": ("glfc", False, True, True, "proxy"),
+    "glfc-wo-rd": ("glfc", True, False, True, "none"),
+    "glfc-wo-proxy": ("glfc", True, True, True, "previous-task"),
+    "fedavg-icarl": ("icarl", False, False, True, "previous-task"),
+    "finetune": ("ce", False, False, False, "none"),
+}
+DESCRIPTIONS = {
+    "glfc": "GLFC (Dong et al. 2022): L_GC + L_RD, exemplar memory, entropy task detection, proxy server",
+    "glfc-wo-gc": "GLFC without class-aware gradient compensation (plain BCE instead of L_GC)",
+    "glfc-wo-rd": "GLFC without relation distillation (no old model, so no proxy either)",
+    "glfc-wo-proxy": "GLFC without the proxy: distil from the previous task's final global model",
+    "fedavg-icarl": "FedAvg + iCaRL: exemplar memory and BCE distillation from the previous task's model",
+    "finetune": "Finetune: FedAvg with cross-entropy on the current task only (lower bound)",
+}
+
+
+def _bad(key: str, value, expected: str) -> ConfigError:
+    return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
+
+
+def _int(cfg: "RunConfig", key: str, low: int) -> int:
+    v = cfg.extra[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < low:
+        raise _bad(key, v, f"an integer >= {low}")
+    return int(v)
+
+
+def _float(cfg: "RunConfig", key: str, low: float, high: float | None = None, low_open=False, high_open=False) -> float:
+    v = cfg.extra[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise _bad(key, v, "a number")
+    v = float(v)
+    if (v <= low if low_open else v < low) or (high is not None and (v >= high if high_open else v > high)):
+        raise _bad(key, v, f"a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
+    return v
+
+
+def _bool(cfg: "RunConfig", key: str) -> bool:
+    v = cfg.extra[key]
+    if not isinstance(v, bool):
+        raise _bad(key, v, "true or false")
+    return v
+
+
+def stream_config(cfg: "RunConfig") -> StreamConfig:
+    return StreamConfig(
+        num_tasks=_int(cfg, "glfc-tasks", 1), classes_per_task=_int(cfg, "glfc-classes-per-task", 1),
+        initial_clients=_int(cfg, "glfc-initial-clients", 1), new_clients=_int(cfg, "glfc-new-clients", 0),
+        old_fraction=_float(cfg, "glfc-old-fraction", 0.0, 1.0, high_open=True),
+        class_fraction=_float(cfg, "glfc-class-fraction", 0.0, 1.0, low_open=True),
+        duplicate=_bool(cfg, "glfc-duplicate-data"), max_per_class=_int(cfg, "glfc-max-per-class", 0),
+        seed=cfg.seed)
+
+
+def validate_glfc(cfg: "RunConfig") -> None:
+    """Check every ``glfc-…`` key and the stream's sizes before any data is loaded."""
+    if not is_stream_task(cfg.task):
+        raise ConfigError(f"method '{cfg.method}' needs a class-incremental task: set task to one of "
+                          + ", ".join(sorted(SOURCES)) + f" (got {cfg.task!r})")
+    try:
+        stream = stream_config(cfg)
+    except StreamError as err:
+        raise ConfigError(f"glfc stream keys: {err}") from err
+    total = SOURCES[cfg.task].num_classes
+    if stream.total_classes > total:
+        raise ConfigError(f"run config keys 'glfc-tasks' × 'glfc-classes-per-task' = {stream.total_classes} "
+                          f"exceeds the {total} classes of task {cfg.task!r}")
+    rounds = _int(cfg, "glfc-rounds-per-task", 1)
+    if cfg.num_server_rounds != stream.num_tasks * rounds:
+        raise ConfigError(f"run config key 'num-server-rounds' = {cfg.num_server_rounds} must equal "
+                          f"glfc-tasks × glfc-rounds-per-task = {stream.num_tasks * rounds}")
+    _int(cfg, "glfc-clients-per-round", 1)
+    _int(cfg, "glfc-memory-size", 0)
+    tau = _float(cfg, "glfc-tau", 0.0, low_open=True)
+    oracle = _bool(cfg, "glfc-oracle-boundary")
+    if not oracle and math.log(stream.classes_per_task) <= tau:
+        raise ConfigError(
+            f"run config key 'glfc-tau' = {tau}: with {stream.classes_per_task} classes per task the mean "
+            f"softmax entropy on a task's data is at most ln({stream.classes_per_task}) = "
+            f"{math.log(stream.classes_per_task):.3f} nats, so the first task can never fire the detector; use "
+            "more classes per task, a smaller glfc-tau, or glfc-oracle-boundary = true")
+    if cfg.extra["glfc-lr-schedule"] not in LR_SCHEDULES:
+        raise _bad("glfc-lr-schedule", cfg.extra["glfc-lr-schedule"], "one of " + ", ".join(LR_SCHEDULES))
+    if cfg.extra["glfc-class-order"] not in ("label", "shuffled"):
+        raise _bad("glfc-class-order", cfg.extra["glfc-class-order"], "one of label, shuffled")
+    for key in ("glfc-herding-distinct", "glfc-proxy-reset-per-task", "glfc-detect-all-clients"):
+        _bool(cfg, key)
+    _int(cfg, "glfc-perturb-steps", 0)
+    _float(cfg, "glfc-perturb-lr", 0.0, low_open=True)
+    iters = _int(cfg, "glfc-proxy-iterations", 1)
+    keep = _int(cfg, "glfc-proxy-keep", 1)
+    if keep > iters:
+        raise _bad("glfc-proxy-keep", keep, f"an integer <= glfc-proxy-iterations ({iters})")
+    _float(cfg, "glfc-proxy-lr", 0.0, low_open=True)
+    _int(cfg, "glfc-proxy-chunk", 1)
+    _int(cfg, "glfc-eval-per-class", 0)
+    _int(cfg, "glfc-faulty-partition", -1)
+
+
+def settings_for(cfg: "RunConfig") -> IncrementalSettings:
+    objective, gc, rd, memory, old = VARIANTS[cfg.method]
+    e = cfg.extra
+    return IncrementalSettings(
+        task=cfg.task, stream=stream_config(cfg), rounds_per_task=int(e["glfc-rounds-per-task"]),
+        clients_per_round=int(e["glfc-clients-per-round"]), objective=objective, use_gc=gc, use_rd=rd,
+        use_memory=memory, old_model=old, memory_size=int(e["glfc-memory-size"]), tau=float(e["glfc-tau"]),
+        oracle_boundary=bool(e["glfc-oracle-boundary"]), lr_schedule=str(e["glfc-lr-schedule"]),
+        class_order=str(e["glfc-class-order"]), herding_distinct=bool(e["glfc-herding-distinct"]),
+        perturb_steps=int(e["glfc-perturb-steps"]), perturb_lr=float(e["glfc-perturb-lr"]),
+        faulty_partition=int(e["glfc-faulty-partition"]))
+
+
+def _test_set(cfg: "RunConfig"):
+    per_class = int(cfg.extra["glfc-eval-per-class"])
+    cache: dict[int, tuple] = {}
+
+    def seen(num_classes: int):
+        if num_classes not in cache:
+            data = stream_data(cfg.task, cfg.data_root, "test", str(cfg.extra["glfc-class-order"]), cfg.seed,
+                               cfg.download)
+            labels = data.y.numpy()
+            idx = []
+            for c in range(num_classes):
+                rows = np.flatnonzero(labels == c)
+                idx.append(rows[:per_class] if per_class else rows)
+            cache.clear()  # keep one set: the current task's
+            cache[num_classes] = data.select(np.concatenate(idx))
+        return cache[num_classes]
+
+    return seen
+
+
+def make_strategy(cfg: "RunConfig"):
+    random.seed(cfg.seed)  # Flower-style sampling uses the global `random`
+    s = settings_for(cfg)
+    name = cfg.model or SOURCES[cfg.task].default_model
+    width = cfg.width_for(name)
+    src = SOURCES[cfg.task]
+    e = cfg.extra
+    return IncrementalFedAvg(
+        plan=plan_stream(s.stream), rounds_per_task=s.rounds_per_task, clients_per_round=s.clients_per_round,
+        make_model=lambda n: build_stream_model(cfg.task, name, n, width),
+        lenet=build_lenet(cfg.task, cfg.seed) if s.old_model == "proxy" else None,
+        test_data=_test_set(cfg), old_model=s.old_model, proxy_iterations=int(e["glfc-proxy-iterations"]),
+        proxy_keep=int(e["glfc-proxy-keep"]), proxy_lr=float(e["glfc-proxy-lr"]),
+        proxy_reset_per_task=bool(e["glfc-proxy-reset-per-task"]), proxy_chunk=int(e["glfc-proxy-chunk"]),
+        image_shape=(src.fmt.channels, src.fmt.size, src.fmt.size), seed=cfg.seed,
+        device=pick_device(cfg.device), detect_all_clients=bool(e["glfc-detect-all-clients"]))
+
+
+def make_client(cfg: "RunConfig", node, context):
+    return IncrementalClient(cfg, node, context, settings_for(cfg))
+
+
+for _name, _desc in DESCRIPTIONS.items():
+    register_method(MethodSpec(name=_name, family="glfc", description=_desc, make_strategy=make_strategy,
+                               make_client=make_client, defaults=dict(GLFC_DEFAULTS), validate=validate_glfc))

@@ -1,0 +1,117 @@
+"""Public-logit methods: FCCL, FCCL w/o CON, FedMD, FedDF and SOLO on domain-per-client tasks.
+
+Homogeneous mode (paper Table 3) is configuration, not a separate method: run every client with the
+same backbone (``model = "resnet12"``) and set ``fccl-average-weights = true``; then ``fccl`` is
+"FCCL + averaging" (model states are averaged FedAvg-style and loaded before the collaborative step)
+and ``solo`` with averaging is FedAvg evaluated per domain.
+"""
+
+from __future__ import annotations
+
+import random
+
+from flwr.server.strategy import Strategy
+
+from pollen.app.config import ConfigError, RunConfig
+from pollen.app.registry import MethodSpec, register_method
+from pollen.clients.logits import (FCCLClient, FCCLWithoutConClient, FedDFClient, FedMDClient, SoloClient,
+                                   resolve_settings)
+from pollen.datasets.domain_tasks import DOMAIN_TASKS, get_domain_task
+from pollen.datasets.public import PUBLIC_SETS
+from pollen.strategies.logits import LogitAveraging
+from pollen.strategies.weights import LocalOnly
+
+TARGETS = ("mean", "leave-one-out")
+
+# Method run keys and defaults (mirrored under the logit marker in pyproject.toml). 0 / "" = profile
+# default (see pollen.clients.logits.QUICK / PAPER).
+DEFAULTS = {
+    "fccl-public": "",
+    "fccl-public-size": 0,
+    "fccl-public-batch-size": 0,
+    "fccl-public-epochs": 0,
+    "fccl-public-augment": True,
+    "fccl-lr": 0.001,
+    "fccl-batch-size": 32,
+    "fccl-local-epochs": "",
+    "fccl-solo-epochs": 0,
+    "fccl-train-sizes": "",
+    "fccl-test-size": 0,
+    "fccl-lambda-col": 0.0051,
+    "fccl-lambda-loc": 1.0,
+    "fccl-eps": 1e-6,
+    "fccl-target": "mean",
+    "fccl-average-weights": False,
+    "fccl-solo-cache": "",
+    "fccl-fault-partition": -1,
+}
+
+_INTS = {"fccl-public-size": 0, "fccl-public-batch-size": 0, "fccl-public-epochs": 0, "fccl-batch-size": 1,
+         "fccl-solo-epochs": 0, "fccl-test-size": 0, "fccl-fault-partition": -1}
+_FLOATS = {"fccl-lr": True, "fccl-lambda-col": False, "fccl-lambda-loc": False, "fccl-eps": False}
+_STRINGS = ("fccl-public", "fccl-local-epochs", "fccl-train-sizes", "fccl-solo-cache", "fccl-target")
+_BOOLS = ("fccl-public-augment", "fccl-average-weights")
+
+
+def _bad(key, value, expected) -> ConfigError:
+    return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Types and ranges of the ``fccl-…`` keys, the task and the public set, before any training."""
+    x = cfg.extra
+    if cfg.task not in DOMAIN_TASKS:
+        raise _bad("task", cfg.task, f"a domain-per-client task for method '{cfg.method}': "
+                   + ", ".join(DOMAIN_TASKS))
+    for key, low in _INTS.items():
+        v = x[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < low:
+            raise _bad(key, v, f"an integer >= {low}")
+    for key, positive in _FLOATS.items():
+        v = x[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or (positive and v == 0):
+            raise _bad(key, v, "a number > 0" if positive else "a number >= 0")
+    for key in _STRINGS:
+        if not isinstance(x[key], str):
+            raise _bad(key, x[key], "a string")
+    for key in _BOOLS:
+        if not isinstance(x[key], bool):
+            raise _bad(key, x[key], "true or false")
+    if x["fccl-target"] not in TARGETS:
+        raise _bad("fccl-target", x["fccl-target"], "one of " + ", ".join(TARGETS))
+    if x["fccl-public"] and x["fccl-public"] not in PUBLIC_SETS:
+        raise _bad("fccl-public", x["fccl-public"], "empty (task default) or one of " + ", ".join(PUBLIC_SETS))
+    try:
+        s = resolve_settings(cfg, get_domain_task(cfg.task))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if s.public_batch_size < 2 or s.public_batch_size > s.public_size:
+        raise ConfigError(f"run config keys 'fccl-public-batch-size' = {s.public_batch_size} and 'fccl-public-size' "
+                          f"= {s.public_size}: need 2 <= batch size <= public size (batches drop the remainder, "
+                          "and the cross-correlation needs >= 2 rows)")
+    if any(n < 1 for n in s.train_sizes):
+        raise _bad("fccl-train-sizes", x["fccl-train-sizes"], "positive sizes")
+
+
+def make_strategy(cfg: RunConfig) -> Strategy:
+    random.seed(cfg.seed)  # Flower samples clients with the global `random`
+    s = resolve_settings(cfg, get_domain_task(cfg.task))
+    if cfg.method == "solo" and not s.average_weights:
+        return LocalOnly(fraction_evaluate=cfg.fraction_evaluate, min_available_clients=cfg.min_available_clients)
+    return LogitAveraging(num_public=s.public_size, num_classes=get_domain_task(cfg.task).num_classes,
+                          fraction_fit=cfg.fraction_fit, fraction_evaluate=cfg.fraction_evaluate,
+                          min_available_clients=cfg.min_available_clients, average_weights=s.average_weights)
+
+
+for _name, _client, _descr in (
+    ("fccl", FCCLClient, "FCCL (Huang et al. 2022): cross-correlation to consensus public logits, "
+                         "then CE + KL(previous model) + KL(SOLO model)"),
+    ("fccl-wo-con", FCCLWithoutConClient, "FCCL without the local dual-domain distillation (ablation): "
+                                          "cross-correlation step, then CE only"),
+    ("fedmd", FedMDClient, "FedMD (Li & Wang 2019): L1 to consensus public logits, then CE only"),
+    ("feddf", FedDFClient, "FedDF (Lin et al. 2020), heterogeneous: KL to consensus public logits, then CE only"),
+    ("solo", SoloClient, "SOLO: each client trains alone (CE) from its pretrained model; with "
+                         "fccl-average-weights = true, FedAvg evaluated per domain"),
+):
+    register_method(MethodSpec(name=_name, family="logits", description=_descr, make_strategy=make_strategy,
+                               make_client=_client, defaults=dict(DEFAULTS), validate=validate))

@@ -1,0 +1,157 @@
+"""Local objectives of federated class-incremental learning (GLFC, iCaRL, Finetune) as pure functions.
+
+GLFC (Dong et al., CVPR 2022) trains with per-class sigmoid + binary cross-entropy, not softmax:
+
+* **L_GC** (class-aware gradient compensation) re-weights each sample by ``g_i = |p_{i,y_i} - 1|``
+  normalised within its group (old classes vs new classes) so that the old classes' gradient does not
+  drown in the new classes' (or the reverse).
+* **L_RD** (class-semantic relation distillation) replaces the first ``C_old`` columns of the one-hot
+  target by the old model's sigmoid outputs, so the new model keeps the old model's class relations.
+* ``L = L_GC`` without an old model, else ``0.5 L_GC + 0.5 L_RD``.
+
+The task-transition test (mean softmax entropy jumping by more than ``tau``) and the two learning-rate
+schedules live here too, so the client adapter only wires them together.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+OBJECTIVES = ("glfc", "icarl", "ce")
+LR_SCHEDULES = ("cosine", "code", "constant")
+
+
+def one_hot(labels: torch.Tensor, num_classes: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(f"labels must lie in 0..{num_classes - 1}, got {labels.min()}..{labels.max()}")
+    return F.one_hot(labels, num_classes).to(dtype)
+
+
+def gc_weights(logits: torch.Tensor, labels: torch.Tensor, learned_classes: Iterable[int]) -> torch.Tensor:
+    """Per-sample L_GC weights ``w_i`` (N), detached.
+
+    ``g_i = |sigmoid(o_{i,y_i}) - 1|``; samples of learned (old) classes get ``g_i / mean_old(g)``,
+    the others ``g_i / mean_new(g)``. An empty group contributes nothing; without learned classes every
+    weight is 1 (plain BCE), as in the official code.
+    """
+    learned = sorted({int(c) for c in learned_classes})
+    n = logits.shape[0]
+    if not learned:
+        return torch.ones(n, dtype=logits.dtype, device=logits.device)
+    with torch.no_grad():
+        p_true = torch.sigmoid(logits.gather(1, labels.view(-1, 1)).squeeze(1))
+        g = (p_true - 1.0).abs()
+        is_old = torch.isin(labels, torch.tensor(learned, device=labels.device))
+        w = torch.zeros_like(g)
+        for mask in (is_old, ~is_old):
+            if mask.any():
+                w[mask] = g[mask] / g[mask].mean()
+    return w
+
+
+def gc_loss(logits: torch.Tensor, labels: torch.Tensor, learned_classes: Iterable[int]) -> torch.Tensor:
+    """``mean_{i,c} w_i · BCEwithLogits(o_ic, Y_ic)``."""
+    w = gc_weights(logits, labels, learned_classes)
+    bce = F.binary_cross_entropy_with_logits(logits, one_hot(labels, logits.shape[1], logits.dtype),
+                                             reduction="none")
+    return (w[:, None] * bce).mean()
+
+
+def rd_targets(labels: torch.Tensor, num_classes: int, old_logits: torch.Tensor) -> torch.Tensor:
+    """One-hot targets whose first ``C_old`` columns are ``sigmoid(old_logits)`` (N×C, detached)."""
+    c_old = old_logits.shape[1]
+    if c_old > num_classes:
+        raise ValueError(f"old model has {c_old} outputs, more than the current {num_classes}")
+    target = one_hot(labels, num_classes, old_logits.dtype).to(old_logits.device)
+    target[:, :c_old] = torch.sigmoid(old_logits.detach())
+    return target
+
+
+def rd_loss(logits: torch.Tensor, labels: torch.Tensor, old_logits: torch.Tensor) -> torch.Tensor:
+    """``mean_{i,c} BCEwithLogits(o_ic, T_ic)`` with T from :func:`rd_targets`."""
+    target = rd_targets(labels, logits.shape[1], old_logits).to(logits.dtype)
+    return F.binary_cross_entropy_with_logits(logits, target)
+
+
+def incremental_loss(logits: torch.Tensor, labels: torch.Tensor, *, objective: str = "glfc",
+                     learned_classes: Iterable[int] = (), old_logits: torch.Tensor | None = None,
+                     use_gc: bool = True, use_rd: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """The local loss of one batch and its parts.
+
+    ``objective``: ``glfc`` — L_GC (plain BCE when ``use_gc`` is off), plus the 0.5/0.5 mix with L_RD
+    when an old model's logits are given and ``use_rd``; ``icarl`` — BCE towards the distillation
+    targets (old sigmoid outputs on old columns, one-hot elsewhere), plain BCE without an old model;
+    ``ce`` — softmax cross-entropy (Finetune).
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective == "ce":
+        loss = F.cross_entropy(logits, labels)
+        return loss, {"ce": float(loss.detach())}
+    if objective == "icarl":
+        if old_logits is None:
+            loss = F.binary_cross_entropy_with_logits(logits, one_hot(labels, logits.shape[1], logits.dtype))
+        else:
+            loss = rd_loss(logits, labels, old_logits)
+        return loss, {"bce": float(loss.detach())}
+    learned = list(learned_classes)
+    cur = gc_loss(logits, labels, learned if use_gc else [])
+    parts = {"gc": float(cur.detach())}
+    if old_logits is None or not use_rd:
+        return cur, parts
+    rd = rd_loss(logits, labels, old_logits)
+    parts["rd"] = float(rd.detach())
+    return 0.5 * cur + 0.5 * rd, parts
+
+
+def mean_entropy(logits: torch.Tensor) -> float:
+    """Mean softmax entropy (nats) over the rows of ``logits``; 0 for no rows."""
+    if logits.shape[0] == 0:
+        return 0.0
+    logp = F.log_softmax(logits.float(), dim=1)
+    return float(-(logp.exp() * logp).sum(1).mean())
+
+
+def is_transition(entropy: float, last_entropy: float, tau: float) -> bool:
+    """GLFC's task-transition test: the entropy rose by more than ``tau`` since the last check."""
+    return entropy - last_entropy > tau
+
+
+def max_entropy_jump_possible(num_classes: int) -> float:
+    """The largest mean softmax entropy a ``num_classes``-way head can have: ``ln C``."""
+    return math.log(num_classes) if num_classes > 0 else 0.0
+
+
+def learning_rate(schedule: str, base_lr: float, *, round_in_task: int, rounds_per_task: int, epoch: int,
+                  epochs: int, global_round: int, first_task: bool) -> float:
+    """Learning rate of local epoch ``epoch`` (0-based) of one round.
+
+    ``cosine`` — cosine decay over the task's ``rounds_per_task · epochs`` local epochs (ours);
+    ``code`` — the official step schedule: the within-task epoch counter
+    ``(epoch + global_round · epochs) mod 200`` divides the rate by 5 / 25 / 125 when it *hits*
+    100 / 150 / 180, for the rest of that round only, because the optimiser is rebuilt every round
+    (so the rate jumps back up next round); ``first_task`` is accepted for parity with the code,
+    where both branches set the same value. ``constant`` — ``base_lr``.
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
+    if schedule == "constant":
+        return base_lr
+    if schedule == "cosine":
+        total = max(1, rounds_per_task * epochs)
+        pos = min(total - 1, round_in_task * epochs + epoch)
+        return base_lr * 0.5 * (1.0 + math.cos(math.pi * pos / total))
+    lr = base_lr
+    for e in range(epoch + 1):
+        p = (e + global_round * epochs) % 200
+        if p == 100:
+            lr = base_lr / 5
+        elif p == 150:
+            lr = base_lr / 25
+        elif p == 180:
+            lr = base_lr / 125
+    return lr

@@ -1,0 +1,145 @@
+"""Domain-shift tasks for FCCL-style methods: one client per domain, same labels, different P(X|Y).
+
+=================  ===========================================  =====================  =============
+task               domains (one per client, in partition order)  public set (default)   needs files
+=================  ===========================================  =====================  =============
+``digits-offline``  mnist, uci, mnistm, syn                      fashion_mnist          MNIST (+ FMNIST)
+``digits``          mnist, usps, svhn, syndigits (the paper's)   cifar100               all four + CIFAR-100
+``office-home``     Art, Clipart, Product, Real_World            cifar100               Office-Home + CIFAR-100
+=================  ===========================================  =====================  =============
+
+Private training sets are seeded random subsets of the paper's sizes (Digits: 150 / 80 / 5000 /
+1800; Office-Home: 1400 / 2000 / 2500 / 2000); ``digits-offline`` uses the Digits sizes for its
+four stand-in domains. Callers (the FCCL clients) may ask for smaller sizes for CPU runs. All images
+become 3×32×32 with ImageNet statistics (:data:`DIGITS_FORMAT`), with no augmentation on private data
+[FCCL code]. Each client's :attr:`ClientData.extra_tests` holds every *other* domain's test set, for
+inter-domain accuracy.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from pollen.datasets.domains import load_domain, seeded_subset
+from pollen.datasets.public import load_public
+from pollen.datasets.sources import ImageSet, load_source
+from pollen.datasets.tasks import ClientData, TaskError, TaskOptions, TaskSpec, register_task
+from pollen.datasets.transforms import DIGITS_FORMAT, ImageFormat, to_model_input
+
+
+@dataclass(frozen=True)
+class DomainTask:
+    """A domain-per-client task: its domains, paper training sizes, public set and top-k metric."""
+
+    name: str
+    domains: tuple[str, ...]
+    train_sizes: tuple[int, ...]
+    public_default: str
+    num_classes: int
+    models: tuple[str, ...]
+    top_k: int = 1
+    fmt: ImageFormat = DIGITS_FORMAT
+    kind: str = "digits"  # "digits" (load_domain) or "officehome" (load_source with a domain)
+
+    def domain_of(self, partition_id: int) -> str:
+        return self.domains[partition_id]
+
+
+DIGITS_MODELS = ("resnet10", "resnet12", "efficientnet_b0", "mobilenet_v2")
+DOMAIN_TASKS: dict[str, DomainTask] = {
+    "digits-offline": DomainTask("digits-offline", ("mnist", "uci", "mnistm", "syn"), (150, 80, 5000, 1800),
+                                 "fashion_mnist", 10, DIGITS_MODELS),
+    "digits": DomainTask("digits", ("mnist", "usps", "svhn", "syndigits"), (150, 80, 5000, 1800),
+                         "cifar100", 10, DIGITS_MODELS),
+    "office-home": DomainTask("office-home", ("Art", "Clipart", "Product", "Real_World"), (1400, 2000, 2500, 2000),
+                              "cifar100", 65, ("resnet10", "resnet12", "resnet18", "resnet34"), top_k=5,
+                              kind="officehome"),
+}
+
+
+def get_domain_task(name: str) -> DomainTask:
+    if name not in DOMAIN_TASKS:
+        raise TaskError(f"task {name!r} is not a domain-per-client task; allowed: {', '.join(DOMAIN_TASKS)}")
+    return DOMAIN_TASKS[name]
+
+
+@functools.lru_cache(maxsize=32)
+def _domain_split(kind: str, domain: str, root: str | None, split: str, seed: int, size: int | None) -> ImageSet:
+    """One domain's split, at most ``size`` samples (seeded subset; generated domains render ``size``)."""
+    if kind == "officehome":
+        data = load_source("officehome", root, split, domain=domain)
+        return seeded_subset(data, size, seed, "domain", domain, split) if size and size < len(data) else data
+    if domain in ("syn", "mnistm") and size is not None:  # generated: render only what is needed
+        try:
+            return load_domain(domain, root, split, seed, size)
+        except ValueError:  # more than the domain's digits allow: take all of them
+            return load_domain(domain, root, split, seed)
+    data = load_domain(domain, root, split, seed)
+    return seeded_subset(data, size, seed, "cap", domain, split) if size and size < len(data) else data
+
+
+@functools.lru_cache(maxsize=8)
+def domain_client_data(task: str, opts: TaskOptions, partition_id: int, num_partitions: int,
+                       train_sizes: tuple[int, ...] | None = None, test_size: int = 0) -> ClientData:
+    """Client ``partition_id``'s domain: private train set, own test set, other domains' test sets.
+
+    ``train_sizes`` (one per domain) defaults to the paper's; ``opts.max_train_samples`` caps them
+    further; ``test_size`` (0 = the whole test split) caps every test set. Raises
+    :class:`TaskError` for a wrong client count or sizes larger than a domain holds.
+    """
+    spec = get_domain_task(task)
+    k = len(spec.domains)
+    if num_partitions != k:
+        raise TaskError(f"task {task!r} has one client per domain: num-partitions must be {k}, got {num_partitions}")
+    if not 0 <= partition_id < k:
+        raise TaskError(f"partition id {partition_id} outside 0..{k - 1}")
+    sizes = spec.train_sizes if train_sizes is None else tuple(train_sizes)
+    if len(sizes) != k or any(s < 1 for s in sizes):
+        raise TaskError(f"task {task!r} needs {k} positive training sizes (one per domain), got {sizes}")
+    domain = spec.domain_of(partition_id)
+    size = sizes[partition_id]
+    if opts.max_train_samples > 0:
+        size = min(size, opts.max_train_samples)
+    try:
+        train = _domain_split(spec.kind, domain, opts.data_root, "train", opts.seed, size)
+        tests = {d: _domain_split(spec.kind, d, opts.data_root, "test", opts.seed, test_size or None)
+                 for d in spec.domains}
+    except ValueError as err:
+        raise TaskError(f"task {task!r}, domain {domain!r}: {err}") from err
+    if len(train) < size:
+        raise TaskError(f"task {task!r}: domain {domain!r} has only {len(train)} training samples, {size} requested")
+    own = tests[domain]
+    return ClientData(
+        x_train=to_model_input(train.images, spec.fmt), y_train=train.labels.clone(),
+        x_test=to_model_input(own.images, spec.fmt), y_test=own.labels.clone(),
+        num_classes=spec.num_classes, classes=tuple(range(spec.num_classes)), domain=domain, fmt=spec.fmt,
+        extra_tests={d: (to_model_input(t.images, spec.fmt), t.labels.clone())
+                     for d, t in tests.items() if d != domain})
+
+
+@functools.lru_cache(maxsize=4)
+def public_inputs(name: str, root: str | None, size: int, seed: int, fmt: ImageFormat = DIGITS_FORMAT) -> torch.Tensor:
+    """The public set X0 as normalised model input (N0×C×H×W float32), identical on every client."""
+    return to_model_input(load_public(name, root, size, seed).images, fmt)
+
+
+def _builder(task: str):
+    def build(opts: TaskOptions, partition_id: int, num_partitions: int) -> ClientData:
+        return domain_client_data(task, opts, partition_id, num_partitions)
+    return build
+
+
+for _spec in DOMAIN_TASKS.values():
+    _descr = {
+        "digits-offline": "FCCL offline Digits: MNIST / UCI / MNIST-M / SYN domains, one per client, 3x32x32 "
+                          "(needs data-root with MNIST)",
+        "digits": "FCCL Digits: MNIST / USPS / SVHN / SynDigits, one per client (needs all four under data-root)",
+        "office-home": "FCCL Office-Home: Art / Clipart / Product / Real World, 65 classes, top-5 "
+                       "(needs Office-Home under data-root)",
+    }[_spec.name]
+    register_task(TaskSpec(name=_spec.name, description=_descr, num_classes=_spec.num_classes, fmt=_spec.fmt,
+                           default_model=_spec.models[0], needs_data_root=True, build=_builder(_spec.name),
+                           fixed_partitions=len(_spec.domains), partition_models=_spec.models))

@@ -1,0 +1,502 @@
+"""GLFC's proxy server: gradient inversion of clients' LeNet gradients and best-old-model selection.
+
+Clients that detect a new task send, for each new class, the gradient of ``CE(LeNet(x), c)`` w.r.t. the
+parameters of a fixed, never-trained LeNet whose weights both sides draw from the run seed. The proxy
+
+1. infers each gradient's label from the FC-weight gradient (iDLG: with non-negative features the true
+   class's row is the only one with a negative sum),
+2. reconstructs an image per gradient by DLG gradient matching — dummy ~ N(0, 1), L-BFGS (lr 0.1),
+   loss ``sum_k ||grad_k CE(LeNet(dummy), label) - g_k||^2`` — keeping the last iterates as samples,
+3. scores each new global model on the reconstructed set and keeps the best in two slots (the models
+   clients distil from).
+
+Step 2 is **batched**: per-sample gradients of the LeNet for a whole batch of dummies come from
+``torch.func.vmap(grad(...))``, and :func:`batched_lbfgs` is ``torch.optim.LBFGS`` (no line search)
+with every sample keeping its own history, step size, and stopping tests — so each image follows the
+same trajectory as the official one-by-one loop (:func:`reconstruct_one_by_one`), up to float rounding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+
+# ----------------------------------------------------------------------------------------------
+# label inference
+
+
+def infer_labels(fc_weight_grads: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """Label of each gradient: the row of the FC-weight gradient (C×d, or B×C×d) with the smallest sum."""
+    g = torch.as_tensor(np.asarray(fc_weight_grads) if isinstance(fc_weight_grads, np.ndarray)
+                        else fc_weight_grads)
+    if g.dim() not in (2, 3):
+        raise ValueError(f"fc_weight_grads must be C×d or B×C×d, got shape {tuple(g.shape)}")
+    return torch.argmin(g.sum(-1), dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# gradients of the LeNet
+
+
+def lenet_gradient(lenet: torch.nn.Module, x: torch.Tensor, label: int) -> list[torch.Tensor]:
+    """``grad_theta CE(LeNet(x), label)`` for one image ``x`` (C×H×W), detached, in parameters() order."""
+    params = [p for p in lenet.parameters()]
+    dev = params[0].device
+    out = lenet(x.to(dev, params[0].dtype).unsqueeze(0))
+    loss = F.cross_entropy(out, torch.tensor([int(label)], device=dev))
+    return [g.detach() for g in torch.autograd.grad(loss, params)]
+
+
+def _param_dict(lenet: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in lenet.named_parameters()}
+
+
+def _conv_sigmoid_stack(lenet: torch.nn.Module) -> list[torch.nn.Conv2d] | None:
+    """The convs of a ``body`` made of (Conv2d, Sigmoid) pairs followed by a linear ``head``, else None."""
+    body, head = getattr(lenet, "body", None), getattr(lenet, "head", None)
+    if not isinstance(body, torch.nn.Sequential) or not isinstance(head, torch.nn.Linear):
+        return None
+    mods = list(body)
+    if len(mods) % 2 or not all(isinstance(a, torch.nn.Conv2d) and isinstance(b, torch.nn.Sigmoid)
+                                for a, b in zip(mods[::2], mods[1::2])):
+        return None
+    convs = mods[::2]
+    if any(c.groups != 1 or c.dilation != (1, 1) or c.padding_mode != "zeros" or c.bias is None for c in convs):
+        return None
+    return convs
+
+
+def _lenet_per_sample_gradients(convs: list[torch.nn.Conv2d], head: torch.nn.Linear, x: torch.Tensor,
+                                labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Closed-form per-sample backprop through sigmoid convs + linear head (differentiable in ``x``).
+
+    With ``delta`` the per-sample error at a layer's output, a conv's weight gradient is the per-sample
+    correlation ``delta_b · unfold(input_b)^T`` (one batched matmul) and the error at its input is the
+    transposed convolution — the same quantities autograd computes one sample at a time, for all samples
+    in a few batched kernels.
+    """
+    weights = [(c.weight.detach(), c.bias.detach()) for c in convs]
+    head_w = head.weight.detach()
+    acts = [x]
+    for conv, (w, b) in zip(convs, weights):
+        acts.append(torch.sigmoid(F.conv2d(acts[-1], w, b, conv.stride, conv.padding)))
+    feat = acts[-1].flatten(1)
+    logits = F.linear(feat, head_w, head.bias.detach())
+    delta = torch.softmax(logits, dim=1) - F.one_hot(labels, logits.shape[1]).to(logits.dtype)
+    grads: list[torch.Tensor] = [delta.unsqueeze(2) * feat.unsqueeze(1), delta]  # head weight, head bias
+    d_act = (delta @ head_w).view_as(acts[-1])
+    for i in range(len(convs) - 1, -1, -1):
+        conv, inp, out = convs[i], acts[i], acts[i + 1]
+        d_z = d_act * out * (1.0 - out)
+        cols = F.unfold(inp, conv.kernel_size, padding=conv.padding, stride=conv.stride)  # B×(Cin·k·k)×L
+        g_w = torch.bmm(d_z.flatten(2), cols.transpose(1, 2)).view(-1, *weights[i][0].shape)
+        grads = [g_w, d_z.sum((2, 3))] + grads
+        if i:
+            d_act = torch.nn.grad.conv2d_input(inp.shape, weights[i][0], d_z, conv.stride, conv.padding)
+    return tuple(grads)
+
+
+def per_sample_gradients(lenet: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor,
+                         params: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+    """Per-sample ``grad_theta CE`` for a batch (each output B×param shape); differentiable in ``x``.
+
+    The DLG LeNet (sigmoid convs + linear head) takes a closed-form batched path; any other network
+    falls back to ``torch.func.vmap(grad(...))``.
+    """
+    convs = _conv_sigmoid_stack(lenet)
+    if convs is not None:
+        return _lenet_per_sample_gradients(convs, lenet.head, x, labels)
+    params = _param_dict(lenet) if params is None else params
+
+    def loss_one(p, xi, yi):
+        return F.cross_entropy(functional_call(lenet, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, labels)
+    return tuple(grads[k] for k in params)
+
+
+def per_sample_gradients_vmap(lenet: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Generic per-sample gradients with ``torch.func`` (the reference for the closed-form path)."""
+    params = _param_dict(lenet)
+
+    def loss_one(p, xi, yi):
+        return F.cross_entropy(functional_call(lenet, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, labels)
+    return tuple(grads[k] for k in params)
+
+
+def matching_losses(lenet: torch.nn.Module, dummy: torch.Tensor, labels: torch.Tensor,
+                    targets: Sequence[torch.Tensor], params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Per-sample DLG loss ``sum_k ||grad_k(dummy_b) - target_k[b]||^2`` (B)."""
+    grads = per_sample_gradients(lenet, dummy, labels, params)
+    if len(grads) != len(targets):
+        raise ValueError(f"{len(targets)} target arrays for a LeNet with {len(grads)} parameters")
+    return sum(((g - t) ** 2).flatten(1).sum(1) for g, t in zip(grads, targets))
+
+
+def single_matching_loss(lenet: torch.nn.Module, dummy: torch.Tensor, label: torch.Tensor,
+                         target: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The official loop's loss for one dummy (1×C×H×W): autograd with ``create_graph``."""
+    params = list(lenet.parameters())
+    loss = F.cross_entropy(lenet(dummy), label.view(1))
+    dy_dx = torch.autograd.grad(loss, params, create_graph=True)
+    return sum(((gx - gy) ** 2).sum() for gx, gy in zip(dy_dx, target))
+
+
+# ----------------------------------------------------------------------------------------------
+# batched L-BFGS
+
+
+@dataclass(frozen=True)
+class LBFGSSettings:
+    """``torch.optim.LBFGS`` arguments (its defaults, with DLG's lr); one ``step`` = up to max_iter updates."""
+
+    lr: float = 0.1
+    max_iter: int = 20
+    max_eval: int | None = None  # None: max_iter * 5 // 4, as torch
+    tolerance_grad: float = 1e-7
+    tolerance_change: float = 1e-9
+    history_size: int = 100
+
+    @property
+    def evals(self) -> int:
+        return self.max_eval if self.max_eval is not None else self.max_iter * 5 // 4
+
+
+class BatchedLBFGS:
+    """``torch.optim.LBFGS`` (``line_search_fn=None``) run independently on every row of a B×D tensor.
+
+    ``objective(x) -> (losses B, grads B×D)`` must be separable (row b's loss depends on row b only).
+    Each row keeps its own curvature history, step size, iteration count and stopping tests, so row b
+    ends exactly where ``torch.optim.LBFGS`` started from row b alone would (up to float rounding).
+    """
+
+    def __init__(self, x: torch.Tensor, settings: LBFGSSettings = LBFGSSettings()):
+        if x.dim() != 2:
+            raise ValueError(f"BatchedLBFGS works on B×D tensors, got shape {tuple(x.shape)}")
+        self.x = x.detach().clone()
+        self.s = settings
+        b, d = self.x.shape
+        h = settings.history_size
+        like = dict(dtype=self.x.dtype, device=self.x.device)
+        self.Y = torch.zeros(b, h, d, **like)
+        self.S = torch.zeros(b, h, d, **like)
+        self.ro = torch.zeros(b, h, **like)
+        self.hist_len = torch.zeros(b, dtype=torch.long, device=self.x.device)
+        self.start = torch.zeros(b, dtype=torch.long, device=self.x.device)
+        self.H_diag = torch.ones(b, **like)
+        self.d = torch.zeros(b, d, **like)
+        self.t = torch.zeros(b, **like)
+        self.prev_g = torch.zeros(b, d, **like)
+        self.prev_loss = torch.zeros(b, dtype=torch.float64, device=self.x.device)
+        self.n_iter = torch.zeros(b, dtype=torch.long, device=self.x.device)
+        self.evaluations = 0
+
+    def _push(self, accept: torch.Tensor, y: torch.Tensor, s: torch.Tensor, ys: torch.Tensor) -> None:
+        """Append (y, s, 1/ys) to the accepted rows' histories; a full history drops its oldest pair.
+
+        Histories are ring buffers (``start`` = slot of the oldest pair), so nothing is shifted.
+        """
+        h = self.s.history_size
+        idx = accept.nonzero().squeeze(1)
+        if not len(idx):
+            return
+        full = self.hist_len[idx] == h
+        slot = torch.where(full, self.start[idx], (self.start[idx] + self.hist_len[idx]) % h)
+        self.Y[idx, slot] = y[idx]
+        self.S[idx, slot] = s[idx]
+        self.ro[idx, slot] = 1.0 / ys[idx]
+        self.start[idx] = torch.where(full, (self.start[idx] + 1) % h, self.start[idx])
+        self.hist_len[idx] = torch.where(full, self.hist_len[idx], self.hist_len[idx] + 1)
+
+    def _direction(self, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Two-loop recursion for every row (each over its own history); callers keep the ``rows`` they need."""
+        h = self.s.history_size
+        L = torch.where(rows, self.hist_len, torch.zeros_like(self.hist_len))
+        q = -g
+        depth = int(L.max()) if len(L) else 0
+        uniform = bool((self.start == self.start[0]).all()) if len(L) else True
+        ar = torch.arange(len(L), device=g.device)
+
+        def pair(i: int):
+            if uniform:  # common case: every history started together, so slot i is one view
+                j = (int(self.start[0]) + i) % h
+                return self.S[:, j], self.Y[:, j], self.ro[:, j]
+            j = (self.start + i) % h
+            return self.S[ar, j], self.Y[ar, j], self.ro[ar, j]
+
+        al = torch.zeros(len(L), max(depth, 1), dtype=q.dtype, device=q.device)
+        for i in range(depth - 1, -1, -1):
+            S_i, Y_i, ro_i = pair(i)
+            valid = (i < L).to(q.dtype)
+            al[:, i] = (S_i * q).sum(1) * ro_i * valid
+            q = q - al[:, i, None] * Y_i
+        r = q * self.H_diag[:, None]
+        for i in range(depth):
+            S_i, Y_i, ro_i = pair(i)
+            valid = (i < L).to(q.dtype)
+            be = (Y_i * r).sum(1) * ro_i
+            r = r + S_i * ((al[:, i] - be) * valid)[:, None]
+        return r
+
+    def step(self, objective: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+             active: torch.Tensor | None = None) -> torch.Tensor:
+        """One ``optimizer.step(closure)`` for every row; returns the losses at the start (B)."""
+        s = self.s
+        loss, g = objective(self.x)
+        self.evaluations += 1
+        orig_loss = loss.detach().clone()
+        loss = loss.detach().double()
+        running = g.abs().amax(1) > s.tolerance_grad
+        if active is not None:
+            running &= active
+        current_evals = 1
+        n_iter = 0
+        while n_iter < s.max_iter and running.any():
+            n_iter += 1
+            self.n_iter[running] += 1
+            first = running & (self.n_iter == 1)
+            later = running & ~first
+            if first.any():
+                self.d[first] = -g[first]
+                self.hist_len[first] = 0
+                self.start[first] = 0
+                self.H_diag[first] = 1.0
+            if later.any():
+                y = g - self.prev_g
+                sv = self.d * self.t[:, None]
+                ys = (y * sv).sum(1)
+                accept = later & (ys > 1e-10)
+                if accept.any():
+                    self._push(accept, y, sv, ys)
+                    self.H_diag[accept] = ys[accept] / (y[accept] * y[accept]).sum(1)
+                direction = self._direction(later, g)
+                self.d[later] = direction[later]
+            self.prev_g[running] = g[running]
+            self.prev_loss[running] = loss[running]
+            first_t = torch.clamp(1.0 / g.abs().sum(1), max=1.0) * s.lr
+            self.t[running] = torch.where(first, first_t, torch.full_like(first_t, s.lr))[running]
+            gtd = (g * self.d).sum(1)
+            running &= ~(gtd > -s.tolerance_change)
+            self.x[running] += self.t[running, None] * self.d[running]
+            opt_cond = torch.zeros_like(running)
+            if n_iter != s.max_iter and running.any():
+                new_loss, new_g = objective(self.x)
+                self.evaluations += 1
+                loss = torch.where(running, new_loss.detach().double(), loss)
+                g = torch.where(running[:, None], new_g, g)
+                opt_cond = g.abs().amax(1) <= s.tolerance_grad
+                current_evals += 1
+            if n_iter == s.max_iter or current_evals >= s.evals:
+                break
+            small_step = (self.d * self.t[:, None]).abs().amax(1) <= s.tolerance_change
+            flat = (loss - self.prev_loss).abs() < s.tolerance_change
+            running &= ~(opt_cond | small_step | flat)
+        return orig_loss
+
+
+# ----------------------------------------------------------------------------------------------
+# reconstruction
+
+
+@dataclass
+class Reconstruction:
+    """Images kept per gradient (B×K×C×H×W, the last K iterates), labels (B), final matching losses (B)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    losses: torch.Tensor
+    initial_losses: torch.Tensor
+    seconds: float
+    evaluations: int = 0
+
+    def samples(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All kept iterates as one labelled set (B·K images)."""
+        b, k = self.images.shape[:2]
+        return self.images.reshape(b * k, *self.images.shape[2:]), self.labels.repeat_interleave(k)
+
+
+def dummy_init(shape: Sequence[int], seed: int, dtype=torch.float32) -> torch.Tensor:
+    """The dummy image of one gradient: N(0, 1) from a generator seeded with ``seed`` (CPU, reproducible)."""
+    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(int(seed)), dtype=dtype)
+
+
+def _stack_targets(grads: Sequence[Sequence[torch.Tensor | np.ndarray]], like: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.stack([torch.as_tensor(np.asarray(g[k]) if isinstance(g[k], np.ndarray) else g[k])
+                         for g in grads]).to(like.device, like.dtype)
+            for k in range(len(grads[0]))]
+
+
+def reconstruct_batched(lenet: torch.nn.Module, grads: Sequence[Sequence[torch.Tensor | np.ndarray]],
+                        image_shape: Sequence[int], seeds: Sequence[int], *, iterations: int = 250,
+                        keep_last: int = 20, settings: LBFGSSettings = LBFGSSettings(),
+                        labels: torch.Tensor | None = None, chunk: int = 256) -> Reconstruction:
+    """Invert many gradients together (``chunk`` at a time); same trajectory per image as one-by-one."""
+    if len(grads) == 0:
+        raise ValueError("reconstruct_batched needs at least one gradient")
+    if len(seeds) != len(grads):
+        raise ValueError(f"{len(seeds)} seeds for {len(grads)} gradients")
+    if not 0 < keep_last <= iterations:
+        raise ValueError(f"need 0 < keep_last <= iterations, got {keep_last} and {iterations}")
+    ref = next(lenet.parameters())
+    started = time.perf_counter()
+    params = _param_dict(lenet)
+    targets_all = _stack_targets(grads, ref)
+    if labels is None:
+        labels = infer_labels(targets_all[-2])
+    labels = labels.to(ref.device)
+    images, losses, initial, evals = [], [], [], 0
+    for lo in range(0, len(grads), chunk):
+        hi = min(len(grads), lo + chunk)
+        targets = [t[lo:hi] for t in targets_all]
+        y = labels[lo:hi]
+        x0 = torch.stack([dummy_init(image_shape, s, ref.dtype) for s in seeds[lo:hi]]).to(ref.device)
+
+        def objective(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.enable_grad():
+                xx = flat.detach().view(-1, *image_shape).requires_grad_(True)
+                per = matching_losses(lenet, xx, y, targets, params)
+                (gx,) = torch.autograd.grad(per.sum(), xx)
+            return per.detach(), gx.flatten(1)
+
+        opt = BatchedLBFGS(x0.flatten(1), settings)
+        kept = []
+        for it in range(iterations):
+            start_loss = opt.step(objective)
+            if it == 0:
+                initial.append(start_loss)
+            if it >= iterations - keep_last:
+                kept.append(opt.x.view(-1, *image_shape).clone())
+        final, _ = objective(opt.x)
+        images.append(torch.stack(kept, 1))
+        losses.append(final)
+        evals += opt.evaluations + 1
+    return Reconstruction(torch.cat(images).cpu(), labels.cpu(), torch.cat(losses).cpu(),
+                          torch.cat(initial).cpu(), time.perf_counter() - started, evals)
+
+
+def reconstruct_one_by_one(lenet: torch.nn.Module, grads: Sequence[Sequence[torch.Tensor | np.ndarray]],
+                           image_shape: Sequence[int], seeds: Sequence[int], *, iterations: int = 250,
+                           keep_last: int = 20, settings: LBFGSSettings = LBFGSSettings(),
+                           labels: torch.Tensor | None = None) -> Reconstruction:
+    """The official loop: one ``torch.optim.LBFGS`` per gradient, autograd with ``create_graph``."""
+    if len(seeds) != len(grads):
+        raise ValueError(f"{len(seeds)} seeds for {len(grads)} gradients")
+    ref = next(lenet.parameters())
+    started = time.perf_counter()
+    targets_all = _stack_targets(grads, ref)
+    if labels is None:
+        labels = infer_labels(targets_all[-2])
+    labels = labels.to(ref.device)
+    images, losses, initial = [], [], []
+    evals = 0
+    for b in range(len(grads)):
+        target = [t[b] for t in targets_all]
+        label = labels[b]
+        dummy = dummy_init(image_shape, seeds[b], ref.dtype).to(ref.device).unsqueeze(0).requires_grad_(True)
+        opt = torch.optim.LBFGS([dummy], lr=settings.lr, max_iter=settings.max_iter, max_eval=settings.max_eval,
+                                tolerance_grad=settings.tolerance_grad, tolerance_change=settings.tolerance_change,
+                                history_size=settings.history_size)
+
+        def closure():
+            nonlocal evals
+            evals += 1
+            opt.zero_grad()
+            loss = single_matching_loss(lenet, dummy, label, target)
+            loss.backward()
+            return loss
+
+        kept = []
+        for it in range(iterations):
+            start = opt.step(closure)
+            if it == 0:
+                initial.append(start.detach().reshape(()))
+            if it >= iterations - keep_last:
+                kept.append(dummy.detach().squeeze(0).clone())
+        with torch.enable_grad():
+            losses.append(single_matching_loss(lenet, dummy, label, target).detach())
+        images.append(torch.stack(kept))
+    return Reconstruction(torch.stack(images).cpu(), labels.cpu(), torch.stack(losses).cpu(),
+                          torch.stack(initial).cpu(), time.perf_counter() - started, evals)
+
+
+# ----------------------------------------------------------------------------------------------
+# best-old-model selection
+
+
+@dataclass
+class ModelSlot:
+    """A designated old model: its full state arrays, head size and version (0 = empty)."""
+
+    arrays: list[np.ndarray] | None = None
+    num_classes: int = 0
+    version: int = 0
+
+
+@dataclass
+class ProxyState:
+    """The proxy's memory: the monitor set, the best score, the two slots, the last task with gradients."""
+
+    monitor_x: torch.Tensor | None = None
+    monitor_y: torch.Tensor | None = None
+    best_score: float = float("-inf")
+    slot1: ModelSlot = field(default_factory=ModelSlot)
+    slot2: ModelSlot = field(default_factory=ModelSlot)
+    task: int = -1
+    versions: int = 0
+
+    def _next_version(self) -> int:
+        self.versions += 1
+        return self.versions
+
+    def receive(self, task: int, images: torch.Tensor | None, labels: torch.Tensor | None,
+                reset_per_task: bool = True) -> bool:
+        """Add reconstructions of round gradients; the first gradients of a new task rotate the slots.
+
+        Returns True when the slots rotated (``best_model_1 <- best_model_2``).
+        """
+        if images is None or len(images) == 0:
+            return False
+        rotated = False
+        if task > self.task:
+            self.task = task
+            if self.slot2.arrays is not None:
+                self.slot1 = ModelSlot(self.slot2.arrays, self.slot2.num_classes, self._next_version())
+            self.monitor_x, self.monitor_y = images, labels
+            if reset_per_task:
+                self.best_score = float("-inf")
+            rotated = True
+        else:
+            self.monitor_x = torch.cat([self.monitor_x, images]) if self.monitor_x is not None else images
+            self.monitor_y = torch.cat([self.monitor_y, labels]) if self.monitor_y is not None else labels
+        return rotated
+
+    def consider(self, score: float, arrays: list[np.ndarray], num_classes: int) -> bool:
+        """Make the global model ``best_model_2`` when it scores at least the best so far."""
+        if score >= self.best_score:
+            self.best_score = score
+            self.slot2 = ModelSlot([a.copy() for a in arrays], num_classes, self._next_version())
+            return True
+        return False
+
+
+@torch.no_grad()
+def monitor_accuracy(model: torch.nn.Module, x: torch.Tensor | None, y: torch.Tensor | None,
+                     device: torch.device, batch_size: int = 512) -> float:
+    """Top-1 accuracy of ``model`` on the reconstructed set (0 when empty)."""
+    if x is None or len(x) == 0:
+        return 0.0
+    model.eval()
+    correct = 0
+    for i in range(0, len(x), batch_size):
+        out = model(x[i:i + batch_size].to(device))
+        correct += int((out.argmax(1).cpu() == y[i:i + batch_size]).sum())
+    return correct / len(x)

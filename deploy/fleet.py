@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -54,6 +55,8 @@ DEFAULT_OUT_DIR = PROJECT_ROOT / "runs"
 EXIT_NOT_COMPLETED = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124
+# The last line of a Python traceback: "package.module.SomeError: message".
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): .+$", re.M)
 
 
 class FleetInterrupted(Exception):
@@ -223,6 +226,7 @@ class FleetReport:
     teardown_s: float | None = None
     total_s: float | None = None
     nodes: list[dict[str, Any]] = field(default_factory=list)
+    client_errors: dict[str, list[str]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -348,7 +352,7 @@ class Fleet:
     def close(self) -> None:
         """Stop SuperNodes, then the SuperLink (reverse start order); signals are held off meanwhile."""
         began = time.monotonic()
-        blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM}
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:
             old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
@@ -358,6 +362,21 @@ class Fleet:
             self.teardown_s = round(time.monotonic() - began, 2)
             if in_main:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def client_errors(self) -> dict[str, list[str]]:
+        """Exceptions raised by ClientApps, per SuperNode, from the SuperNode logs (distinct, in order).
+
+        The server only learns that a client failed; the reason (e.g. a ``ConfigError`` naming a missing
+        node-config key) is in the traceback the SuperNode logged.
+        """
+        found: dict[str, list[str]] = {}
+        for node in self.supernodes:
+            if not node.log_path.exists():
+                continue
+            lines = _EXCEPTION_LINE.findall(node.log_path.read_text(errors="replace"))
+            if lines:
+                found[node.spec.name] = list(dict.fromkeys(line.strip() for line in lines))
+        return found
 
     def log_tails(self, lines: int = 25) -> str:
         """The end of every log, for a failure report."""
@@ -372,31 +391,61 @@ class Fleet:
 
 
 def groups_alive(groups: Sequence[int]) -> list[int]:
-    """The process groups among ``groups`` that still have a member."""
-    alive = []
-    for pgid in groups:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+    """The process groups among ``groups`` that still have a running (non-zombie) member.
+
+    Zombies are skipped: a process whose parent died is reaped by init, and a container's init may
+    never do it, yet a zombie holds no port, memory or CPU.
+    """
+    wanted = set(groups)
+    proc_root = Path("/proc")
+    if not proc_root.is_dir():  # not Linux: fall back to "can the group be signalled"
+        alive = []
+        for pgid in groups:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                pass
+            alive.append(pgid)
+        return alive
+    running: set[int] = set()
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
             continue
-        except PermissionError:
-            pass
-        alive.append(pgid)
-    return alive
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        if int(fields[2]) in wanted and fields[0] not in ("Z", "X"):
+            running.add(int(fields[2]))
+    return [g for g in groups if g in running]
 
 
 # --- command line ------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """SIGTERM/SIGHUP raise :class:`FleetInterrupted` (SIGINT already raises KeyboardInterrupt)."""
-    def handler(signum, _frame):
+def _signals_raise(timeout: float) -> Iterator[None]:
+    """SIGTERM/SIGHUP raise :class:`FleetInterrupted` (SIGINT already raises KeyboardInterrupt), and
+    a real-time alarm raises :class:`TimeoutError` after ``timeout`` seconds.
+
+    The alarm is what makes ``--timeout`` hold even when the run hangs silently (e.g. waiting for
+    clients that never come): a blocked log stream alone would never notice.
+    """
+    def on_signal(signum, _frame):
         raise FleetInterrupted(signum)
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    def on_alarm(_signum, _frame):
+        raise TimeoutError(f"the fleet run did not finish within {timeout:.0f}s")
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         yield
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         for s, h in previous.items():
             signal.signal(s, h)
 
@@ -458,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = EXIT_NOT_COMPLETED
     fleet = Fleet(work_dir, tls=args.tls, hosts=args.host)
     started = time.monotonic()
-    with _signals_raise():
+    with _signals_raise(args.timeout):
         try:
             try:
                 with fleet:
@@ -470,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     report.run_id, report.status = outcome.run_id, outcome.status
                     report.run_s = round(outcome.wall_time_s, 2)
                     code = 0 if outcome.completed else EXIT_NOT_COMPLETED
-            except TimeoutError as err:
+            except TimeoutError as err:  # the alarm, or a wait inside the fleet
                 report.status, code = f"timeout: {err}", EXIT_TIMEOUT
             except FleetInterrupted as err:
                 report.status, code = str(err), 128 + err.signum
@@ -478,14 +527,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report.status, code = "interrupted by SIGINT", 128 + signal.SIGINT
             except (RuntimeError, OSError, certs.CertError) as err:
                 report.status, code = f"error: {err}", EXIT_NOT_COMPLETED
-        except (FleetInterrupted, KeyboardInterrupt):
-            report.status, code = "interrupted during teardown", 128 + signal.SIGTERM
+        except (FleetInterrupted, KeyboardInterrupt, TimeoutError) as err:  # a second signal, while unwinding
+            signum = err.signum if isinstance(err, FleetInterrupted) else signal.SIGINT
+            report.status = f"{report.status}; then interrupted again ({type(err).__name__})"
+            code = EXIT_TIMEOUT if isinstance(err, TimeoutError) and code == 0 else code or 128 + signum
     ended = time.monotonic()
     report.teardown_s = fleet.teardown_s
     report.total_s = round(ended - started, 2)
     report.superlink_pid = fleet.superlink_proc.pid if fleet.superlink_proc is not None else None
     report.nodes = [{"name": n.spec.name, "pid": n.pid, "node-config": n.spec.node_config, "gpu": n.spec.gpu,
                      "exit-code": n.proc.returncode} for n in fleet.supernodes]
+    report.client_errors = fleet.client_errors()
     if report.run_id is not None:
         run_dir = Path(values["out-dir"]) / str(report.run_id)
         if run_dir.is_dir():
@@ -520,6 +572,9 @@ def _print_report(report: FleetReport, fleet: Fleet, code: int) -> None:
                 extra += f" | final {acc.get('metric')} {acc['mean']:.4f}"
             extra += f" | failures {summary.get('failures-total', 0)} rejected {summary.get('rejected-total', 0)}"
         print(f"[fleet] results: {report.results_dir}{extra}", flush=True)
+    for name, errors in report.client_errors.items():
+        for error in errors[:3]:
+            print(f"[fleet] ClientApp error on {name}: {error}", flush=True)
     if code != 0:
         print(fleet.log_tails(), file=sys.stderr, flush=True)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.fleet import (EXIT_USAGE, Fleet, NodeSpec, compose_run_config, format_config, groups_alive, main,
+from deploy.fleet import (EXIT_USAGE, Fleet, NodeSpec, SuperNode, compose_run_config, format_config, groups_alive, main,
                           parse_config_string, plan_nodes)
 from pollen.app import launch
 from pollen.app.config import ConfigError
@@ -108,6 +108,32 @@ def test_cli_refuses_bad_options_before_starting_anything(tmp_path, capsys, argv
     assert not work.exists()  # nothing was started, not even a FLWR_HOME
 
 
+def test_client_errors_are_read_from_supernode_logs(tmp_path):
+    fleet = Fleet(tmp_path)
+    log = tmp_path / "a.log"
+    log.write_text("INFO: Starting\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+                   "pollen.app.config.ConfigError: node config is missing 'partition-id': start ...\n"
+                   "ERROR: Exit Code: 800\nValueError: bad shape\n"
+                   "pollen.app.config.ConfigError: node config is missing 'partition-id': start ...\n")
+    quiet = tmp_path / "b.log"
+    quiet.write_text("INFO: Sent successfully\nno error here: fine\n")
+    fleet.supernodes = [SuperNode(NodeSpec("a", {}), None, log), SuperNode(NodeSpec("b", {}), None, quiet)]
+    assert fleet.client_errors() == {"a": [
+        "pollen.app.config.ConfigError: node config is missing 'partition-id': start ...", "ValueError: bad shape"]}
+
+
+def test_groups_alive_sees_running_groups_only():
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert groups_alive([proc.pid]) == [proc.pid]
+    finally:
+        proc.kill()
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie now
+    assert groups_alive([proc.pid]) == []
+    proc.wait()
+    assert groups_alive([proc.pid]) == []
+
+
 def test_cli_refuses_a_work_dir_inside_the_app(capsys):
     assert main(["--work-dir", str(PROJECT_ROOT / "fleet-work")]) == EXIT_USAGE
     assert "inside the app directory" in capsys.readouterr().err
@@ -176,6 +202,7 @@ def test_method_on_fleet_survives_a_lost_node_and_reports_a_misconfigured_one(ca
         assert not thread.is_alive(), fleet.log_tails()
         groups = fleet.process_groups()
         bad_log = misconfigured.log_path.read_text(errors="replace")
+        client_errors = fleet.client_errors()
     assert not groups_alive(groups), "a SuperLink/SuperNode outlived its fleet"
     assert "error" not in done, done.get("error")
     outcome = done["outcome"]
@@ -194,7 +221,9 @@ def test_method_on_fleet_survives_a_lost_node_and_reports_a_misconfigured_one(ca
     assert (run_dir / "curves.png").stat().st_size > 0
     # The misconfigured SuperNode failed at its first message, naming the missing key.
     assert "node config is missing 'partition-id'" in bad_log
-    assert "received 1 results and 2 failures" in outcome.log or "failures" in outcome.log
+    assert list(client_errors) == ["no_partition_id"]
+    assert any(e.startswith("pollen.app.config.ConfigError: node config is missing 'partition-id'")
+               for e in client_errors["no_partition_id"])
 
 
 @pytest.mark.e2e
@@ -266,3 +295,16 @@ def test_cli_tears_the_fleet_down_on_sigterm(tmp_path):
     assert "interrupted by SIGTERM" in text
     assert len(pids) == 3  # SuperLink + 2 SuperNodes
     assert not groups_alive(pids), text[-3000:]
+
+
+@pytest.mark.e2e
+def test_cli_timeout_stops_the_fleet(tmp_path):
+    """`--timeout` holds even while the CLI is blocked on the log stream: exit 124, nothing left running."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.fleet", "--num-supernodes", "2", "--rounds", "3", "--timeout", "12",
+         "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "runs")],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=180)
+    pids = _pids_in(proc.stdout)
+    assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "timeout: the fleet run did not finish within 12s" in proc.stdout
+    assert pids and not groups_alive(pids)

@@ -29,3 +29,16 @@ def test_recorder_writes_round_lines_summary_and_plot(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     out = capsys.readouterr().out
     assert "round 2/2" in out and "accuracy 0.7500 ± 0.1000" in out and "rejected 1" in out
+
+
+def test_recording_strategy_keeps_failure_reasons(tmp_path):
+    from pollen.app.results import RecordingStrategy
+    from pollen.strategies.weights import LocalOnly
+
+    rec = RunRecorder(tmp_path / "run", {"method": "local"}, num_rounds=1, echo=False)
+    strategy = RecordingStrategy(LocalOnly(), rec)
+    strategy.aggregate_fit(1, [], [RuntimeError("node config is missing 'partition-id'")])
+    rec.end_round(1)
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert line["failures"] == 1
+    assert line["failure-reasons"] == [{"stage": "fit", "reason": "RuntimeError: node config is missing 'partition-id'"}]

@@ -18,10 +18,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Empty, Queue
 from typing import Iterator, Sequence
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -128,10 +130,10 @@ def superlink(flwr_home: Path, *, simulation: bool, port: int | None = None,
         proc = subprocess.Popen(args, cwd=flwr_home, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        if root_certificates is None and "--ssl-certfile" not in extra_args:
+        if root_certificates is None:
             wait_healthy(port, proc)
         else:
-            time.sleep(3.0)  # TLS health needs the CA; flwr commands below retry on their own
+            wait_healthy_tls(port, root_certificates, proc)
         yield connection, port, proc
     finally:
         stop_process(proc)
@@ -182,20 +184,28 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     stream = subprocess.Popen([flower_bin("flwr"), "log", str(run_id), connection, "--stream"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     status = "unknown"
+    # A reader thread, so a run that hangs silently (e.g. waiting for clients) still hits the deadline.
+    queue: "Queue[str | None]" = Queue()
+    reader = threading.Thread(target=_pump_lines, args=(stream, queue), daemon=True)
+    reader.start()
     try:
-        assert stream.stdout is not None
         deadline = started + timeout
         while True:
-            line = stream.stdout.readline()
-            if line:
-                lines.append(line)
-                if echo:
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
-            elif stream.poll() is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                with contextlib.suppress(Exception):
+                    _flwr(["stop", str(run_id), connection], env, timeout=60)
+                raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f}s (stopped it)")
+            try:
+                line = queue.get(timeout=min(remaining, 1.0))
+            except Empty:
+                continue
+            if line is None:
                 break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f}s")
+            lines.append(line)
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
         # The stream can end a moment before the status is final; poll briefly.
         for _ in range(60):
             status = run_status(run_id, connection, env)
@@ -205,6 +215,13 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     finally:
         stop_process(stream, grace=2.0)
     return RunOutcome(run_id, status, time.monotonic() - started, "".join(lines))
+
+
+def _pump_lines(proc: subprocess.Popen, queue: "Queue[str | None]") -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        queue.put(line)
+    queue.put(None)
 
 
 def run_status(run_id: int, connection: str, env: dict[str, str]) -> str:

@@ -175,6 +175,18 @@ def plot_curves(rounds: list[dict[str, Any]], path: Path, title: str = "") -> No
     plt.close(fig)
 
 
+def _record_failures(rec: dict[str, Any], stage: str, failures) -> None:
+    """Count failed client calls and keep why (a ClientApp exception arrives as its message)."""
+    rec["failures"] += len(failures)
+    for failure in failures:
+        if isinstance(failure, BaseException):
+            reason = f"{type(failure).__name__}: {failure}"
+        else:  # (proxy, result) with a non-OK status
+            proxy, res = failure
+            reason = f"node {proxy.cid}: {getattr(res.status, 'message', res.status)}"
+        rec.setdefault("failure-reasons", []).append({"stage": stage, "reason": reason[-2000:]})
+
+
 class RecordingStrategy(Strategy):
     """Delegates everything to ``inner`` and records payload sizes, client metrics and rejections."""
 
@@ -201,7 +213,7 @@ class RecordingStrategy(Strategy):
     def aggregate_fit(self, server_round, results, failures):
         rec = self.recorder.round(server_round)
         rec["bytes-up"] += sum(parameters_nbytes(res.parameters) for _, res in results)
-        rec["failures"] += len(failures)
+        _record_failures(rec, "fit", failures)
         for proxy, res in results:
             rec["fit-clients"][client_label(res.metrics, proxy.cid)] = {
                 **_clean(res.metrics), "num-examples": res.num_examples,
@@ -221,7 +233,7 @@ class RecordingStrategy(Strategy):
 
     def aggregate_evaluate(self, server_round, results, failures):
         rec = self.recorder.round(server_round)
-        rec["failures"] += len(failures)
+        _record_failures(rec, "evaluate", failures)
         for proxy, res in results:
             rec["evaluate-clients"][client_label(res.metrics, proxy.cid)] = {
                 **_clean(res.metrics), "loss": res.loss, "num-examples": res.num_examples}

@@ -90,13 +90,21 @@ def model_bytes(width: float) -> dict:
     return out
 
 
+ROW_ORDER = ("SOLO (round 0)", "SOLO", "FedMD", "FedDF", "FCCL w/o CON", "FCCL")
+
+
+def ordered(names):
+    """Table rows in the paper's order (baselines first, FCCL last), whatever order a JSON kept."""
+    return sorted(names, key=lambda n: ROW_ORDER.index(n) if n in ROW_ORDER else len(ROW_ORDER))
+
+
 def fmt_row(name: str, vals: dict) -> str:
     return f"| {name} | " + " | ".join(f"{vals.get(d, float('nan')):.2f}" for d in (*DOMAINS, "AVG")) + " |"
 
 
-def write_outputs(results: dict, out: Path) -> None:
+def write_outputs(results: dict, out: Path, stem: str = "fccl_digits_offline") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fccl_digits_offline.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     s = results["settings"]
     lines = [
         "# FCCL on the offline Digits task (quick profile)",
@@ -115,15 +123,17 @@ def write_outputs(results: dict, out: Path) -> None:
         "|---|---|---|---|---|---|",
     ]
     tables = results["tables"]
-    for name, vals in tables["inter"].items():
-        lines.append(fmt_row(name, vals))
+    for name in ordered(tables["inter"]):
+        lines.append(fmt_row(name, tables["inter"][name]))
     lines += ["", "## Intra-domain accuracy (Table 2 shape): each model on its own domain's test set", "",
               "| method | M | U | MM | SY | AVG |", "|---|---|---|---|---|---|"]
-    for name, vals in tables["intra"].items():
-        lines.append(fmt_row(name, vals))
+    for name in ordered(tables["intra"]):
+        lines.append(fmt_row(name, tables["intra"][name]))
     lines += ["", "## Communication per client per round", "",
-              "| method | up (bytes) | down (bytes) |", "|---|---|---|"]
-    for method, comm in results["communication"].items():
+              "| method | up (bytes) | down (bytes, mean over rounds) |", "|---|---|---|"]
+    by_label = {LABELS[m]: m for m in results["runs"]}
+    for method in (by_label[n] for n in ordered(by_label)):
+        comm = results["communication"][method]
         lines.append(f"| {LABELS[method]} | {comm['up']:.0f} | {comm['down']:.0f} |")
     mb, full = results["fedavg-model-bytes"], results["fedavg-model-bytes-full"]
     lines += ["", "FedAvg would instead send a whole model each way (float32 state; it also needs one architecture "
@@ -134,20 +144,45 @@ def write_outputs(results: dict, out: Path) -> None:
               "## Inter-domain AVG per round (client mean, %)", "",
               "| method | " + " | ".join(str(r) for r in range(s["rounds"] + 1)) + " |",
               "|---|" + "---|" * (s["rounds"] + 1)]
-    for method, run in results["runs"].items():
+    for method in (by_label[n] for n in ordered(by_label)):
+        run = results["runs"][method]
         solo = run["solo-round0"]
         vals = [100 * sum(c["inter-accuracy"] for c in solo.values()) / max(len(solo), 1)]
         vals += [100 * sum(c["inter-accuracy"] for c in r["clients"].values()) / max(len(r["clients"]), 1)
                  for r in run["rounds"]]
         lines.append(f"| {LABELS[method]} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
-    lines += ["", "## Checks (paper ordering)", ""]
+    lines += ["", "## Checks (paper ordering), last round", ""]
     for text in results["checks"]:
         lines.append(f"- {text}")
-    walls = ", ".join(f"{LABELS[m]} {t:.0f}" for m, t in results["wall-time-s"].items())
+    tail = last_rounds_mean(results, 3)
+    lines += ["", "## Less noisy: AVG over clients, then mean over the last 3 rounds (%)", "",
+              "| method | inter AVG | intra AVG |", "|---|---|---|"]
+    for name in ordered(tail):
+        lines.append(f"| {name} | {tail[name]['inter']:.2f} | {tail[name]['intra']:.2f} |")
+    lines.append("")
+    for a, b, key in (("FCCL", "SOLO", "inter"), ("FCCL", "FedDF", "inter"), ("FCCL", "FedMD", "inter"),
+                      ("FCCL", "FCCL w/o CON", "inter"), ("FedDF", "SOLO", "inter"), ("FedMD", "SOLO", "inter"),
+                      ("FCCL", "SOLO", "intra")):
+        if a in tail and b in tail:
+            x, y = tail[a][key], tail[b][key]
+            lines.append(f"- {key}-domain, last-3 mean: {a} {x:.2f} vs {b} {y:.2f} ({x - y:+.2f})")
+    walls = ", ".join(f"{LABELS[m]} {results['wall-time-s'][m]:.0f}" for m in METHODS if m in results["wall-time-s"])
     lines += ["", f"Wall time per method (s, 2 CPU cores; SOLO pretraining is in the first run): {walls}",
-              "", "![accuracy vs round](fccl_digits_offline.png)", ""]
-    (out / "fccl_digits_offline.md").write_text("\n".join(lines))
-    plot(results, out / "fccl_digits_offline.png")
+              "", f"![accuracy vs round]({stem}.png)", ""]
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    plot(results, out / f"{stem}.png")
+
+
+def last_rounds_mean(results: dict, k: int) -> dict:
+    """Per method: client-mean inter/intra accuracy (%) averaged over the last ``k`` rounds."""
+    out = {}
+    for method, run in results["runs"].items():
+        recs = run["rounds"][-k:]
+        out[LABELS[method]] = {
+            key: sum(100 * sum(c[f"{key}-accuracy"] for c in r["clients"].values()) / len(r["clients"])
+                     for r in recs) / len(recs)
+            for key in ("inter", "intra")}
+    return out
 
 
 def plot(results: dict, path: Path) -> None:
@@ -158,7 +193,8 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "inter-accuracy", "inter-domain"), (axes[1], "intra-accuracy", "intra-domain")):
-        for method, run in results["runs"].items():
+        for method in sorted(results["runs"], key=lambda m: METHODS.index(m) if m in METHODS else 99):
+            run = results["runs"][method]
             solo = run["solo-round0"]
             xs, ys = [0], [100 * sum(solo[d][key] for d in solo) / max(len(solo), 1)]
             for rec in run["rounds"]:
@@ -226,11 +262,12 @@ def main(argv=None) -> int:
     p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--work", type=Path, default=None, help="run folders and SOLO cache (default: a temp dir)")
+    p.add_argument("--stem", default="fccl_digits_offline", help="output file name stem")
     p.add_argument("--render", type=Path, default=None,
                    help="only rewrite the Markdown and PNG from an existing results JSON")
     args = p.parse_args(argv)
     if args.render is not None:
-        write_outputs(json.loads(args.render.read_text()), args.out)
+        write_outputs(json.loads(args.render.read_text()), args.out, args.stem)
         return 0
     args.data_root = str(Path(args.data_root).resolve())
     work = (args.work or Path(tempfile.mkdtemp(prefix="pollen-fccl-bench-"))).resolve()
@@ -251,7 +288,7 @@ def main(argv=None) -> int:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args_ns = argparse.Namespace(**settings)
     results = summarise(args_ns, runs, walls)
-    write_outputs(results, args.out)
+    write_outputs(results, args.out, args.stem)
     print("\n".join(results["checks"]))
     return 0
 

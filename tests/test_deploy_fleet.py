@@ -154,6 +154,7 @@ class FleetCase:
 # One entry per method family (families land over time; see deploy/README.md, "Covered methods").
 FLEET_CASES = [
     pytest.param(FleetCase("fedavg", {"local-epochs": 1}), id="weights-fedavg"),
+    pytest.param(FleetCase("fedproto", {"local-epochs": 1, "max-train-samples": 200}), id="prototypes-fedproto"),
 ]
 
 

@@ -25,13 +25,13 @@ from typing import Sequence
 
 import numpy as np
 from flwr.common import (EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar,
-                         ndarrays_to_parameters, parameters_to_ndarrays)
+                         ndarrays_to_parameters)
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from pollen.strategies.metrics import mean_std_metrics
-from pollen.strategies.validation import ArraySpec, check_arrays, client_label, specs_like
+from pollen.strategies.validation import ArraySpec, check_arrays, specs_like
 from pollen.strategies.weights import RejectionLog, average_arrays
 
 
@@ -121,24 +121,18 @@ class LogitAveraging(RejectionLog, Strategy):
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures) -> tuple[Parameters | None, dict[str, Scalar]]:
-        accepted: list[tuple[ClientProxy, list[np.ndarray], FitRes]] = []
         reference = self.weights
-        for proxy, res in results:
-            label = client_label(res.metrics, proxy.cid)
-            try:
-                arrays = parameters_to_ndarrays(res.parameters)
-            except Exception as err:  # undecodable bytes are a bad reply, not a crash
-                self.reject(server_round, label, f"undecodable parameters ({err})")
-                continue
+
+        def check(arrays: list[np.ndarray], res: FitRes) -> str | None:
+            nonlocal reference
             reason = check_arrays(arrays, self._reply_specs(arrays, reference))
             if reason is None and res.num_examples <= 0:
                 reason = f"num_examples = {res.num_examples} (must be > 0)"
-            if reason is not None:
-                self.reject(server_round, label, reason)
-                continue
-            if self.average_weights and reference is None:
-                reference = arrays[1:]
-            accepted.append((proxy, arrays, res))
+            if reason is None and self.average_weights and reference is None:
+                reference = arrays[1:]  # the first good reply fixes the shapes of round 1
+            return reason
+
+        accepted = self.screen_replies(server_round, results, check)
         metrics: dict[str, Scalar] = {"accepted": len(accepted), "rejected": len(results) - len(accepted),
                                       "failures": len(failures)}
         if not accepted:  # keep last round's consensus: better stale than nothing

@@ -20,13 +20,13 @@ from typing import Sequence
 
 import numpy as np
 from flwr.common import (EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar,
-                         ndarrays_to_parameters, parameters_to_ndarrays)
+                         ndarrays_to_parameters)
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from pollen.strategies.metrics import mean_std_metrics
-from pollen.strategies.validation import ArraySpec, check_arrays, client_label
+from pollen.strategies.validation import ArraySpec, check_arrays
 from pollen.strategies.weights import RejectionLog
 
 PROTO_WEIGHTINGS = ("samples", "uniform")
@@ -175,19 +175,8 @@ class PrototypeStrategy(RejectionLog, Strategy):
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures) -> tuple[Parameters | None, dict[str, Scalar]]:
-        accepted: list[tuple[list[np.ndarray], FitRes]] = []
-        for proxy, res in results:
-            label = client_label(res.metrics, proxy.cid)
-            try:
-                arrays = parameters_to_ndarrays(res.parameters)
-            except Exception as err:  # undecodable bytes are a bad reply, not a crash
-                self.reject(server_round, label, f"undecodable parameters ({err})")
-                continue
-            reason = self.check_reply(arrays)
-            if reason is not None:
-                self.reject(server_round, label, reason)
-                continue
-            accepted.append((arrays, res))
+        accepted = [(arrays, res) for _, arrays, res in
+                    self.screen_replies(server_round, results, lambda arrays, _res: self.check_reply(arrays))]
         metrics: dict[str, Scalar] = {"accepted": len(accepted), "rejected": len(results) - len(accepted),
                                       "failures": len(failures)}
         if accepted:

@@ -6,7 +6,7 @@ adapters that validate replies against the current global model and call it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from flwr.common import (EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar,
@@ -57,6 +57,25 @@ class RejectionLog:
         taken, self.rejections = self.rejections, []
         return taken
 
+    def screen_replies(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
+                       check: Callable[[list[np.ndarray], FitRes], str | None],
+                       ) -> list[tuple[ClientProxy, list[np.ndarray], FitRes]]:
+        """Decode each reply and keep those ``check`` accepts; the rest are rejected with the reason."""
+        accepted = []
+        for proxy, res in results:
+            label = client_label(res.metrics, proxy.cid)
+            try:
+                arrays = parameters_to_ndarrays(res.parameters)
+            except Exception as err:  # undecodable bytes are a bad reply, not a crash
+                self.reject(server_round, label, f"undecodable parameters ({err})")
+                continue
+            reason = check(arrays, res)
+            if reason is not None:
+                self.reject(server_round, label, reason)
+                continue
+            accepted.append((proxy, arrays, res))
+        return accepted
+
 
 class WeightAveraging(RejectionLog, FedAvg):
     """FedAvg (``proximal_mu = 0``) or FedProx (``proximal_mu > 0``) over full model state.
@@ -102,21 +121,14 @@ class WeightAveraging(RejectionLog, FedAvg):
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures) -> tuple[Parameters | None, dict[str, Scalar]]:
         specs = specs_like(self._global)
-        accepted: list[tuple[list[np.ndarray], FitRes]] = []
-        for proxy, res in results:
-            label = client_label(res.metrics, proxy.cid)
-            try:
-                arrays = parameters_to_ndarrays(res.parameters)
-            except Exception as err:  # undecodable bytes are a bad reply, not a crash
-                self.reject(server_round, label, f"undecodable parameters ({err})")
-                continue
+
+        def check(arrays: list[np.ndarray], res: FitRes) -> str | None:
             reason = check_arrays(arrays, specs)
             if reason is None and res.num_examples <= 0:
                 reason = f"num_examples = {res.num_examples} (must be > 0)"
-            if reason is not None:
-                self.reject(server_round, label, reason)
-                continue
-            accepted.append((arrays, res))
+            return reason
+
+        accepted = [(arrays, res) for _, arrays, res in self.screen_replies(server_round, results, check)]
         metrics: dict[str, Scalar] = {"accepted": len(accepted), "rejected": len(results) - len(accepted),
                                       "failures": len(failures)}
         if not accepted:

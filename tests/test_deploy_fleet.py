@@ -309,3 +309,29 @@ def test_cli_timeout_stops_the_fleet(tmp_path):
     assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "timeout: the fleet run did not finish within 12s" in proc.stdout
     assert pids and not groups_alive(pids)
+
+
+@pytest.mark.e2e
+def test_logit_family_on_a_four_domain_fleet(tmp_path):
+    """FCCL on a real fleet: four SuperNodes, one digit domain and one architecture each, 2 rounds.
+
+    Its own test (not a FLEET_CASES entry) because the digits task is defined for exactly 4 clients."""
+    data_root = os.environ.get("POLLEN_DATA_ROOT", "")
+    if not data_root:
+        pytest.skip("POLLEN_DATA_ROOT unset: the digits-offline task needs MNIST")
+    out = tmp_path / "runs"
+    tiny = ("task='digits-offline' model-width=0.125 fccl-public='photo_patches' fccl-public-size=40 "
+            "fccl-public-batch-size=20 fccl-train-sizes='24,24,24,24' fccl-solo-epochs=1 fccl-local-epochs='1' "
+            "fccl-test-size=20 fccl-batch-size=12")
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.fleet", "--method", "fccl", "--num-supernodes", "4", "--rounds", "2",
+         "--data-root", data_root, "--run-config", tiny, "--work-dir", str(tmp_path / "work"),
+         "--out-dir", str(out), "--quiet"],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(next(out.glob("*/fleet.json")).read_text())
+    rounds = [json.loads(x) for x in (Path(report["results_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert len(rounds[1]["fit-clients"]) == 4 and rounds[1]["failures"] == 0
+    assert rounds[0]["bytes-down"] < rounds[1]["bytes-down"]  # round 1 sends no consensus yet
+    assert not groups_alive([report["superlink_pid"]] + [n["pid"] for n in report["nodes"]])

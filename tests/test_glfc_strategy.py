@@ -231,3 +231,12 @@ def test_detect_all_clients_contacts_the_unsampled_existing_clients():
     ins = strat.configure_evaluate(1, params, cm)
     assert {p.partition for p, _ in ins} == {0, 1, 2} - sampled
     assert all(i.config["detect-only"] for _, i in ins)
+
+
+def test_transition_clients_distil_from_the_previous_tasks_best_model():
+    strat = _strategy()
+    strat.proxy.task = 0  # task 0's gradients have arrived
+    assert strat.transition_slot(0) == 1
+    assert strat.transition_slot(1) == 2  # task 1 started, its gradients not yet in: slot 2 = task 0's best
+    strat.proxy.receive(1, torch.zeros(2, 1, 28, 28), torch.tensor([5, 6]))
+    assert strat.transition_slot(1) == 1  # rotated: task 0's best now sits in slot 1

@@ -12,7 +12,8 @@ prototype gradients with the proxy). Per round it
    the classes it held before become learned classes: old exemplar sets shrink to the new quota
    and the new ones are herded with the received model's features;
 4. trains on current data + exemplars with the method's loss (an old model only once it has learned
-   classes: slot 2 on a transition round, slot 1 otherwise);
+   classes: on a transition round the slot the server designates — 2 until the task's gradients have
+   reached the proxy, then 1 — otherwise slot 1);
 5. on a transition (proxy methods), for each current class perturbs the image nearest its feature
    mean and returns the LeNet gradient of ``CE(LeNet(x), c)`` after the model weights.
 
@@ -236,7 +237,8 @@ class IncrementalClient(PollenClient):
 
         old = None
         if s.distils and st["learned"]:
-            old = (self._old_model(2) if transition else None) or self._old_model(1)
+            slot = int(config.get("transition-slot", 2)) if transition else 1
+            old = (self._old_model(slot) if slot == 2 else None) or self._old_model(1)
         learned = list(st["learned"])
 
         augment_batch = SOURCES[s.task].augment

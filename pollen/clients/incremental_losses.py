@@ -121,11 +121,6 @@ def is_transition(entropy: float, last_entropy: float, tau: float) -> bool:
     return entropy - last_entropy > tau
 
 
-def max_entropy_jump_possible(num_classes: int) -> float:
-    """The largest mean softmax entropy a ``num_classes``-way head can have: ``ln C``."""
-    return math.log(num_classes) if num_classes > 0 else 0.0
-
-
 def learning_rate(schedule: str, base_lr: float, *, round_in_task: int, rounds_per_task: int, epoch: int,
                   epochs: int, global_round: int, first_task: bool) -> float:
     """Learning rate of local epoch ``epoch`` (0-based) of one round.

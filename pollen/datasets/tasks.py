@@ -202,4 +202,4 @@ def build_client_data(task: str, opts: TaskOptions, partition_id: int, num_parti
     return spec.build(opts, partition_id, num_partitions)
 
 from pollen.datasets import domain_tasks  # noqa: E402,F401  (registers digits-offline, digits, office-home)
-from pollen.datasets import incremental  # noqa: E402,F401  (registers mnist-fmnist-cil, cifar100-cil)
+from pollen.datasets import incremental  # noqa: E402,F401  (registers mnist-fmnist-cil, uci-digits-cil, cifar100-cil)

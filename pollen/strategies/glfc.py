@@ -122,6 +122,17 @@ class IncrementalFedAvg(RejectionLog, Strategy):
     def task_of_round(self, server_round: int) -> int:
         return min(self.plan.config.num_tasks - 1, max(0, server_round - 1) // self.rounds_per_task)
 
+    def transition_slot(self, task: int) -> int:
+        """The slot a client that detects a transition distils from.
+
+        ``best_model_2`` while this task's gradients have not arrived yet (it then holds the best model of
+        the previous task, as in the code, where every client detects in a task's first round); once they
+        have, the slots have rotated and the previous task's best model is ``best_model_1``, so clients
+        that first detect the task later (only sampled clients detect, ours) distil from slot 1 as well
+        instead of from a model of the current task.
+        """
+        return 2 if self.proxy.task < task else 1
+
     def _grow(self, task: int) -> None:
         """Enter ``task``: grow the head to all seen classes; baselines take the last model as the old one."""
         if task <= self.task:
@@ -180,7 +191,8 @@ class IncrementalFedAvg(RejectionLog, Strategy):
             arrays = list(self._global)
             config: dict[str, Scalar] = {"server-round": server_round, "task": task,
                                          "round-in-task": (server_round - 1) % self.rounds_per_task,
-                                         "num-classes": self.num_classes, "model-arrays": len(self._global)}
+                                         "num-classes": self.num_classes, "model-arrays": len(self._global),
+                                         "transition-slot": self.transition_slot(task)}
             have = self.confirmed.get(pid, (0, 0))
             for i, slot in enumerate((self.proxy.slot1, self.proxy.slot2)):
                 n = i + 1

@@ -54,10 +54,6 @@ def lenet_gradient(lenet: torch.nn.Module, x: torch.Tensor, label: int) -> list[
     return [g.detach() for g in torch.autograd.grad(loss, params)]
 
 
-def _param_dict(lenet: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach() for k, v in lenet.named_parameters()}
-
-
 def _conv_sigmoid_stack(lenet: torch.nn.Module) -> list[torch.nn.Conv2d] | None:
     """The convs of a ``body`` made of (Conv2d, Sigmoid) pairs followed by a linear ``head``, else None."""
     body, head = getattr(lenet, "body", None), getattr(lenet, "head", None)
@@ -103,28 +99,21 @@ def _lenet_per_sample_gradients(convs: list[torch.nn.Conv2d], head: torch.nn.Lin
     return tuple(grads)
 
 
-def per_sample_gradients(lenet: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor,
-                         params: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+def per_sample_gradients(lenet: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per-sample ``grad_theta CE`` for a batch (each output B×param shape); differentiable in ``x``.
 
     The DLG LeNet (sigmoid convs + linear head) takes a closed-form batched path; any other network
-    falls back to ``torch.func.vmap(grad(...))``.
+    falls back to :func:`per_sample_gradients_vmap`.
     """
     convs = _conv_sigmoid_stack(lenet)
     if convs is not None:
         return _lenet_per_sample_gradients(convs, lenet.head, x, labels)
-    params = _param_dict(lenet) if params is None else params
-
-    def loss_one(p, xi, yi):
-        return F.cross_entropy(functional_call(lenet, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
-
-    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, labels)
-    return tuple(grads[k] for k in params)
+    return per_sample_gradients_vmap(lenet, x, labels)
 
 
 def per_sample_gradients_vmap(lenet: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Generic per-sample gradients with ``torch.func`` (the reference for the closed-form path)."""
-    params = _param_dict(lenet)
+    """Generic per-sample gradients with ``torch.func`` (also the reference for the closed-form path)."""
+    params = {k: v.detach() for k, v in lenet.named_parameters()}
 
     def loss_one(p, xi, yi):
         return F.cross_entropy(functional_call(lenet, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
@@ -134,9 +123,9 @@ def per_sample_gradients_vmap(lenet: torch.nn.Module, x: torch.Tensor, labels: t
 
 
 def matching_losses(lenet: torch.nn.Module, dummy: torch.Tensor, labels: torch.Tensor,
-                    targets: Sequence[torch.Tensor], params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                    targets: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-sample DLG loss ``sum_k ||grad_k(dummy_b) - target_k[b]||^2`` (B)."""
-    grads = per_sample_gradients(lenet, dummy, labels, params)
+    grads = per_sample_gradients(lenet, dummy, labels)
     if len(grads) != len(targets):
         raise ValueError(f"{len(targets)} target arrays for a LeNet with {len(grads)} parameters")
     return sum(((g - t) ** 2).flatten(1).sum(1) for g, t in zip(grads, targets))
@@ -348,7 +337,6 @@ def reconstruct_batched(lenet: torch.nn.Module, grads: Sequence[Sequence[torch.T
         raise ValueError(f"need 0 < keep_last <= iterations, got {keep_last} and {iterations}")
     ref = next(lenet.parameters())
     started = time.perf_counter()
-    params = _param_dict(lenet)
     targets_all = _stack_targets(grads, ref)
     if labels is None:
         labels = infer_labels(targets_all[-2])
@@ -363,7 +351,7 @@ def reconstruct_batched(lenet: torch.nn.Module, grads: Sequence[Sequence[torch.T
         def objective(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             with torch.enable_grad():
                 xx = flat.detach().view(-1, *image_shape).requires_grad_(True)
-                per = matching_losses(lenet, xx, y, targets, params)
+                per = matching_losses(lenet, xx, y, targets)
                 (gx,) = torch.autograd.grad(per.sum(), xx)
             return per.detach(), gx.flatten(1)
 

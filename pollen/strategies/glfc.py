@@ -26,15 +26,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from flwr.common import (EvaluateIns, FitIns, FitRes, GetPropertiesIns, Parameters, Scalar, ndarrays_to_parameters,
-                         parameters_to_ndarrays)
+from flwr.common import EvaluateIns, FitIns, FitRes, GetPropertiesIns, Parameters, Scalar, ndarrays_to_parameters
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from pollen.strategies.metrics import mean_std_metrics
 from pollen.strategies.proxy import (LBFGSSettings, ProxyState, monitor_accuracy, reconstruct_batched)
-from pollen.strategies.validation import ArraySpec, check_arrays, client_label, specs_like
+from pollen.strategies.validation import ArraySpec, check_arrays, specs_like
 from pollen.strategies.weights import RejectionLog, average_arrays
 
 
@@ -235,19 +234,17 @@ class IncrementalFedAvg(RejectionLog, Strategy):
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures) -> tuple[Parameters | None, dict[str, Scalar]]:
         accepted, pool = [], []
-        for proxy, res in results:
-            label = client_label(res.metrics, proxy.cid)
-            try:
-                arrays = parameters_to_ndarrays(res.parameters)
-            except Exception as err:
-                self.reject(server_round, label, f"undecodable parameters ({err})")
-                continue
+        split: dict[int, tuple] = {}
+
+        def check(arrays: list[np.ndarray], res: FitRes) -> str | None:
             model_arrays, grads, reason = self._split_reply(arrays, res.metrics or {})
             if reason is None and res.num_examples <= 0:
                 reason = f"num_examples = {res.num_examples} (must be > 0)"
-            if reason is not None:
-                self.reject(server_round, label, reason)
-                continue
+            split[id(res)] = (model_arrays, grads)
+            return reason
+
+        for _proxy, _arrays, res in self.screen_replies(server_round, results, check):
+            model_arrays, grads = split[id(res)]
             accepted.append((model_arrays, res))
             pool += grads
             if "partition-id" in (res.metrics or {}):

@@ -335,3 +335,25 @@ def test_logit_family_on_a_four_domain_fleet(tmp_path):
     assert len(rounds[1]["fit-clients"]) == 4 and rounds[1]["failures"] == 0
     assert rounds[0]["bytes-down"] < rounds[1]["bytes-down"]  # round 1 sends no consensus yet
     assert not groups_alive([report["superlink_pid"]] + [n["pid"] for n in report["nodes"]])
+
+
+@pytest.mark.e2e
+def test_glfc_family_on_a_fleet_with_joining_clients(tmp_path):
+    """GLFC on a real fleet: 4 SuperNodes sized to the final population (2 clients + 2 joining at task 2),
+    the proxy running; embedded UCI digits stream, so no data files are needed."""
+    out = tmp_path / "runs"
+    tiny = ("task='uci-digits-cil' glfc-tasks=2 glfc-rounds-per-task=1 glfc-initial-clients=2 glfc-new-clients=2 "
+            "glfc-clients-per-round=2 glfc-max-per-class=10 glfc-memory-size=10 glfc-oracle-boundary=true "
+            "glfc-proxy-iterations=2 glfc-proxy-keep=1 glfc-perturb-steps=1 glfc-eval-per-class=10 "
+            "model-width=0.125 local-epochs=1 lr=0.5 momentum=0.0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.fleet", "--method", "glfc", "--num-supernodes", "4", "--rounds", "2",
+         "--run-config", tiny, "--work-dir", str(tmp_path / "work"), "--out-dir", str(out), "--quiet"],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(next(out.glob("*/fleet.json")).read_text())
+    rounds = [json.loads(x) for x in (Path(report["results_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["server-evaluate"]["seen-classes"] for r in rounds] == [5, 10]
+    assert {int(k.split()[-1]) for k in rounds[0]["fit-clients"]} <= {0, 1}  # only the initial clients exist
+    assert sum(r["fit"].get("proxy-gradients", 0) for r in rounds) > 0
+    assert not groups_alive([report["superlink_pid"]] + [n["pid"] for n in report["nodes"]])

@@ -4,43 +4,18 @@ averaging, old-model sending; and the client's state across a task boundary on r
 import numpy as np
 import pytest
 import torch
-from flwr.common import (Code, FitRes, GetPropertiesRes, Status, ndarrays_to_parameters,
-                         parameters_to_ndarrays)
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import SimpleClientManager
-from flwr.server.client_proxy import ClientProxy
 
 from pollen.app.config import ConfigError, parse_node_config, parse_run_config
 from pollen.app.methods_glfc import make_client, settings_for
 from pollen.clients.glfc import build_lenet, build_stream_model
 from pollen.datasets.incremental import StreamConfig, plan_stream
 from pollen.strategies.glfc import IncrementalFedAvg, aia, average_forgetting
-from tests.conftest import make_context
+from tests.conftest import make_context, stub_node
 
 torch.set_num_threads(1)
 OK = Status(Code.OK, "")
-
-
-class NodeStub(ClientProxy):
-    """A connected node that only answers the partition question (transport stand-in)."""
-
-    def __init__(self, cid: str, partition: int):
-        super().__init__(cid)
-        self.partition = partition
-
-    def get_properties(self, ins, timeout, group_id):
-        return GetPropertiesRes(OK, {"partition-id": self.partition})
-
-    def get_parameters(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def fit(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def evaluate(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def reconnect(self, ins, timeout, group_id):
-        raise NotImplementedError
 
 
 def _strategy(old_model="proxy", clients_per_round=3):
@@ -57,7 +32,7 @@ def _strategy(old_model="proxy", clients_per_round=3):
 def _manager(n=5):
     cm = SimpleClientManager()
     for pid in range(n):
-        cm.register(NodeStub(f"node-{(pid * 37) % 101}", pid))
+        cm.register(stub_node(f"node-{(pid * 37) % 101}", pid))
     return cm
 
 
@@ -80,7 +55,7 @@ def test_samples_only_clients_that_exist_and_grows_the_head():
 def _reply(strat, pid, grads=(), num_examples=10, scale=1.0, **metrics):
     arrays = [a.astype(a.dtype) * (scale if a.dtype.kind == "f" else 1) for a in strat._global] + list(grads)
     m = {"partition-id": pid, "num-gradients": len(grads) // 8, **metrics}
-    return NodeStub(f"n{pid}", pid), FitRes(OK, ndarrays_to_parameters(arrays), num_examples, m)
+    return stub_node(f"n{pid}", pid), FitRes(OK, ndarrays_to_parameters(arrays), num_examples, m)
 
 
 def _grad_set(strat, label=2, nan=False, bad_shape=False):

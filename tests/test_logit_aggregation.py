@@ -4,29 +4,10 @@ import numpy as np
 import pytest
 from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import SimpleClientManager
-from flwr.server.client_proxy import ClientProxy
 
 from pollen.clients.logit_losses import leave_one_out_target
 from pollen.strategies import LogitAveraging, mean_logits
-
-
-class Proxy(ClientProxy):
-    """A registered client that is never called (the strategy only samples and labels it)."""
-
-    def get_properties(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def get_parameters(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def fit(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def evaluate(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def reconnect(self, ins, timeout, group_id):
-        raise NotImplementedError
+from tests.conftest import stub_node
 
 
 A = np.array([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]], np.float32)
@@ -56,7 +37,7 @@ def test_mean_and_leave_one_out_hand_worked():
 
 def test_round_one_sends_nothing_then_consensus_and_count():
     manager = SimpleClientManager()
-    proxies = [Proxy(str(i)) for i in range(4)]
+    proxies = [stub_node(str(i)) for i in range(4)]
     for p in proxies:
         manager.register(p)
     strat = LogitAveraging(num_public=3, num_classes=2, min_available_clients=4)
@@ -102,9 +83,9 @@ def test_homogeneous_mode_averages_weights_by_samples():
     strat = LogitAveraging(num_public=3, num_classes=2, average_weights=True)
     w1 = [np.array([1.0, 1.0], np.float32), np.array(2, np.int64)]
     w2 = [np.array([4.0, 7.0], np.float32), np.array(4, np.int64)]
-    params, metrics = strat.aggregate_fit(1, [(Proxy("a"), _res([A, *w1], 10, 0)),
-                                              (Proxy("b"), _res([B, *w2], 30, 1)),
-                                              (Proxy("c"), _res([C, np.zeros(3, np.float32)], 30, 2))], [])
+    params, metrics = strat.aggregate_fit(1, [(stub_node("a"), _res([A, *w1], 10, 0)),
+                                              (stub_node("b"), _res([B, *w2], 30, 1)),
+                                              (stub_node("c"), _res([C, np.zeros(3, np.float32)], 30, 2))], [])
     assert metrics["accepted"] == 2  # the third reply's weights have the wrong shape
     sent = parameters_to_ndarrays(params)
     np.testing.assert_array_equal(sent[0], mean_logits([A, B]))

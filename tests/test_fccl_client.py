@@ -120,7 +120,7 @@ def test_homogeneous_mode_sends_and_loads_averaged_weights(data_root):
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
     from pollen.strategies import LogitAveraging
-    from tests.test_logit_aggregation import Proxy
+    from tests.conftest import stub_node
 
     rc = {**TINY, "method": "solo", "data-root": data_root, "model": "resnet10", "fccl-average-weights": True,
           "fccl-local-epochs": "0"}
@@ -132,7 +132,7 @@ def test_homogeneous_mode_sends_and_loads_averaged_weights(data_root):
         reply, n, metrics = _client("solo", rc, ctx).fit([], {"server-round": 1})
         assert reply[0].shape == (40, 10) and len(reply) > 2
         res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(reply), n, metrics)
-        results.append((Proxy(str(ctx.node_id)), res))
+        results.append((stub_node(str(ctx.node_id)), res))
     params, fit_metrics = strategy.aggregate_fit(1, results, [])
     assert fit_metrics["accepted"] == 2
     sent = parameters_to_ndarrays(params)

@@ -37,3 +37,29 @@ def test_failed_server_app_is_reported_as_failed(tmp_path):
                        run_config="method='no-such-method' num-server-rounds=1", timeout=300, echo=False)
     assert outcome.status == "finished:failed"
     assert not outcome.completed
+
+
+def test_orphaned_server_app_of_a_superlink_is_stopped():
+    """An interrupted run can leave `flwr-serverapp` (own session) behind; the launcher's cleanup finds it by
+    the SuperLink address on its command line and leaves other processes alone."""
+    import subprocess
+    import sys
+    import time
+
+    from pollen.app.launch import free_port, stop_orphaned_apps
+
+    port, other = free_port(), free_port()
+    code = "import time; time.sleep(120)"
+
+    def fake_app(p):
+        return subprocess.Popen(["bash", "-c", f'exec -a /x/flwr-serverapp "{sys.executable}" -c "{code}" '
+                                               f"--runtime-api-address 127.0.0.1:{p}"], start_new_session=True)
+
+    mine, theirs = fake_app(port), fake_app(other)
+    try:
+        time.sleep(0.5)
+        assert stop_orphaned_apps(port) == [mine.pid]
+        assert mine.wait(timeout=10) != 0 and theirs.poll() is None
+    finally:
+        theirs.kill()
+        theirs.wait()

@@ -137,6 +137,28 @@ def superlink(flwr_home: Path, *, simulation: bool, port: int | None = None,
         yield connection, port, proc
     finally:
         stop_process(proc)
+        stop_orphaned_apps(port)
+
+
+def stop_orphaned_apps(port: int) -> list[int]:
+    """Kill ServerApp/ClientApp processes still attached to the SuperLink that served ``port``.
+
+    ``flwr-serverapp`` runs in its own session, so stopping the SuperLink's process group misses it;
+    a run interrupted mid-flight (timeout, Ctrl-C) otherwise leaves it waiting forever. Linux only
+    (reads /proc); elsewhere nothing is done.
+    """
+    needle = f"127.0.0.1:{port}".encode()
+    killed = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith((b"flwr-serverapp", b"flwr-clientapp")) for a in argv[:2]) and needle in argv:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed
 
 
 @dataclass

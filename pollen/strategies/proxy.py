@@ -324,6 +324,17 @@ def _stack_targets(grads: Sequence[Sequence[torch.Tensor | np.ndarray]], like: t
             for k in range(len(grads[0]))]
 
 
+def _prepare_inversion(lenet: torch.nn.Module, grads, labels: torch.Tensor | None):
+    """Shared set-up of both reconstruction modes: device reference, start time, stacked targets and
+    labels (inferred from the FC-weight gradient sign when not given)."""
+    ref = next(lenet.parameters())
+    started = time.perf_counter()
+    targets_all = _stack_targets(grads, ref)
+    if labels is None:
+        labels = infer_labels(targets_all[-2])
+    return ref, started, targets_all, labels.to(ref.device)
+
+
 def reconstruct_batched(lenet: torch.nn.Module, grads: Sequence[Sequence[torch.Tensor | np.ndarray]],
                         image_shape: Sequence[int], seeds: Sequence[int], *, iterations: int = 250,
                         keep_last: int = 20, settings: LBFGSSettings = LBFGSSettings(),
@@ -335,12 +346,7 @@ def reconstruct_batched(lenet: torch.nn.Module, grads: Sequence[Sequence[torch.T
         raise ValueError(f"{len(seeds)} seeds for {len(grads)} gradients")
     if not 0 < keep_last <= iterations:
         raise ValueError(f"need 0 < keep_last <= iterations, got {keep_last} and {iterations}")
-    ref = next(lenet.parameters())
-    started = time.perf_counter()
-    targets_all = _stack_targets(grads, ref)
-    if labels is None:
-        labels = infer_labels(targets_all[-2])
-    labels = labels.to(ref.device)
+    ref, started, targets_all, labels = _prepare_inversion(lenet, grads, labels)
     images, losses, initial, evals = [], [], [], 0
     for lo in range(0, len(grads), chunk):
         hi = min(len(grads), lo + chunk)
@@ -378,12 +384,7 @@ def reconstruct_one_by_one(lenet: torch.nn.Module, grads: Sequence[Sequence[torc
     """The official loop: one ``torch.optim.LBFGS`` per gradient, autograd with ``create_graph``."""
     if len(seeds) != len(grads):
         raise ValueError(f"{len(seeds)} seeds for {len(grads)} gradients")
-    ref = next(lenet.parameters())
-    started = time.perf_counter()
-    targets_all = _stack_targets(grads, ref)
-    if labels is None:
-        labels = infer_labels(targets_all[-2])
-    labels = labels.to(ref.device)
+    ref, started, targets_all, labels = _prepare_inversion(lenet, grads, labels)
     images, losses, initial = [], [], []
     evals = 0
     for b in range(len(grads)):

@@ -122,13 +122,65 @@ def per_sample_gradients_vmap(lenet: torch.nn.Module, x: torch.Tensor, labels: t
     return tuple(grads[k] for k in params)
 
 
+class MatchingObjective:
+    """Per-sample DLG loss ``sum_k ||grad_k CE(LeNet(x_b), y_b) - target_k[b]||^2`` for a fixed batch of targets.
+
+    For the DLG LeNet the loss is fused with the closed-form backprop of
+    :func:`_lenet_per_sample_gradients`, without materialising what it need not:
+
+    * head weight: ``||delta f^T - T||^2 = |delta|^2 |f|^2 - 2 delta·(T f) + |T|^2`` — no B×C×d outer product;
+    * conv weights: compared transposed (``unfold(x) @ d_z^T``), so the backward pass hands ``col2im`` a
+      contiguous gradient instead of copying a transposed one.
+
+    Other networks use :func:`per_sample_gradients` (``torch.func``). Differentiable in ``x``.
+    """
+
+    def __init__(self, lenet: torch.nn.Module, labels: torch.Tensor, targets: Sequence[torch.Tensor]):
+        n_params = len(list(lenet.parameters()))
+        if len(targets) != n_params:
+            raise ValueError(f"{len(targets)} target arrays for a LeNet with {n_params} parameters")
+        self.lenet, self.labels, self.targets = lenet, labels, list(targets)
+        self.convs = _conv_sigmoid_stack(lenet)
+        if self.convs is not None:
+            b = len(labels)
+            self.conv_targets = [(targets[2 * i].reshape(b, conv.out_channels, -1).transpose(1, 2).contiguous(),
+                                  targets[2 * i + 1]) for i, conv in enumerate(self.convs)]
+            self.head_w, self.head_b = targets[-2], targets[-1]
+            self.head_w_sq = (self.head_w ** 2).flatten(1).sum(1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.convs is None:
+            grads = per_sample_gradients(self.lenet, x, self.labels)
+            return sum(((g - t) ** 2).flatten(1).sum(1) for g, t in zip(grads, self.targets))
+        convs, head = self.convs, self.lenet.head
+        weights = [(c.weight.detach(), c.bias.detach()) for c in convs]
+        acts = [x]
+        for conv, (w, bias) in zip(convs, weights):
+            acts.append(torch.sigmoid(F.conv2d(acts[-1], w, bias, conv.stride, conv.padding)))
+        feat = acts[-1].flatten(1)
+        head_w = head.weight.detach()
+        logits = F.linear(feat, head_w, head.bias.detach())
+        delta = torch.softmax(logits, dim=1) - F.one_hot(self.labels, logits.shape[1]).to(logits.dtype)
+        t_f = torch.bmm(self.head_w, feat.unsqueeze(2)).squeeze(2)
+        loss = ((delta * delta).sum(1) * (feat * feat).sum(1) - 2.0 * (delta * t_f).sum(1) + self.head_w_sq
+                + ((delta - self.head_b) ** 2).sum(1))
+        d_act = (delta @ head_w).view_as(acts[-1])
+        for i in range(len(convs) - 1, -1, -1):
+            conv, inp, out = convs[i], acts[i], acts[i + 1]
+            d_z = d_act * out * (1.0 - out)
+            cols = F.unfold(inp, conv.kernel_size, padding=conv.padding, stride=conv.stride)  # B×(Cin·k·k)×L
+            g_w_t = torch.bmm(cols, d_z.flatten(2).transpose(1, 2))  # B×(Cin·k·k)×Cout
+            t_w, t_b = self.conv_targets[i]
+            loss = loss + ((g_w_t - t_w) ** 2).flatten(1).sum(1) + ((d_z.sum((2, 3)) - t_b) ** 2).sum(1)
+            if i:
+                d_act = torch.nn.grad.conv2d_input(inp.shape, weights[i][0], d_z, conv.stride, conv.padding)
+        return loss
+
+
 def matching_losses(lenet: torch.nn.Module, dummy: torch.Tensor, labels: torch.Tensor,
                     targets: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-sample DLG loss ``sum_k ||grad_k(dummy_b) - target_k[b]||^2`` (B)."""
-    grads = per_sample_gradients(lenet, dummy, labels)
-    if len(grads) != len(targets):
-        raise ValueError(f"{len(targets)} target arrays for a LeNet with {len(grads)} parameters")
-    return sum(((g - t) ** 2).flatten(1).sum(1) for g, t in zip(grads, targets))
+    return MatchingObjective(lenet, labels, targets)(dummy)
 
 
 def single_matching_loss(lenet: torch.nn.Module, dummy: torch.Tensor, label: torch.Tensor,
@@ -179,6 +231,8 @@ class BatchedLBFGS:
         self.Y = torch.zeros(b, h, d, **like)
         self.S = torch.zeros(b, h, d, **like)
         self.ro = torch.zeros(b, h, **like)
+        self.SY = torch.zeros(b, h, h, **like)
+        self.used = 0  # slots 0..used-1 have ever been written; until the ring wraps every start is 0
         self.hist_len = torch.zeros(b, dtype=torch.long, device=self.x.device)
         self.start = torch.zeros(b, dtype=torch.long, device=self.x.device)
         self.H_diag = torch.ones(b, **like)
@@ -192,7 +246,8 @@ class BatchedLBFGS:
     def _push(self, accept: torch.Tensor, y: torch.Tensor, s: torch.Tensor, ys: torch.Tensor) -> None:
         """Append (y, s, 1/ys) to the accepted rows' histories; a full history drops its oldest pair.
 
-        Histories are ring buffers (``start`` = slot of the oldest pair), so nothing is shifted.
+        Histories are ring buffers (``start`` = slot of the oldest pair), so nothing is shifted. The
+        Gram matrix ``SY[b, i, j] = s_i · y_j`` (slot coordinates) gets the new pair's row and column.
         """
         h = self.s.history_size
         idx = accept.nonzero().squeeze(1)
@@ -203,38 +258,54 @@ class BatchedLBFGS:
         self.Y[idx, slot] = y[idx]
         self.S[idx, slot] = s[idx]
         self.ro[idx, slot] = 1.0 / ys[idx]
+        self.used = max(self.used, int(slot.max()) + 1)
+        # one pass over the whole history for all rows beats gathering the accepted rows' histories
+        u = self.used
+        s_dot_y = torch.bmm(self.Y[:, :u], s.unsqueeze(2)).squeeze(2)  # s_new · y_j
+        s_dot_new_y = torch.bmm(self.S[:, :u], y.unsqueeze(2)).squeeze(2)  # s_i · y_new
+        self.SY[idx, slot, :u] = s_dot_y[idx]
+        self.SY[idx, :u, slot] = s_dot_new_y[idx]
         self.start[idx] = torch.where(full, (self.start[idx] + 1) % h, self.start[idx])
         self.hist_len[idx] = torch.where(full, self.hist_len[idx], self.hist_len[idx] + 1)
 
     def _direction(self, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """Two-loop recursion for every row (each over its own history); callers keep the ``rows`` they need."""
-        h = self.s.history_size
+        """L-BFGS two-loop recursion for every row (each over its own history), in compact form.
+
+        The recursion ``al_i = ro_i s_i·q_i`` (newest to oldest, ``q`` losing ``al_k y_k`` on the way)
+        and ``be_i = ro_i y_i·r_i`` (oldest to newest, ``r`` gaining ``(al_k − be_k) s_k``) is the same
+        arithmetic as two triangular systems in the Gram matrix ``s_i·y_k``: one pass over S and Y for
+        the dot products, one to assemble the direction, and no Python loop over the history. Callers
+        keep the ``rows`` they need.
+        """
+        b = g.shape[0]
         L = torch.where(rows, self.hist_len, torch.zeros_like(self.hist_len))
         q = -g
-        depth = int(L.max()) if len(L) else 0
-        uniform = bool((self.start == self.start[0]).all()) if len(L) else True
-        ar = torch.arange(len(L), device=g.device)
+        if b == 0 or int(L.max()) == 0:
+            return q * self.H_diag[:, None]
+        # Only the first ``used`` slots were ever written; before the ring wraps every start is 0.
+        h = self.used
+        S, Y = self.S[:, :h], self.Y[:, :h]
+        ages = torch.arange(h, device=g.device)
+        order = (self.start[:, None] + ages[None, :]) % h  # slot of the i-th oldest pair
+        valid = ages[None, :] < L[:, None]
+        zero = torch.zeros((), dtype=g.dtype, device=g.device)
+        ro = torch.where(valid, self.ro[:, :h].gather(1, order), zero)
+        sy = self.SY[:, :h, :h].gather(1, order[:, :, None].expand(b, h, h)).gather(2, order[:, None, :].expand(b, h, h))
+        sy = torch.where(valid[:, :, None] & valid[:, None, :], sy, zero)
+        eye = torch.eye(h, dtype=g.dtype, device=g.device)
 
-        def pair(i: int):
-            if uniform:  # common case: every history started together, so slot i is one view
-                j = (int(self.start[0]) + i) % h
-                return self.S[:, j], self.Y[:, j], self.ro[:, j]
-            j = (self.start + i) % h
-            return self.S[ar, j], self.Y[ar, j], self.ro[ar, j]
+        s_dot_q = torch.where(valid, torch.bmm(S, q.unsqueeze(2)).squeeze(2).gather(1, order), zero)
+        upper = eye + ro[:, :, None] * torch.triu(sy, 1)  # al_i + ro_i sum_{k>i} (s_i·y_k) al_k = ro_i s_i·q
+        al = torch.linalg.solve_triangular(upper, (ro * s_dot_q).unsqueeze(2), upper=True).squeeze(2)
+        al_slots = torch.zeros_like(al).scatter_(1, order, al)
+        r = (q - torch.bmm(al_slots.unsqueeze(1), Y).squeeze(1)) * self.H_diag[:, None]
 
-        al = torch.zeros(len(L), max(depth, 1), dtype=q.dtype, device=q.device)
-        for i in range(depth - 1, -1, -1):
-            S_i, Y_i, ro_i = pair(i)
-            valid = (i < L).to(q.dtype)
-            al[:, i] = (S_i * q).sum(1) * ro_i * valid
-            q = q - al[:, i, None] * Y_i
-        r = q * self.H_diag[:, None]
-        for i in range(depth):
-            S_i, Y_i, ro_i = pair(i)
-            valid = (i < L).to(q.dtype)
-            be = (Y_i * r).sum(1) * ro_i
-            r = r + S_i * ((al[:, i] - be) * valid)[:, None]
-        return r
+        y_dot_r = torch.where(valid, torch.bmm(Y, r.unsqueeze(2)).squeeze(2).gather(1, order), zero)
+        lower = torch.tril(sy.transpose(1, 2), -1)  # lower[i, k] = s_k·y_i for k < i
+        rhs = ro * (y_dot_r + torch.bmm(lower, al.unsqueeze(2)).squeeze(2))
+        be = torch.linalg.solve_triangular(eye + ro[:, :, None] * lower, rhs.unsqueeze(2), upper=False).squeeze(2)
+        diff_slots = torch.zeros_like(al).scatter_(1, order, al - be)
+        return r + torch.bmm(diff_slots.unsqueeze(1), S).squeeze(1)
 
     def step(self, objective: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
              active: torch.Tensor | None = None) -> torch.Tensor:
@@ -354,10 +425,12 @@ def reconstruct_batched(lenet: torch.nn.Module, grads: Sequence[Sequence[torch.T
         y = labels[lo:hi]
         x0 = torch.stack([dummy_init(image_shape, s, ref.dtype) for s in seeds[lo:hi]]).to(ref.device)
 
+        matching = MatchingObjective(lenet, y, targets)
+
         def objective(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             with torch.enable_grad():
                 xx = flat.detach().view(-1, *image_shape).requires_grad_(True)
-                per = matching_losses(lenet, xx, y, targets)
+                per = matching(xx)
                 (gx,) = torch.autograd.grad(per.sum(), xx)
             return per.detach(), gx.flatten(1)
 

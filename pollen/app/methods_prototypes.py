@@ -37,7 +37,11 @@ PROTO_DEFAULTS = {
     "proto-evaluate-every": 1,
     "proto-fault-partition": -1,
     "proto-fault-kind": "nan",
+    "proto-pretrained": "",
 }
+
+
+PRETRAINED_MODELS = ("resnet18", "resnet34")
 
 
 def _bad(key: str, value, expected: str) -> ConfigError:
@@ -81,6 +85,13 @@ def validate_proto(cfg: "RunConfig") -> None:
                          ("proto-local-protos", LOCAL_PROTO_MODES), ("proto-fault-kind", FAULT_KINDS)):
         if cfg.extra[key] not in allowed:
             raise _bad(key, cfg.extra[key], "one of " + ", ".join(allowed))
+    pretrained = cfg.extra["proto-pretrained"]
+    if not isinstance(pretrained, str):
+        raise _bad("proto-pretrained", pretrained, "a path (string) or empty")
+    name = cfg.model or get_task(cfg.task).model_for(0)
+    if pretrained.strip() and name not in PRETRAINED_MODELS:
+        raise _bad("proto-pretrained", pretrained,
+                   f"empty: ImageNet stage weights fit only {', '.join(PRETRAINED_MODELS)} (model is {name!r})")
     embed_dim(cfg)
 
 

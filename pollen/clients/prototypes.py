@@ -27,6 +27,7 @@ from pollen.clients.prototype_losses import (dynamic_lambda, mutual_information,
                                              negative_infonce_loss, negative_mask, prototype_loss,
                                              prototype_probabilities, squared_distances)
 from pollen.clients.training import derive_seed, evaluate_classifier, make_sgd, train_epochs
+from pollen.models.pretrained import load_stage_weights
 
 LOCAL_PROTO_MODES = ("post-pass", "training")
 NEGATIVE_FORMS = ("hinge", "infonce")
@@ -82,7 +83,8 @@ class PrototypeClient(PollenClient):
     Run keys (``proto-…``): ``lambda`` (λ / λ_0), ``beta``, ``cpa``, ``da`` and ``da-*`` (BD-FedProto
     parts), ``negative`` (``hinge`` | ``infonce``), ``tau``, ``local-protos`` (``post-pass``: a no-grad
     pass after training; ``training``: mean of the last epoch's training-time embeddings, as the
-    official code), ``model-heter`` and the test-only ``fault-partition`` / ``fault-kind``.
+    official code), ``pretrained`` (a local ImageNet ResNet state dict for the stages), ``model-heter``
+    and the test-only ``fault-partition`` / ``fault-kind``.
     """
 
     bd = False
@@ -99,10 +101,12 @@ class PrototypeClient(PollenClient):
         return {}
 
     def load_model(self):
-        """This client's private model: from ``context.state``, else a fresh per-client init."""
+        """This client's private model: from ``context.state``, else a fresh per-client init (its ResNet
+        stages from ``proto-pretrained`` when set, as the official CIFAR-10 setup)."""
         model = self.new_model(init_seed=derive_seed(self.cfg.seed, self.partition_id, 0, 0x5052),
                                **self.model_kwargs())
-        self.state.load_module(self.MODEL_KEY, model)
+        if not self.state.load_module(self.MODEL_KEY, model) and self.opt("pretrained").strip():
+            load_stage_weights(model, self.opt("pretrained").strip())
         return model
 
     def decode(self, parameters, model) -> GlobalPrototypes | None:

@@ -116,6 +116,21 @@ def _mean_over_seeds(group: list[dict], key: str) -> dict | None:
     return {"mean": sum(v["mean"] for v in vals) / len(vals), "std": sum(v["std"] for v in vals) / len(vals)}
 
 
+def _seed_spread(group: list[dict]) -> str:
+    """Population std over seeds of the per-seed client means ("–" for a single seed)."""
+    if len(group) < 2:
+        return "–"
+    out = []
+    for key in ("accuracy", "proto-accuracy"):
+        vals = [r[key]["mean"] for r in group if key in r]
+        if len(vals) < 2:
+            out.append("–")
+            continue
+        m = sum(vals) / len(vals)
+        out.append(f"{(sum((v - m) ** 2 for v in vals) / len(vals)) ** 0.5:.2f}")
+    return " / ".join(out)
+
+
 def markdown(results: dict) -> str:
     s = results["setting"]
     lines = [
@@ -129,7 +144,9 @@ def markdown(results: dict) -> str:
         "SuperNodes, 2 Ray actors) on this machine's 2 CPU cores, shared with other jobs; the official "
         f"FedProto code takes {results['official-wall-time-s']:.0f} s for 100 rounds. Variant *default* = "
         "Pollen's defaults (count-weighted aggregation, prototypes from a no-grad pass after training); "
-        "*official-protos* = the official code's choices (unweighted mean, training-time prototypes).", "",
+        "*official-protos* = the official code's choices (unweighted mean, training-time prototypes); "
+        "*model-heter* = FedProto's model-heterogeneous CNNs (conv2 with 18 / 20 / 22 channels for clients "
+        "0–6 / 7–13 / 14–19).", "",
         "| ways | method | variant | seed | rounds | local | proto | wall s | s/round |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -141,17 +158,20 @@ def markdown(results: dict) -> str:
     groups = _seed_groups(runs)
     lines += ["", "Against the official FedProto code (100 rounds; ours averaged over the seeds run, "
               "± = mean client std; Δ = ours − official, percentage points):", "",
-              "| ways | method | variant | seeds | local | proto | official local | official proto | Δ local | Δ proto |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| ways | method | variant | seeds | local | proto | official local | official proto | Δ local | Δ proto "
+              "| seed-to-seed std of the mean (local / proto) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (ways, method, variant, rounds), group in sorted(groups.items(), key=lambda kv: _key(kv[1][0])):
-        if method != "fedproto" or rounds != 100 or str(ways) not in results["official"]:
+        if method != "fedproto" or rounds != 100 or str(ways) not in results["official"] \
+                or variant not in ("default", "official-protos"):
             continue
         off = results["official"][str(ways)]
         ours = {k: _mean_over_seeds(group, k) for k in ("accuracy", "proto-accuracy")}
         deltas = [f"{ours[k]['mean'] - off[k][0]:+.2f}" if ours[k] else "–" for k in ("accuracy", "proto-accuracy")]
         lines.append(f"| {ways} | {method} | {variant} | {len(group)} | {_fmt(ours['accuracy'])} | "
                      f"{_fmt(ours['proto-accuracy'])} | {off['accuracy'][0]:.2f} ± {off['accuracy'][1]:.2f} | "
-                     f"{off['proto-accuracy'][0]:.2f} ± {off['proto-accuracy'][1]:.2f} | {deltas[0]} | {deltas[1]} |")
+                     f"{off['proto-accuracy'][0]:.2f} ± {off['proto-accuracy'][1]:.2f} | {deltas[0]} | {deltas[1]} | "
+                     f"{_seed_spread(group)} |")
     bd_lines = []
     for r in runs:
         if r["method"] != "bd-fedproto":
@@ -163,10 +183,11 @@ def markdown(results: dict) -> str:
             continue
         diffs = [f"{r[k]['mean'] - base[k]['mean']:+.2f}" if k in r and k in base else "–"
                  for k in ("accuracy", "proto-accuracy")]
-        bd_lines.append(f"| {r['ways']} | {r['seed']} | {r['rounds']} | {diffs[0]} | {diffs[1]} |")
+        bd_lines.append(f"| {r['ways']} | {r.get('variant', 'default')} | {r['seed']} | {r['rounds']} | "
+                        f"{diffs[0]} | {diffs[1]} |")
     if bd_lines:
-        lines += ["", "BD-FedProto minus FedProto (percentage points, same split and seed):", "",
-                  "| ways | seed | rounds | Δ local | Δ proto |", "|---|---|---|---|---|", *bd_lines]
+        lines += ["", "BD-FedProto minus FedProto (percentage points, same split, seed and variant):", "",
+                  "| ways | variant | seed | rounds | Δ local | Δ proto |", "|---|---|---|---|---|---|", *bd_lines]
     lines += ["", f"BD-FedProto: {results['bd-fedproto-reconstructed']}", "",
               "Curves: `prototypes_mnist_mi.png` (MI monitor, client mean per round), "
               "`prototypes_mnist_lambda.png` (BD-FedProto's λ_D, client mean ± std per round).", ""]

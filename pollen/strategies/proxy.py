@@ -230,8 +230,12 @@ class BatchedLBFGS:
         like = dict(dtype=self.x.dtype, device=self.x.device)
         self.Y = torch.zeros(b, h, d, **like)
         self.S = torch.zeros(b, h, d, **like)
+        # 1/(y·s) and Gram matrices (rows scaled by ro where the triangular solves want them) in *age*
+        # order (0 = oldest pair), zero beyond each row's history
         self.ro = torch.zeros(b, h, **like)
-        self.SY = torch.zeros(b, h, h, **like)
+        self.RSY = torch.zeros(b, h, h, **like)  # RSY[i, k] = ro_i s_i · y_k
+        self.RYS = torch.zeros(b, h, h, **like)  # RYS[i, k] = ro_i s_k · y_i
+        self.YY = torch.zeros(b, h, h, **like)  # YY[i, k] = y_i · y_k
         self.used = 0  # slots 0..used-1 have ever been written; until the ring wraps every start is 0
         self.hist_len = torch.zeros(b, dtype=torch.long, device=self.x.device)
         self.start = torch.zeros(b, dtype=torch.long, device=self.x.device)
@@ -243,69 +247,97 @@ class BatchedLBFGS:
         self.n_iter = torch.zeros(b, dtype=torch.long, device=self.x.device)
         self.evaluations = 0
 
-    def _push(self, accept: torch.Tensor, y: torch.Tensor, s: torch.Tensor, ys: torch.Tensor) -> None:
+    def _reset(self, rows: torch.Tensor) -> None:
+        """Empty the histories of ``rows`` (torch's first iteration)."""
+        self.hist_len[rows] = 0
+        self.start[rows] = 0
+        self.H_diag[rows] = 1.0
+        for m in (self.ro, self.RSY, self.RYS, self.YY):
+            m[rows] = 0.0
+
+    def _push(self, accept: torch.Tensor, y: torch.Tensor, s: torch.Tensor, ys: torch.Tensor):
         """Append (y, s, 1/ys) to the accepted rows' histories; a full history drops its oldest pair.
 
-        Histories are ring buffers (``start`` = slot of the oldest pair), so nothing is shifted. The
-        Gram matrix ``SY[b, i, j] = s_i · y_j`` (slot coordinates) gets the new pair's row and column.
+        S and Y are ring buffers (``start`` = slot of the oldest pair), so the big tensors are never
+        shifted; the small age-ordered Gram matrices of a full row move up one age instead. Returns
+        (rows, ages) of the new pairs, whose Gram entries :meth:`_direction` fills.
         """
         h = self.s.history_size
         idx = accept.nonzero().squeeze(1)
-        if not len(idx):
-            return
         full = self.hist_len[idx] == h
         slot = torch.where(full, self.start[idx], (self.start[idx] + self.hist_len[idx]) % h)
         self.Y[idx, slot] = y[idx]
         self.S[idx, slot] = s[idx]
-        self.ro[idx, slot] = 1.0 / ys[idx]
         self.used = max(self.used, int(slot.max()) + 1)
-        # one pass over the whole history for all rows beats gathering the accepted rows' histories
-        u = self.used
-        s_dot_y = torch.bmm(self.Y[:, :u], s.unsqueeze(2)).squeeze(2)  # s_new · y_j
-        s_dot_new_y = torch.bmm(self.S[:, :u], y.unsqueeze(2)).squeeze(2)  # s_i · y_new
-        self.SY[idx, slot, :u] = s_dot_y[idx]
-        self.SY[idx, :u, slot] = s_dot_new_y[idx]
+        shift = idx[full]
+        if len(shift):
+            for m in (self.RSY, self.RYS, self.YY):
+                m[shift, :-1, :-1] = m[shift, 1:, 1:].clone()
+            self.ro[shift, :-1] = self.ro[shift, 1:].clone()
         self.start[idx] = torch.where(full, (self.start[idx] + 1) % h, self.start[idx])
         self.hist_len[idx] = torch.where(full, self.hist_len[idx], self.hist_len[idx] + 1)
+        age = self.hist_len[idx] - 1
+        self.ro[idx, age] = 1.0 / ys[idx]
+        return idx, age
 
-    def _direction(self, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def _direction(self, g: torch.Tensor, pushed=None) -> torch.Tensor:
         """L-BFGS two-loop recursion for every row (each over its own history), in compact form.
 
         The recursion ``al_i = ro_i s_i·q_i`` (newest to oldest, ``q`` losing ``al_k y_k`` on the way)
         and ``be_i = ro_i y_i·r_i`` (oldest to newest, ``r`` gaining ``(al_k − be_k) s_k``) is the same
-        arithmetic as two triangular systems in the Gram matrix ``s_i·y_k``: one pass over S and Y for
-        the dot products, one to assemble the direction, and no Python loop over the history. Callers
-        keep the ``rows`` they need.
+        arithmetic as two unit-triangular systems in the Gram matrices ``s_i·y_k`` and ``y_i·y_k``.
+        The history (the memory-bound part) is read twice per iteration: once for every dot product —
+        those of ``q`` and those of the pair just pushed (``pushed`` = (rows, ages, y, s)), which extend
+        the Gram matrices — and once to assemble the direction. No Python loop over the history.
+        Rows without history get ``-H g``; callers keep the rows they need.
         """
         b = g.shape[0]
-        L = torch.where(rows, self.hist_len, torch.zeros_like(self.hist_len))
         q = -g
-        if b == 0 or int(L.max()) == 0:
+        a = int(self.hist_len.max()) if b else 0
+        if a == 0:
             return q * self.H_diag[:, None]
-        # Only the first ``used`` slots were ever written; before the ring wraps every start is 0.
-        h = self.used
-        S, Y = self.S[:, :h], self.Y[:, :h]
-        ages = torch.arange(h, device=g.device)
-        order = (self.start[:, None] + ages[None, :]) % h  # slot of the i-th oldest pair
-        valid = ages[None, :] < L[:, None]
+        # Only slots 0..used-1 were ever written; before the ring wraps every start is 0.
+        S, Y = self.S[:, :self.used], self.Y[:, :self.used]
+        order = (self.start[:, None] + torch.arange(a, device=g.device)[None, :]) % self.s.history_size
+        order = order.clamp_max(self.used - 1)  # ages beyond a row's history: any written slot (ro = 0 there)
+        # (vectors × history^T): the layout in which batched GEMM streams the history fastest
+        if pushed is None:
+            s_dots, y_dots = (torch.bmm(q.unsqueeze(1), m.transpose(1, 2)).transpose(1, 2) for m in (S, Y))
+        else:
+            idx, age, y_new, s_new = pushed
+            s_dots = torch.bmm(torch.stack([q, y_new], 1), S.transpose(1, 2)).transpose(1, 2)  # s_i·q, s_i·y_new
+            y_dots = torch.bmm(torch.stack([q, s_new, y_new], 1), Y.transpose(1, 2)).transpose(1, 2)
+        s_dots = s_dots.gather(1, order[:, :, None].expand(b, a, s_dots.shape[2]))
+        y_dots = y_dots.gather(1, order[:, :, None].expand(b, a, y_dots.shape[2]))
+        valid = torch.arange(a, device=g.device)[None, :] < self.hist_len[:, None]
         zero = torch.zeros((), dtype=g.dtype, device=g.device)
-        ro = torch.where(valid, self.ro[:, :h].gather(1, order), zero)
-        sy = self.SY[:, :h, :h].gather(1, order[:, :, None].expand(b, h, h)).gather(2, order[:, None, :].expand(b, h, h))
-        sy = torch.where(valid[:, :, None] & valid[:, None, :], sy, zero)
-        eye = torch.eye(h, dtype=g.dtype, device=g.device)
-
-        s_dot_q = torch.where(valid, torch.bmm(S, q.unsqueeze(2)).squeeze(2).gather(1, order), zero)
-        upper = eye + ro[:, :, None] * torch.triu(sy, 1)  # al_i + ro_i sum_{k>i} (s_i·y_k) al_k = ro_i s_i·q
-        al = torch.linalg.solve_triangular(upper, (ro * s_dot_q).unsqueeze(2), upper=True).squeeze(2)
-        al_slots = torch.zeros_like(al).scatter_(1, order, al)
-        r = (q - torch.bmm(al_slots.unsqueeze(1), Y).squeeze(1)) * self.H_diag[:, None]
-
-        y_dot_r = torch.where(valid, torch.bmm(Y, r.unsqueeze(2)).squeeze(2).gather(1, order), zero)
-        lower = torch.tril(sy.transpose(1, 2), -1)  # lower[i, k] = s_k·y_i for k < i
-        rhs = ro * (y_dot_r + torch.bmm(lower, al.unsqueeze(2)).squeeze(2))
-        be = torch.linalg.solve_triangular(eye + ro[:, :, None] * lower, rhs.unsqueeze(2), upper=False).squeeze(2)
-        diff_slots = torch.zeros_like(al).scatter_(1, order, al - be)
-        return r + torch.bmm(diff_slots.unsqueeze(1), S).squeeze(1)
+        ro = self.ro[:, :a]
+        if pushed is not None:
+            ok, ro_rows, ro_new = valid[idx], ro[idx], self.ro[idx, age][:, None]
+            s_y_new = torch.where(ok, s_dots[idx, :, 1], zero)  # s_i · y_new
+            y_s_new = torch.where(ok, y_dots[idx, :, 1], zero)  # y_i · s_new
+            y_y_new = torch.where(ok, y_dots[idx, :, 2], zero)
+            self.RSY[idx, :a, age] = ro_rows * s_y_new
+            self.RSY[idx, age, :a] = ro_new * y_s_new
+            self.RYS[idx, :a, age] = ro_rows * y_s_new
+            self.RYS[idx, age, :a] = ro_new * s_y_new
+            self.YY[idx, :a, age] = y_y_new
+            self.YY[idx, age, :a] = y_y_new
+        h_diag = self.H_diag[:, None]
+        # al_i + ro_i sum_{k>i} (s_i·y_k) al_k = ro_i s_i·q   (only the strict upper triangle is read)
+        al = torch.linalg.solve_triangular(self.RSY[:, :a, :a], (ro * s_dots[:, :, 0]).unsqueeze(2), upper=True,
+                                           unitriangular=True).squeeze(2)
+        # r = H (q − sum_k al_k y_k), so y_i·r = H (y_i·q − sum_k (y_i·y_k) al_k)
+        y_dot_r = h_diag * (y_dots[:, :, 0] - torch.bmm(self.YY[:, :a, :a], al.unsqueeze(2)).squeeze(2))
+        # c = al − be solves c_i + ro_i sum_{k<i} (s_k·y_i) c_k = al_i − ro_i y_i·r  (strict lower triangle)
+        c = torch.linalg.solve_triangular(self.RYS[:, :a, :a], (al - ro * y_dot_r).unsqueeze(2),
+                                          upper=False, unitriangular=True).squeeze(2)
+        # d = H q − H sum_k al_k y_k + sum_k c_k s_k, scattered back from ages to ring slots
+        slots = torch.where(valid, order, torch.full_like(order, self.used))  # invalid ages -> a dummy slot
+        coef_y = torch.zeros(b, self.used + 1, dtype=g.dtype, device=g.device).scatter_(1, slots, -h_diag * al)
+        coef_s = torch.zeros(b, self.used + 1, dtype=g.dtype, device=g.device).scatter_(1, slots, c)
+        return (h_diag * q + torch.bmm(coef_y[:, None, :self.used], Y).squeeze(1)
+                + torch.bmm(coef_s[:, None, :self.used], S).squeeze(1))
 
     def step(self, objective: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
              active: torch.Tensor | None = None) -> torch.Tensor:
@@ -327,18 +359,18 @@ class BatchedLBFGS:
             later = running & ~first
             if first.any():
                 self.d[first] = -g[first]
-                self.hist_len[first] = 0
-                self.start[first] = 0
-                self.H_diag[first] = 1.0
+                self._reset(first)
             if later.any():
                 y = g - self.prev_g
                 sv = self.d * self.t[:, None]
                 ys = (y * sv).sum(1)
                 accept = later & (ys > 1e-10)
+                pushed = None
                 if accept.any():
-                    self._push(accept, y, sv, ys)
+                    idx, age = self._push(accept, y, sv, ys)
+                    pushed = (idx, age, y, sv)
                     self.H_diag[accept] = ys[accept] / (y[accept] * y[accept]).sum(1)
-                direction = self._direction(later, g)
+                direction = self._direction(g, pushed)
                 self.d[later] = direction[later]
             self.prev_g[running] = g[running]
             self.prev_loss[running] = loss[running]

@@ -10,10 +10,12 @@ parameters of a fixed, never-trained LeNet whose weights both sides draw from th
 3. scores each new global model on the reconstructed set and keeps the best in two slots (the models
    clients distil from).
 
-Step 2 is **batched**: per-sample gradients of the LeNet for a whole batch of dummies come from
-``torch.func.vmap(grad(...))``, and :func:`batched_lbfgs` is ``torch.optim.LBFGS`` (no line search)
-with every sample keeping its own history, step size, and stopping tests — so each image follows the
-same trajectory as the official one-by-one loop (:func:`reconstruct_one_by_one`), up to float rounding.
+Step 2 is **batched**: the matching losses of a whole batch of dummies and their gradients w.r.t. the
+dummies come from one closed-form per-sample backprop through the LeNet (:class:`MatchingObjective`;
+``torch.func`` for other nets), and :class:`BatchedLBFGS` is ``torch.optim.LBFGS`` (no line search)
+with every sample keeping its own history, step size and stopping tests — the two-loop recursion in
+compact (Gram-matrix) form — so each image follows the same trajectory as the official one-by-one
+loop (:func:`reconstruct_one_by_one`), up to float rounding.
 """
 
 from __future__ import annotations

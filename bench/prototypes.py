@@ -145,6 +145,9 @@ def markdown(results: dict) -> str:
         f"FedProto code takes {results['official-wall-time-s']:.0f} s for 100 rounds. Variant *default* = "
         "Pollen's defaults (count-weighted aggregation, prototypes from a no-grad pass after training); "
         "*official-protos* = the official code's choices (unweighted mean, training-time prototypes); "
+        "*official-split* = the official code's own client split (`shot-split = \"official\"`: its RNG "
+        "calls, k ∈ {99, 100} per client, label-sorted slices) at its default seed 1234, i.e. the same "
+        "class sets and sizes per client as the official run; "
         "*model-heter* = FedProto's model-heterogeneous CNNs (conv2 with 18 / 20 / 22 channels for clients "
         "0–6 / 7–13 / 14–19).", "",
         "| ways | method | variant | seed | rounds | local | proto | wall s | s/round |",
@@ -163,7 +166,7 @@ def markdown(results: dict) -> str:
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (ways, method, variant, rounds), group in sorted(groups.items(), key=lambda kv: _key(kv[1][0])):
         if method != "fedproto" or rounds != 100 or str(ways) not in results["official"] \
-                or variant not in ("default", "official-protos"):
+                or variant not in ("default", "official-protos", "official-split"):
             continue
         off = results["official"][str(ways)]
         ours = {k: _mean_over_seeds(group, k) for k in ("accuracy", "proto-accuracy")}

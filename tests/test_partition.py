@@ -14,6 +14,7 @@ from pollen.datasets.partition import (
     dirichlet,
     iid,
     n_way_k_shot,
+    n_way_k_shot_official,
     one_domain_per_client,
 )
 
@@ -214,6 +215,40 @@ def test_fedproto_mnist_split_on_real_labels():
         assert len(s.test) == 40 * len(s.classes) and set(te[s.test].tolist()) == set(s.classes)
         assert seen.isdisjoint(s.train.tolist())
         seen.update(s.train.tolist())
+
+
+def test_official_split_follows_the_official_draw_order_and_slices():
+    # Independent re-derivation in the official code's own style: the *global* legacy NumPy RNG and
+    # Python's `random`, both seeded, then per-client label-sorted slices at i·110 (train) / i·40 (test).
+    import random as pyrandom
+
+    rng = np.random.default_rng(5)
+    tr = np.repeat(np.arange(10), 2300)[rng.permutation(23000)]
+    te = np.repeat(np.arange(10), 820)[rng.permutation(8200)]
+    splits = n_way_k_shot_official(tr, te, 20, ways=3, shots=100, stdev=2, test_per_class=40, num_classes=10,
+                                   seed=1234, k_high=101)
+    np_state, py_state = np.random.get_state(), pyrandom.getstate()
+    try:
+        np.random.seed(1234)
+        pyrandom.seed(1234)
+        n_list = np.random.randint(2, 6, 20)
+        k_list = np.random.randint(99, 101, 20)
+        tr_sorted, te_sorted = np.argsort(tr), np.argsort(te)
+        for i in range(20):
+            classes = np.sort(pyrandom.sample(range(10), int(n_list[i])))
+            assert splits[i].classes == tuple(int(c) for c in classes)
+            assert splits[i].shots == (int(k_list[i]),) * len(classes)
+            want_train = np.concatenate([tr_sorted[2300 * c + 110 * i: 2300 * c + 110 * i + k_list[i]] for c in classes])
+            want_test = np.concatenate([te_sorted[820 * c + 40 * i: 820 * c + 40 * i + 40] for c in classes])
+            np.testing.assert_array_equal(splits[i].train, np.sort(want_train))
+            np.testing.assert_array_equal(splits[i].test, np.sort(want_test))
+    finally:
+        np.random.set_state(np_state)
+        pyrandom.setstate(py_state)
+    assert {k for s in splits for k in s.shots} <= {99, 100}  # the official MNIST range quirk
+    with pytest.raises(PartitionError, match="beyond"):
+        n_way_k_shot_official(tr, te, 30, ways=3, shots=100, stdev=2, test_per_class=40, num_classes=10,
+                              seed=1234, k_high=101)
 
 
 # ------------------------------------------------------------------------------------- domains

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 PROFILES = ("quick", "paper")
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHTINGS = ("samples", "uniform")
+SHOT_SPLITS = ("pollen", "official")
 
 # Every run key with its default. Keep in sync with [tool.flwr.app.config] in pyproject.toml.
 DEFAULTS: dict[str, Any] = {
@@ -52,6 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "shot-shots": 100,
     "shot-stdev": 2,
     "shot-test-per-class": 40,
+    "shot-split": "pollen",
     # weight averaging (FedAvg / FedProx)
     "avg-weighting": "samples",
     "fedprox-mu": 0.01,
@@ -147,6 +149,7 @@ class RunConfig:
     shot_shots: int
     shot_stdev: int
     shot_test_per_class: int
+    shot_split: str
     avg_weighting: str
     fedprox_mu: float
     # Method-specific keys (prefixed in the run config) that a method module validates itself.
@@ -219,6 +222,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
         shot_shots=_as_int(merged, "shot-shots", 1),
         shot_stdev=_as_int(merged, "shot-stdev", 0),
         shot_test_per_class=_as_int(merged, "shot-test-per-class", 1),
+        shot_split=_as_choice(merged, "shot-split", SHOT_SPLITS),
         avg_weighting=_as_choice(merged, "avg-weighting", WEIGHTINGS),
         fedprox_mu=_as_float(merged, "fedprox-mu", 0.0),
         extra={k: merged[k] for k in extra_defaults},

@@ -58,7 +58,8 @@ class PollenClient(NumPyClient):
             data_root=self.node.data_root or self.cfg.data_root, download=self.cfg.download,
             seed=self.cfg.seed, dirichlet_alpha=self.cfg.dirichlet_alpha, ways=self.cfg.shot_ways,
             shots=self.cfg.shot_shots, stdev=self.cfg.shot_stdev,
-            test_per_class=self.cfg.shot_test_per_class, max_train_samples=self.cfg.max_train_samples)
+            test_per_class=self.cfg.shot_test_per_class, shot_split=self.cfg.shot_split,
+            max_train_samples=self.cfg.max_train_samples)
         return build_client_data(self.cfg.task, opts, self.partition_id, self.node.num_partitions)
 
     @property

@@ -7,6 +7,7 @@ index array returned is a sorted ``int64`` array. Impossible requests raise
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -208,6 +209,67 @@ def n_way_k_shot(
         )
         for i, cls in enumerate(client_classes)
     ]
+
+
+def n_way_k_shot_official(
+    train_labels: np.ndarray,
+    test_labels: np.ndarray,
+    num_clients: int,
+    ways: int,
+    shots: int,
+    stdev: int,
+    test_per_class: int,
+    num_classes: int,
+    seed: int,
+    k_high: int,
+    slice_stride: int = 110,
+) -> list[ShotSplit]:
+    """FedProto's split exactly as its official code draws it, for like-for-like comparisons.
+
+    ``RandomState(seed).randint`` draws n_i ∈ [max(2, ways−stdev), min(C, ways+stdev+1)) for all
+    clients, then one k_i ∈ [shots−stdev+1, k_high) per client (the official MNIST rule is
+    ``k_high = shots+stdev−1``, i.e. k ∈ {99, 100}; CIFAR-10's is ``shots+stdev+1``); each client's
+    classes are ``random.Random(seed).sample`` draws, in client order. Both sets are sorted by label
+    (``np.argsort``) and client i takes k_i training images of each class starting at position
+    ``i·slice_stride`` of that class (110: the code's ``train_shots_max``) and ``test_per_class`` test
+    images starting at ``i·test_per_class``. The class sets and sizes equal the official run's for the
+    same seed; which images fill them follows NumPy's unstable sort, so may differ between versions.
+    """
+    train_labels = np.asarray(train_labels).reshape(-1).astype(np.int64)
+    test_labels = np.asarray(test_labels).reshape(-1).astype(np.int64)
+    _check_positive("num_clients", num_clients)
+    n_lo, n_hi = max(2, ways - stdev), min(num_classes, ways + stdev + 1)
+    if n_lo >= n_hi or shots - stdev + 1 >= k_high:
+        raise PartitionError(f"n_way_k_shot_official: empty draw range (ways={ways}, shots={shots}, "
+                             f"stdev={stdev}, k_high={k_high})")
+    state = np.random.RandomState(seed % (2**32))
+    n_list = state.randint(n_lo, n_hi, num_clients)
+    k_list = state.randint(shots - stdev + 1, k_high, num_clients)
+    py_rng = random.Random(seed)
+    train_order = np.argsort(train_labels, kind="quicksort")
+    test_order = np.argsort(test_labels, kind="quicksort")
+    train_begin = {c: int(np.searchsorted(train_labels[train_order], c)) for c in range(num_classes)}
+    test_begin = {c: int(np.searchsorted(test_labels[test_order], c)) for c in range(num_classes)}
+    train_count = np.bincount(train_labels, minlength=num_classes)
+    test_count = np.bincount(test_labels, minlength=num_classes)
+    splits = []
+    for i in range(num_clients):
+        classes = sorted(py_rng.sample(range(num_classes), int(n_list[i])))
+        k = int(k_list[i])
+        train_parts, test_parts = [], []
+        for c in classes:
+            lo, lo_test = i * slice_stride, i * test_per_class
+            if lo + k > train_count[c] or lo_test + test_per_class > test_count[c]:
+                raise PartitionError(f"n_way_k_shot_official: client {i} needs class {c} images beyond the "
+                                     f"{train_count[c]} training / {test_count[c]} test images there are; "
+                                     "use fewer clients")
+            train_parts.append(train_order[train_begin[c] + lo: train_begin[c] + lo + k])
+            test_parts.append(test_order[test_begin[c] + lo_test: test_begin[c] + lo_test + test_per_class])
+        splits.append(ShotSplit(classes=tuple(int(c) for c in classes),
+                                train=_sorted_int64(np.concatenate(train_parts)),
+                                test=_sorted_int64(np.concatenate(test_parts)),
+                                shots=tuple(k for _ in classes)))
+    return splits
 
 
 def one_domain_per_client(num_clients: int, domains: Sequence[str]) -> list[str]:

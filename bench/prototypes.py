@@ -206,19 +206,25 @@ def plot(results: dict) -> None:
     runs = [r for r in results["runs"] if r["method"] in PROTO_METHODS]
     if not runs:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in runs:
-        if r.get("mi-temperature") != "tau*margin":
+    # one curve per (method, n, variant): its lowest seed (the other seeds look alike)
+    first: dict[tuple, dict] = {}
+    for r in sorted(runs, key=lambda r: r["seed"]):
+        if r.get("mi-temperature") != "tau*margin":  # runs recorded before the MI temperature was fixed
             continue
+        first.setdefault((r["method"], r["ways"], r.get("variant", "default")), r)
+    colors = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for i, r in enumerate(sorted(first.values(), key=_key)):
         c = r["curves"]
         pts = [(x, y) for x, y in zip(c["round"], c["mi-client-mean"]) if y is not None]
         if pts:
-            ax.plot(*zip(*pts), label=f"{r['method']} n={r['ways']} seed {r['seed']} {r.get('variant', 'default')}")
+            ax.plot(*zip(*pts), color=colors(i % 10), ls="-" if r["method"] == "fedproto" else "--",
+                    label=f"{r['method']} n={r['ways']} seed {r['seed']} {r.get('variant', 'default')}")
     ax.set_xlabel("round")
     ax.set_ylabel("normalised MI (prototype softmax, τ = 0.5·m)")
     ax.set_title("MI monitor, mean over clients")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(RESULTS / "prototypes_mnist_mi.png", dpi=100)
     plt.close(fig)
@@ -232,7 +238,7 @@ def plot(results: dict) -> None:
                if y is not None]
         if pts:
             xs, ys, ss = zip(*pts)
-            ax.plot(xs, ys, label=f"bd-fedproto n={r['ways']}")
+            ax.plot(xs, ys, label=f"bd-fedproto n={r['ways']} seed {r['seed']} {r.get('variant', 'default')}")
             ax.fill_between(xs, [y - s for y, s in zip(ys, ss)], [y + s for y, s in zip(ys, ss)], alpha=0.2)
     ax.set_xlabel("round")
     ax.set_ylabel("λ_D (λ_0 = 1)")

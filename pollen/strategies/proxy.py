@@ -71,34 +71,43 @@ def _conv_sigmoid_stack(lenet: torch.nn.Module) -> list[torch.nn.Conv2d] | None:
     return convs
 
 
-def _lenet_per_sample_gradients(convs: list[torch.nn.Conv2d], head: torch.nn.Linear, x: torch.Tensor,
-                                labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _lenet_backprop(convs: list[torch.nn.Conv2d], head: torch.nn.Linear, x: torch.Tensor, labels: torch.Tensor):
     """Closed-form per-sample backprop through sigmoid convs + linear head (differentiable in ``x``).
 
-    With ``delta`` the per-sample error at a layer's output, a conv's weight gradient is the per-sample
-    correlation ``delta_b · unfold(input_b)^T`` (one batched matmul) and the error at its input is the
-    transposed convolution — the same quantities autograd computes one sample at a time, for all samples
-    in a few batched kernels.
+    Returns ``(feat, delta, layers)``: the head's input (B×d), the error at the logits (B×C) — so the
+    head's weight gradient is ``delta feat^T`` — and, for each conv in order, ``(d_z, cols)``: the error
+    at its output (B×Cout×H×W) and its unfolded input (B×(Cin·k·k)×L), whose per-sample correlation
+    ``d_z · cols^T`` is the conv's weight gradient. The error at a conv's input is the transposed
+    convolution: the same quantities autograd computes one sample at a time, for all samples in a few
+    batched kernels.
     """
-    weights = [(c.weight.detach(), c.bias.detach()) for c in convs]
-    head_w = head.weight.detach()
+    weights = [c.weight.detach() for c in convs]
     acts = [x]
-    for conv, (w, b) in zip(convs, weights):
-        acts.append(torch.sigmoid(F.conv2d(acts[-1], w, b, conv.stride, conv.padding)))
+    for conv, w in zip(convs, weights):
+        acts.append(torch.sigmoid(F.conv2d(acts[-1], w, conv.bias.detach(), conv.stride, conv.padding)))
     feat = acts[-1].flatten(1)
+    head_w = head.weight.detach()
     logits = F.linear(feat, head_w, head.bias.detach())
     delta = torch.softmax(logits, dim=1) - F.one_hot(labels, logits.shape[1]).to(logits.dtype)
-    grads: list[torch.Tensor] = [delta.unsqueeze(2) * feat.unsqueeze(1), delta]  # head weight, head bias
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
     d_act = (delta @ head_w).view_as(acts[-1])
     for i in range(len(convs) - 1, -1, -1):
         conv, inp, out = convs[i], acts[i], acts[i + 1]
         d_z = d_act * out * (1.0 - out)
-        cols = F.unfold(inp, conv.kernel_size, padding=conv.padding, stride=conv.stride)  # B×(Cin·k·k)×L
-        g_w = torch.bmm(d_z.flatten(2), cols.transpose(1, 2)).view(-1, *weights[i][0].shape)
-        grads = [g_w, d_z.sum((2, 3))] + grads
+        layers.insert(0, (d_z, F.unfold(inp, conv.kernel_size, padding=conv.padding, stride=conv.stride)))
         if i:
-            d_act = torch.nn.grad.conv2d_input(inp.shape, weights[i][0], d_z, conv.stride, conv.padding)
-    return tuple(grads)
+            d_act = torch.nn.grad.conv2d_input(inp.shape, weights[i], d_z, conv.stride, conv.padding)
+    return feat, delta, layers
+
+
+def _lenet_per_sample_gradients(convs: list[torch.nn.Conv2d], head: torch.nn.Linear, x: torch.Tensor,
+                                labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-sample gradients of every LeNet parameter, in ``parameters()`` order, from :func:`_lenet_backprop`."""
+    feat, delta, layers = _lenet_backprop(convs, head, x, labels)
+    grads: list[torch.Tensor] = []
+    for conv, (d_z, cols) in zip(convs, layers):
+        grads += [torch.bmm(d_z.flatten(2), cols.transpose(1, 2)).view(-1, *conv.weight.shape), d_z.sum((2, 3))]
+    return tuple(grads + [delta.unsqueeze(2) * feat.unsqueeze(1), delta])
 
 
 def per_sample_gradients(lenet: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -154,28 +163,13 @@ class MatchingObjective:
         if self.convs is None:
             grads = per_sample_gradients(self.lenet, x, self.labels)
             return sum(((g - t) ** 2).flatten(1).sum(1) for g, t in zip(grads, self.targets))
-        convs, head = self.convs, self.lenet.head
-        weights = [(c.weight.detach(), c.bias.detach()) for c in convs]
-        acts = [x]
-        for conv, (w, bias) in zip(convs, weights):
-            acts.append(torch.sigmoid(F.conv2d(acts[-1], w, bias, conv.stride, conv.padding)))
-        feat = acts[-1].flatten(1)
-        head_w = head.weight.detach()
-        logits = F.linear(feat, head_w, head.bias.detach())
-        delta = torch.softmax(logits, dim=1) - F.one_hot(self.labels, logits.shape[1]).to(logits.dtype)
+        feat, delta, layers = _lenet_backprop(self.convs, self.lenet.head, x, self.labels)
         t_f = torch.bmm(self.head_w, feat.unsqueeze(2)).squeeze(2)
         loss = ((delta * delta).sum(1) * (feat * feat).sum(1) - 2.0 * (delta * t_f).sum(1) + self.head_w_sq
                 + ((delta - self.head_b) ** 2).sum(1))
-        d_act = (delta @ head_w).view_as(acts[-1])
-        for i in range(len(convs) - 1, -1, -1):
-            conv, inp, out = convs[i], acts[i], acts[i + 1]
-            d_z = d_act * out * (1.0 - out)
-            cols = F.unfold(inp, conv.kernel_size, padding=conv.padding, stride=conv.stride)  # B×(Cin·k·k)×L
+        for (d_z, cols), (t_w, t_b) in zip(layers, self.conv_targets):
             g_w_t = torch.bmm(cols, d_z.flatten(2).transpose(1, 2))  # B×(Cin·k·k)×Cout
-            t_w, t_b = self.conv_targets[i]
             loss = loss + ((g_w_t - t_w) ** 2).flatten(1).sum(1) + ((d_z.sum((2, 3)) - t_b) ** 2).sum(1)
-            if i:
-                d_act = torch.nn.grad.conv2d_input(inp.shape, weights[i][0], d_z, conv.stride, conv.padding)
         return loss
 
 

@@ -14,7 +14,6 @@ from pollen.datasets.partition import (
     dirichlet,
     iid,
     n_way_k_shot,
-    n_way_k_shot_official,
     one_domain_per_client,
 )
 
@@ -225,8 +224,8 @@ def test_official_split_follows_the_official_draw_order_and_slices():
     rng = np.random.default_rng(5)
     tr = np.repeat(np.arange(10), 2300)[rng.permutation(23000)]
     te = np.repeat(np.arange(10), 820)[rng.permutation(8200)]
-    splits = n_way_k_shot_official(tr, te, 20, ways=3, shots=100, stdev=2, test_per_class=40, num_classes=10,
-                                   seed=1234, k_high=101)
+    splits = n_way_k_shot(tr, te, 20, ways=3, shots=100, stdev=2, test_per_class=40, num_classes=10,
+                          seed=1234, official_k_high=101)
     np_state, py_state = np.random.get_state(), pyrandom.getstate()
     try:
         np.random.seed(1234)
@@ -247,8 +246,8 @@ def test_official_split_follows_the_official_draw_order_and_slices():
         pyrandom.setstate(py_state)
     assert {k for s in splits for k in s.shots} <= {99, 100}  # the official MNIST range quirk
     with pytest.raises(PartitionError, match="beyond"):
-        n_way_k_shot_official(tr, te, 30, ways=3, shots=100, stdev=2, test_per_class=40, num_classes=10,
-                              seed=1234, k_high=101)
+        n_way_k_shot(tr, te, 30, ways=3, shots=100, stdev=2, test_per_class=40, num_classes=10,
+                     seed=1234, official_k_high=101)
 
 
 # ------------------------------------------------------------------------------------- domains

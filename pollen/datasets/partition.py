@@ -109,8 +109,12 @@ def n_way_k_shot(
     test_per_class: int,
     num_classes: int,
     seed: int,
+    official_k_high: int | None = None,
 ) -> list[ShotSplit]:
     """FedProto's non-IID split, with clean errors where the official code crashes.
+
+    With ``official_k_high`` the split is instead drawn exactly as the official code draws it
+    (:func:`_official_draw`; ``official_k_high`` is its exclusive upper bound of k).
 
     Client ``i`` draws ``n_i ~ U{max(2, ways−stdev) … min(num_classes, ways+stdev)}`` distinct
     classes and, for each class ``j``, ``k_ij ~ U{shots−stdev … shots+stdev}`` training samples.
@@ -148,6 +152,9 @@ def n_way_k_shot(
                 f"n_way_k_shot: {what} must lie in 0..{num_classes - 1}, found {lab.min()}..{lab.max()}"
             )
 
+    if official_k_high is not None:
+        return _official_draw(train_labels, test_labels, num_clients, ways, shots, stdev, test_per_class,
+                              num_classes, seed, official_k_high)
     rng = np.random.default_rng(seed)
     client_classes: list[np.ndarray] = []
     client_shots: list[np.ndarray] = []
@@ -211,19 +218,9 @@ def n_way_k_shot(
     ]
 
 
-def n_way_k_shot_official(
-    train_labels: np.ndarray,
-    test_labels: np.ndarray,
-    num_clients: int,
-    ways: int,
-    shots: int,
-    stdev: int,
-    test_per_class: int,
-    num_classes: int,
-    seed: int,
-    k_high: int,
-    slice_stride: int = 110,
-) -> list[ShotSplit]:
+def _official_draw(train_labels: np.ndarray, test_labels: np.ndarray, num_clients: int, ways: int, shots: int,
+                   stdev: int, test_per_class: int, num_classes: int, seed: int, k_high: int,
+                   slice_stride: int = 110) -> list[ShotSplit]:
     """FedProto's split exactly as its official code draws it, for like-for-like comparisons.
 
     ``RandomState(seed).randint`` draws n_i ∈ [max(2, ways−stdev), min(C, ways+stdev+1)) for all
@@ -235,12 +232,9 @@ def n_way_k_shot_official(
     images starting at ``i·test_per_class``. The class sets and sizes equal the official run's for the
     same seed; which images fill them follows NumPy's unstable sort, so may differ between versions.
     """
-    train_labels = np.asarray(train_labels).reshape(-1).astype(np.int64)
-    test_labels = np.asarray(test_labels).reshape(-1).astype(np.int64)
-    _check_positive("num_clients", num_clients)
     n_lo, n_hi = max(2, ways - stdev), min(num_classes, ways + stdev + 1)
     if n_lo >= n_hi or shots - stdev + 1 >= k_high:
-        raise PartitionError(f"n_way_k_shot_official: empty draw range (ways={ways}, shots={shots}, "
+        raise PartitionError(f"n_way_k_shot (official draw): empty draw range (ways={ways}, shots={shots}, "
                              f"stdev={stdev}, k_high={k_high})")
     state = np.random.RandomState(seed % (2**32))
     n_list = state.randint(n_lo, n_hi, num_clients)
@@ -260,7 +254,7 @@ def n_way_k_shot_official(
         for c in classes:
             lo, lo_test = i * slice_stride, i * test_per_class
             if lo + k > train_count[c] or lo_test + test_per_class > test_count[c]:
-                raise PartitionError(f"n_way_k_shot_official: client {i} needs class {c} images beyond the "
+                raise PartitionError(f"n_way_k_shot (official draw): client {i} needs class {c} images beyond the "
                                      f"{train_count[c]} training / {test_count[c]} test images there are; "
                                      "use fewer clients")
             train_parts.append(train_order[train_begin[c] + lo: train_begin[c] + lo + k])

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pollen.datasets.partition import PartitionError, dirichlet, iid, n_way_k_shot, n_way_k_shot_official
+from pollen.datasets.partition import PartitionError, dirichlet, iid, n_way_k_shot
 from pollen.datasets.sources import ImageSet, load_source
 from pollen.datasets.transforms import CIFAR10_FORMAT, MNIST_FORMAT, ImageFormat, to_model_input
 
@@ -32,7 +32,7 @@ class TaskOptions:
     shots: int = 100
     stdev: int = 2
     test_per_class: int = 40
-    shot_split: str = "pollen"  # "official": FedProto's own draw (n_way_k_shot_official)
+    shot_split: str = "pollen"  # "official": FedProto's own draw (n_way_k_shot's official_k_high)
     max_train_samples: int = 0  # 0 = no cap; otherwise cap each client's training set
 
 
@@ -142,14 +142,12 @@ def _shot_splits(source: str, opts: TaskOptions, num_partitions: int):
     train = load_source(source, opts.data_root, "train", download=opts.download)
     test = load_source(source, opts.data_root, "test", download=opts.download)
     try:
-        if opts.shot_split == "official":
-            # the code's upper bound of k (exclusive): MNIST shots+stdev-1, CIFAR-10 shots+stdev+1
+        k_high = None
+        if opts.shot_split == "official":  # the code's exclusive bound of k: MNIST shots+stdev-1, else +1
             k_high = opts.shots + opts.stdev + (-1 if source == "mnist" else 1)
-            return n_way_k_shot_official(train.labels.numpy(), test.labels.numpy(), num_partitions, opts.ways,
-                                         opts.shots, opts.stdev, opts.test_per_class, train.num_classes,
-                                         opts.seed, k_high)
         return n_way_k_shot(train.labels.numpy(), test.labels.numpy(), num_partitions, opts.ways,
-                            opts.shots, opts.stdev, opts.test_per_class, train.num_classes, opts.seed)
+                            opts.shots, opts.stdev, opts.test_per_class, train.num_classes, opts.seed,
+                            official_k_high=k_high)
     except PartitionError as err:
         raise TaskError(f"task cannot split {source} {opts.ways}-way {opts.shots}-shot (stdev "
                         f"{opts.stdev}) over {num_partitions} clients: {err}") from err

@@ -30,6 +30,7 @@ from pollen.app.launch import simulate  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 JSON_PATH = RESULTS / "prototypes_mnist.json"
 MD_PATH = RESULTS / "prototypes_mnist.md"
+REFERENCE_PATH = RESULTS / "prototypes_reference.json"
 METHODS = ("fedproto", "bd-fedproto", "fedavg", "fedprox", "local")
 PROTO_METHODS = ("fedproto", "bd-fedproto")
 
@@ -131,6 +132,64 @@ def _seed_spread(group: list[dict]) -> str:
     return " / ".join(out)
 
 
+def load_reference() -> list[dict]:
+    """Rows of ``bench/fedproto_reference.py`` (the official procedure without Flower), if run."""
+    return json.loads(REFERENCE_PATH.read_text()) if REFERENCE_PATH.exists() else []
+
+
+def _mean_sd(vals: list[float]) -> str:
+    m = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return f"{m:+.2f}"
+    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+    return f"{m:+.2f} ± {sd / len(vals) ** 0.5:.2f}"
+
+
+def reference_lines(runs: list[dict]) -> list[str]:
+    """Pollen's FedProto against the official procedure re-run here, seed by seed on the same split.
+
+    ``official-split`` runs and the reference share the split of their seed (the official code's
+    draw), so the per-seed difference is free of split luck; what is left is initialisation and
+    batch order, which no two implementations share.
+    """
+    ref = [r for r in load_reference() if r["rounds"] == 100]
+    if not ref:
+        return []
+    lines = ["", "Against the official procedure re-run here without Flower (`bench/fedproto_reference.py`: the "
+             "official code's order of random draws, split, training-time prototypes and unweighted mean, in one "
+             "process; `prototypes_reference.md`), seed by seed on the same split (Pollen's *official-split* "
+             "variant). Δ = Pollen − reference; the last row per n is the mean Δ ± its standard error:", "",
+             "| ways | seed | Pollen local | Pollen proto | reference local | reference proto | Δ local | Δ proto |",
+             "|---|---|---|---|---|---|---|---|"]
+    for ways in sorted({r["ways"] for r in ref}):
+        pairs = []
+        for r in sorted(runs, key=lambda r: r["seed"]):
+            if (r["method"], r["ways"], r.get("variant"), r["rounds"]) != ("fedproto", ways, "official-split", 100):
+                continue
+            twin = next((t for t in ref if t["ways"] == ways and t["seed"] == r["seed"]), None)
+            if twin is None:
+                continue
+            d = (r["accuracy"]["mean"] - twin["local-mean"], r["proto-accuracy"]["mean"] - twin["proto-mean"])
+            pairs.append(d)
+            lines.append(f"| {ways} | {r['seed']} | {r['accuracy']['mean']:.2f} | {r['proto-accuracy']['mean']:.2f} | "
+                         f"{twin['local-mean']:.2f} | {twin['proto-mean']:.2f} | {d[0]:+.2f} | {d[1]:+.2f} |")
+        if pairs:
+            lines.append(f"| {ways} | mean of {len(pairs)} | | | | | {_mean_sd([d[0] for d in pairs])} | "
+                         f"{_mean_sd([d[1] for d in pairs])} |")
+    lines += ["", "The reference itself, averaged over all its seeds, against the official run (seed 1234):", "",
+              "| ways | reference seeds | reference local | reference proto | official local / proto | Δ local | Δ proto |",
+              "|---|---|---|---|---|---|---|"]
+    for ways in sorted({r["ways"] for r in ref}):
+        group = [r for r in ref if r["ways"] == ways]
+        loc = sum(r["local-mean"] for r in group) / len(group)
+        pro = sum(r["proto-mean"] for r in group) / len(group)
+        off = OFFICIAL.get(ways)
+        lines.append(f"| {ways} | {len(group)} | {loc:.2f} | {pro:.2f} | "
+                     + (f"{off['accuracy'][0]:.2f} / {off['proto-accuracy'][0]:.2f} | "
+                        f"{loc - off['accuracy'][0]:+.2f} | {pro - off['proto-accuracy'][0]:+.2f} |" if off else "– | – | – |"))
+    return lines
+
+
 def markdown(results: dict) -> str:
     s = results["setting"]
     lines = [
@@ -146,8 +205,8 @@ def markdown(results: dict) -> str:
         "Pollen's defaults (count-weighted aggregation, prototypes from a no-grad pass after training); "
         "*official-protos* = the official code's choices (unweighted mean, training-time prototypes); "
         "*official-split* = the official code's own client split (`shot-split = \"official\"`: its RNG "
-        "calls, k ∈ {99, 100} per client, label-sorted slices) at its default seed 1234, i.e. the same "
-        "class sets and sizes per client as the official run; "
+        "calls, k ∈ {99, 100} per client, label-sorted slices) drawn with the run's seed; at the "
+        "official default seed 1234 it gives the same class sets and sizes per client as the official run; "
         "*model-heter* = FedProto's model-heterogeneous CNNs (conv2 with 18 / 20 / 22 channels for clients "
         "0–6 / 7–13 / 14–19).", "",
         "| ways | method | variant | seed | rounds | local | proto | wall s | s/round |",
@@ -175,6 +234,7 @@ def markdown(results: dict) -> str:
                      f"{_fmt(ours['proto-accuracy'])} | {off['accuracy'][0]:.2f} ± {off['accuracy'][1]:.2f} | "
                      f"{off['proto-accuracy'][0]:.2f} ± {off['proto-accuracy'][1]:.2f} | {deltas[0]} | {deltas[1]} | "
                      f"{_seed_spread(group)} |")
+    lines += reference_lines(runs)
     bd_lines = []
     for r in runs:
         if r["method"] != "bd-fedproto":

@@ -12,6 +12,13 @@ the MI / λ_D plots are rewritten from the JSON each time::
 
     python bench/prototypes.py --data-root ../shared/data --ways 3 4 --methods fedproto bd-fedproto
     python bench/prototypes.py --data-root ../shared/data --ways 3 --methods fedavg fedprox local --rounds 50
+
+With ``bench/results/prototypes_reference.json`` present (``bench/fedproto_reference.py``: the
+official procedure without Flower), the table adds a seed-by-seed comparison of Pollen's
+``official-split`` runs with the reference on the same split::
+
+    python bench/prototypes.py --data-root ../shared/data --ways 3 --methods fedproto --seed 0 \
+        --variant official-split --extra-config "shot-split='official'"
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ loop and runs it for several seeds:
   global prototype among the client's classes (MSE distance). Both with counters reset per client
   (the issue's convention) and with the official code's running counters.
 
-Nothing here is Pollen's federated code: it shares only the data loader, the split and the MNIST
-normalisation, so a gap between this and the Flower runs points at the federated implementation,
-and a gap between this and the official numbers at the seed.
+None of Pollen's federated code runs here: the script shares with Pollen the data loader, the split,
+the CNN and the two pure functions L_P and the MSE distance (each tested against independent
+computations), while private state, per-round loaders, prototype aggregation and evaluation are its
+own. A gap between this and the Flower runs points at the federated implementation, a gap between
+this and the official numbers at the seed.
 
     python bench/fedproto_reference.py --data-root ../shared/data --ways 3 --seeds 1234 0 1 2 3
 
@@ -41,37 +43,20 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pollen.clients.prototype_losses import prototype_loss, squared_distances  # noqa: E402
 from pollen.datasets.partition import n_way_k_shot  # noqa: E402
 from pollen.datasets.sources import load_source  # noqa: E402
 from pollen.datasets.transforms import MNIST_FORMAT, to_model_input  # noqa: E402
+from pollen.models.small import CNNMnist  # noqa: E402
+from prototypes import OFFICIAL  # noqa: E402  (bench/prototypes.py: the official run's numbers)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 JSON_PATH = RESULTS / "prototypes_reference.json"
 MD_PATH = RESULTS / "prototypes_reference.md"
-OFFICIAL = {3: (98.85, 98.66), 4: (98.07, 98.03)}  # counters reset per client; seed 1234
-
-
-class Cnn(nn.Module):
-    """The FedProto MNIST CNN with the official layer order (so the init draws come in that order)."""
-
-    def __init__(self, num_classes: int = 10):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
-        self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
-        self.conv2_drop = nn.Dropout2d()
-        self.fc1 = nn.Linear(320, 50)
-        self.fc2 = nn.Linear(50, num_classes)
-
-    def forward(self, x):
-        x = F.relu(F.max_pool2d(self.conv1(x), 2))
-        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
-        z = F.relu(self.fc1(x.flatten(1)))
-        return F.log_softmax(self.fc2(F.dropout(z, training=self.training)), dim=1), z
 
 
 class Rows(Dataset):
@@ -88,46 +73,39 @@ class Rows(Dataset):
         return self.x[i], self.y[i]
 
 
-def train_client(model: Cnn, loader: DataLoader, global_protos: dict[int, torch.Tensor], ld: float,
-                 lr: float) -> dict[int, torch.Tensor]:
-    """One local epoch; returns the class means of the training-time embeddings."""
+def train_client(model: CNNMnist, loader: DataLoader, protos: torch.Tensor, present: torch.Tensor, ld: float,
+                 lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One local epoch; returns (C×d class means of the training-time embeddings, C bool: class seen)."""
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.5)
-    sums: dict[int, torch.Tensor] = {}
-    counts: dict[int, int] = {}
+    sums = torch.zeros_like(protos)
+    counts = torch.zeros(len(protos), dtype=torch.long)
     for x, y in loader:
         model.zero_grad()
-        log_probs, z = model(x)
-        loss = F.nll_loss(log_probs, y)
-        if global_protos:
-            target = z.detach().clone()
-            for i, label in enumerate(y.tolist()):
-                if label in global_protos:
-                    target[i] = global_protos[label]
-            loss = loss + ld * F.mse_loss(z, target)
+        z = model.features(x)
+        loss = F.cross_entropy(model.classify(z), y)
+        if present.any():  # round 1 has no global prototypes: L_S alone
+            loss = loss + ld * prototype_loss(z, y, protos, present)
         loss.backward()
         opt.step()
-        for i, label in enumerate(y.tolist()):
-            sums[label] = sums.get(label, 0) + z[i].detach()
-            counts[label] = counts.get(label, 0) + 1
-    return {c: sums[c] / counts[c] for c in sums}
+        sums.index_add_(0, y, z.detach())
+        counts += torch.bincount(y, minlength=len(protos))
+    return sums / counts.clamp_min(1).unsqueeze(1), counts > 0
 
 
 @torch.no_grad()
-def evaluate(models, loaders, classes, global_protos) -> dict[str, list[float]]:
+def evaluate(models, tests, classes, protos: torch.Tensor, present: torch.Tensor) -> dict[str, list[float]]:
     out = {"local": [], "proto": [], "local-running": [], "proto-running": []}
     run_correct, run_total = 0, 0
-    for model, loader, own in zip(models, loaders, classes):
+    for model, (x, y), own in zip(models, tests, classes):
         model.eval()
-        x, y = loader
-        log_probs, z = model(x)
-        local_correct = int((log_probs.argmax(1) == y).sum())
+        z = model.features(x)
+        local_correct = int((model.classify(z).argmax(1) == y).sum())
         run_correct, run_total = run_correct + local_correct, run_total + len(y)
         out["local"].append(local_correct / len(y))
         out["local-running"].append(run_correct / run_total)
-        cand = [c for c in own if c in global_protos]
-        dist = torch.stack([((z - global_protos[c]) ** 2).mean(1) for c in cand], dim=1)
-        pred = torch.as_tensor(cand)[dist.argmin(1)]
+        cand = torch.as_tensor([c for c in own if present[c]])
+        pred = cand[squared_distances(z, protos[cand]).argmin(1)]
         proto_correct = int((pred == y).sum())
         run_correct, run_total = run_correct + proto_correct, run_total + len(y)
         out["proto"].append(proto_correct / len(y))
@@ -145,25 +123,28 @@ def run(ways: int, seed: int, rounds: int, data_root: str, ld: float = 1.0, lr: 
     y_train, y_test = train.labels.long(), test.labels.long()
     splits = n_way_k_shot(y_train.numpy(), y_test.numpy(), num_clients, ways, shots, stdev, 40, 10, seed,
                           official_k_high=shots + stdev - 1)
-    models = [Cnn() for _ in range(num_clients)]
-    global_protos: dict[int, torch.Tensor] = {}
+    models = [CNNMnist(num_classes=10) for _ in range(num_clients)]  # in client order, from the global RNG
+    protos = torch.zeros(10, CNNMnist.EMBED_DIM)
+    present = torch.zeros(10, dtype=torch.bool)
     start = time.perf_counter()
     for rnd in range(rounds):
-        local = []
+        means, held = [], []
         for model, split in zip(models, splits):
             loader = DataLoader(Rows(x_train, y_train, split.train), batch_size=4, shuffle=True, drop_last=True)
-            local.append(train_client(model, loader, global_protos, ld, lr))
-        held: dict[int, list[torch.Tensor]] = {}
-        for protos in local:
-            for c, p in protos.items():
-                held.setdefault(c, []).append(p)
-        global_protos = {c: torch.stack(ps).mean(0) for c, ps in held.items()}
+            m, h = train_client(model, loader, protos, present, ld, lr)
+            means.append(m)
+            held.append(h)
+        # unweighted mean over the clients that hold each class, in client order
+        means_k, held_k = torch.stack(means), torch.stack(held)
+        present = held_k.any(0)
+        protos = torch.stack([means_k[held_k[:, c], c].mean(0) if present[c] else torch.zeros_like(protos[c])
+                              for c in range(len(protos))])
         if (rnd + 1) % 10 == 0:
             print(f"[ref] ways {ways} seed {seed}: round {rnd + 1}/{rounds}, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)
     wall = time.perf_counter() - start
     tests = [(x_test[s.test], y_test[s.test]) for s in splits]
-    acc = evaluate(models, tests, [list(s.classes) for s in splits], global_protos)
+    acc = evaluate(models, tests, [list(s.classes) for s in splits], protos, present)
     return {"ways": ways, "seed": seed, "rounds": rounds, "threads": torch.get_num_threads(),
             "local-mean": 100 * float(np.mean(acc["local"])), "local-std": 100 * float(np.std(acc["local"])),
             "proto-mean": 100 * float(np.mean(acc["proto"])), "proto-std": 100 * float(np.std(acc["proto"])),
@@ -191,7 +172,7 @@ def table(rows: list[dict]) -> str:
             continue
         loc = np.array([r["local-mean"] for r in group])
         pro = np.array([r["proto-mean"] for r in group])
-        off = OFFICIAL.get(ways)
+        off = (OFFICIAL[ways]["accuracy"][0], OFFICIAL[ways]["proto-accuracy"][0]) if ways in OFFICIAL else None
         sd = f"{loc.std():.2f} / {pro.std():.2f}" if len(group) > 1 else "–"
         lines.append(f"| {ways} | {len(group)} | {loc.mean():.2f} | {pro.mean():.2f} | {sd} | "
                      + (f"{off[0]:.2f} / {off[1]:.2f} | {loc.mean() - off[0]:+.2f} / {pro.mean() - off[1]:+.2f} |"

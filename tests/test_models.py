@@ -142,7 +142,11 @@ def test_grow_classes_keeps_old_logits():
         new = model(x)
     assert model.num_classes == 15 and new.shape == (4, 15)
     assert model.head is not old_head
-    assert torch.equal(new[:, :10], old)
+    # Old weights are copied bit for bit (checked exactly); the logits come from a GEMM of another
+    # shape, whose kernels may sum in another order, so they agree to float32 rounding only.
+    assert torch.equal(model.head.weight[:10], old_head.weight)
+    assert torch.equal(model.head.bias[:10], old_head.bias)
+    torch.testing.assert_close(new[:, :10], old, rtol=1e-5, atol=1e-6)
     assert not torch.equal(model.head.weight[10:], torch.zeros_like(model.head.weight[10:]))
     model.grow_classes(15)  # same size: unchanged
     assert model.num_classes == 15

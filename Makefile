@@ -1,4 +1,6 @@
-# Pollen — `make run` runs the default federated simulation, `make test` runs the test suite.
+# Pollen — `make run` runs the default federated simulation, `make test` runs the full test suite,
+# `make test-fast` everything but the slow end-to-end (`e2e`) tests, `make coverage` the full suite with
+# a coverage report for `pollen`.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +20,7 @@ RUN_CONFIG ?=
 OUT_DIR ?= $(CURDIR)/runs
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench fleet clean
+.PHONY: install run test test-fast coverage bench fleet clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,8 +34,17 @@ run: $(STAMP)
 	$(PY) -m pollen.app.launch --num-supernodes $(NUM_SUPERNODES) \
 		--run-config "out-dir='$(OUT_DIR)' $(RUN_CONFIG)"
 
+# The full suite (what CI runs).
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Everything but the `e2e` tests (no SuperLink, SuperNode, `flwr run` or Ray launches).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+
+# The full suite with a per-file coverage report for the `pollen` package (what .ci/run prints).
+coverage: $(STAMP)
+	$(PY) -m pytest -q --cov=pollen --cov-report=term $(PYTEST_ARGS)
 
 clean:
 	rm -rf .flwr-home runs pollen-runs .pytest_cache

@@ -1,7 +1,8 @@
 """Digit domains and unlabeled public sets (pollen.datasets.domains, pollen.datasets.public).
 
 Tests that need MNIST / Fashion-MNIST read their root from ``POLLEN_DATA_ROOT`` and skip without
-it. ``python tests/test_domains.py [out.png]`` writes a grid of samples of every domain.
+it (the one rule in tests/conftest.py). ``python -m tests.test_domains [out.png]`` (from the project
+root) writes a grid of samples of every domain.
 """
 
 from __future__ import annotations
@@ -26,13 +27,12 @@ from pollen.datasets.domains import (
 )
 from pollen.datasets.public import PUBLIC_SETS, load_public, photo_patches
 from pollen.datasets.sources import DatasetMissingError, load_source
+from tests.conftest import needs_real_data, real_data_root
 
 torch.set_num_threads(1)
 
-DATA_ROOT = os.environ.get("POLLEN_DATA_ROOT")
-needs_root = pytest.mark.skipif(
-    not DATA_ROOT, reason="POLLEN_DATA_ROOT is not set (folder holding MNIST/ and FashionMNIST/)"
-)
+DATA_ROOT = real_data_root()  # the one skip rule (tests/conftest.py)
+needs_root = needs_real_data
 
 # Small syn sets reused by several tests (load_domain caches them per process).
 SYN_TRAIN, SYN_TEST = 2000, 500

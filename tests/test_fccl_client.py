@@ -117,30 +117,30 @@ def test_bad_method_keys_fail_early(override, message):
 
 def test_homogeneous_mode_sends_and_loads_averaged_weights(data_root):
     """``solo`` + ``fccl-average-weights`` is FedAvg: with 0 local epochs, net == the average received."""
-    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
-
+    from pollen.app.client_app import app
     from pollen.strategies import LogitAveraging
-    from tests.conftest import stub_node
+    from tests.inprocess import InProcessGrid, clientapp_node
 
     rc = {**TINY, "method": "solo", "data-root": data_root, "model": "resnet10", "fccl-average-weights": True,
           "fccl-local-epochs": "0"}
     strategy = METHODS["solo"].make_strategy(parse_run_config(rc))
     assert isinstance(strategy, LogitAveraging) and strategy.average_weights
-    contexts = [make_context(rc, partition_id=p, num_partitions=4) for p in (0, 3)]
-    results = []
-    for ctx in contexts:
-        reply, n, metrics = _client("solo", rc, ctx).fit([], {"server-round": 1})
-        assert reply[0].shape == (40, 10) and len(reply) > 2
-        res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(reply), n, metrics)
-        results.append((stub_node(str(ctx.node_id)), res))
-    params, fit_metrics = strategy.aggregate_fit(1, results, [])
-    assert fit_metrics["accepted"] == 2
-    sent = parameters_to_ndarrays(params)
-    client = _client("solo", rc, contexts[0])
-    client.fit(sent, {"server-round": 2, "contributed": True})
-    net = _state(client, "fccl-net")
-    for got, want in zip(net.values(), sent[2:]):
-        np.testing.assert_array_equal(got.numpy(), want)
+    nodes = {100 + p: clientapp_node(app, rc, p, 4) for p in (0, 3)}
+    grid = InProcessGrid(nodes)
+    strategy.min_available_nodes = 2
+    strategy.start(grid=grid, initial_arrays=METHODS["solo"].initial_arrays(parse_run_config(rc)), num_rounds=2)
+    train = [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert len(train) == 4 and "model" not in train[0].content  # round 1: nothing to load yet
+    sent = train[2].content["model"]  # round 2: the average of round 1's two replies
+    assert train[2].content["config"]["contributed"] is True
+    assert train[2].content["arrays"]["consensus"].shape == (40, 10)
+    # each client's round-2 net is the received average (0 local epochs); its reply is that state
+    # with 0 local epochs both round-2 replies are the state received, so their average is it again
+    # (a mean of equal values is exact)
+    assert list(sent.keys()) == list(strategy.weights.keys())
+    for key in sent.keys():
+        np.testing.assert_array_equal(strategy.weights[key].numpy(), sent[key].numpy())
+    assert strategy.report(2) is not None and not strategy.reports[2].rejected
 
 
 def test_paper_tasks_need_their_files(tmp_path):

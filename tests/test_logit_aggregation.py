@@ -6,7 +6,8 @@ from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters
 from flwr.server.client_manager import SimpleClientManager
 
 from pollen.clients.logit_losses import leave_one_out_target
-from pollen.strategies import LogitAveraging, mean_logits
+from pollen.strategies.legacy import LogitAveraging
+from pollen.strategies.logits import mean_logits
 from tests.conftest import stub_node
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -16,10 +14,11 @@ from pollen.datasets.partition import (
     n_way_k_shot,
     one_domain_per_client,
 )
+from tests.conftest import needs_real_data, real_data_root
 
 torch.set_num_threads(1)
 
-DATA_ROOT = os.environ.get("POLLEN_DATA_ROOT")
+DATA_ROOT = real_data_root()  # the one skip rule (tests/conftest.py)
 
 
 def assert_sorted_int64(a: np.ndarray) -> None:
@@ -199,7 +198,7 @@ def test_n_way_k_shot_errors_name_the_problem():
         n_way_k_shot(np.array([0, 12]), te, 2, ways=2, shots=1, stdev=0, **kw)
 
 
-@pytest.mark.skipif(not DATA_ROOT, reason="POLLEN_DATA_ROOT is not set (folder with MNIST/ in torchvision layout)")
+@needs_real_data
 def test_fedproto_mnist_split_on_real_labels():
     from pollen.datasets.sources import load_source
 

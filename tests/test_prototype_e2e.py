@@ -6,20 +6,18 @@ UCI digits (every client then holds every class, so CPA has no negatives, but th
 """
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from pollen.app.launch import simulate
-from tests.conftest import PROJECT_ROOT
+from tests.conftest import PROJECT_ROOT, real_data_root
 
 pytestmark = pytest.mark.e2e
 
 
 def _task_keys() -> tuple[str, bool]:
-    root = os.environ.get("POLLEN_DATA_ROOT", "")
-    if root and (Path(root) / "MNIST" / "raw").is_dir():
+    root = real_data_root()  # the one real-data rule (tests/conftest.py); without data: embedded UCI
+    if root is not None:
         return (f"task='mnist-shot' data-root='{root}' shot-ways=3 shot-shots=10 shot-stdev=1 "
                 "shot-test-per-class=5", True)
     return "task='uci-dirichlet' max-train-samples=40", False

@@ -9,7 +9,7 @@ from flwr.server import Server
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 
-from pollen.strategies import PrototypeStrategy
+from pollen.strategies.legacy import PrototypeStrategy
 
 C, D = 4, 3
 

@@ -31,14 +31,18 @@ def test_recorder_writes_round_lines_summary_and_plot(tmp_path, capsys):
     assert "round 2/2" in out and "accuracy 0.7500 ± 0.1000" in out and "rejected 1" in out
 
 
-def test_recording_strategy_keeps_failure_reasons(tmp_path):
-    from pollen.app.results import RecordingStrategy
-    from pollen.strategies.weights import LocalOnly
+def test_round_report_keeps_failure_reasons_and_failed_status(tmp_path):
+    from pollen.strategies.base import RoundReport
 
     rec = RunRecorder(tmp_path / "run", {"method": "local"}, num_rounds=1, echo=False)
-    strategy = RecordingStrategy(LocalOnly(), rec)
-    strategy.aggregate_fit(1, [], [RuntimeError("node config is missing 'partition-id'")])
-    rec.end_round(1)
+    report = RoundReport(1, sampled=2)
+    report.failures.append({"stage": "train", "client": "node 7", "code": 2,
+                            "reason": "ConfigError: node config is missing 'partition-id'"})
+    rec.record_report(report)
     line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
-    assert line["failures"] == 1
-    assert line["failure-reasons"] == [{"stage": "fit", "reason": "RuntimeError: node config is missing 'partition-id'"}]
+    assert line["failures"] == 1 and line["sampled"] == 2
+    assert line["failure-reasons"] == [{"stage": "train", "client": "node 7", "code": 2,
+                                        "reason": "ConfigError: node config is missing 'partition-id'"}]
+    summary = rec.finish(status="failed", reason="round 1 trained nobody")
+    assert summary["status"] == "failed" and summary["failure-reason"] == "round 1 trained nobody"
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"

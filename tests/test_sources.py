@@ -28,13 +28,11 @@ from pollen.datasets.transforms import (
     batches,
     to_model_input,
 )
+from tests.conftest import needs_real_data, real_data_root
 
 torch.set_num_threads(1)
 
-DATA_ROOT = os.environ.get("POLLEN_DATA_ROOT")
-needs_real_data = pytest.mark.skipif(
-    not DATA_ROOT, reason="POLLEN_DATA_ROOT is not set (folder with MNIST/ and FashionMNIST/ in torchvision layout)"
-)
+DATA_ROOT = real_data_root()  # the one skip rule (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters
 
 from pollen.strategies.metrics import mean_std_metrics
 from pollen.strategies.validation import ArraySpec, check_arrays
-from pollen.strategies.weights import WeightAveraging, average_arrays
+from pollen.strategies.legacy import WeightAveraging
+from pollen.strategies.weights import average_arrays
 
 
 class FakeProxy:

@@ -17,7 +17,7 @@ def _client(method, context, **overrides):
 def test_fedavg_client_trains_and_reports():
     ctx = make_context(partition_id=1, num_partitions=3)
     client, cfg = _client("fedavg", ctx)
-    init = initial_model_arrays(cfg)
+    init = initial_model_arrays(cfg).to_numpy_ndarrays()
     assert [a.shape for a in client.get_parameters({})] == [a.shape for a in init]
     loss0, n_test, m0 = client.evaluate(init, {})
     new, n, metrics = client.fit(init, {"server-round": 1, "proximal-mu": 0.0})
@@ -31,7 +31,7 @@ def test_fedavg_client_trains_and_reports():
 def test_fedprox_term_keeps_weights_closer_to_the_global_model():
     ctx = make_context(partition_id=0, num_partitions=3)
     client, cfg = _client("fedprox", ctx, **{"lr": 0.2})
-    init = initial_model_arrays(cfg)
+    init = initial_model_arrays(cfg).to_numpy_ndarrays()
 
     def dist(arrays):
         return sum(float(((a.astype(np.float64) - b) ** 2).sum()) for a, b in zip(arrays, init)
@@ -45,7 +45,7 @@ def test_fedprox_term_keeps_weights_closer_to_the_global_model():
 def test_fit_is_deterministic_for_a_round_seed():
     ctx = make_context(partition_id=2, num_partitions=3)
     client, cfg = _client("fedavg", ctx)
-    init = initial_model_arrays(cfg)
+    init = initial_model_arrays(cfg).to_numpy_ndarrays()
     a, _, _ = client.fit(init, {"server-round": 3})
     b, _, _ = client.fit(init, {"server-round": 3})
     c, _, _ = client.fit(init, {"server-round": 4})
@@ -74,7 +74,7 @@ def test_wrong_number_of_arrays_is_a_clear_error():
     ctx = make_context(partition_id=0, num_partitions=3)
     client, cfg = _client("fedavg", ctx)
     with pytest.raises(ValueError, match="same model and width"):
-        client.fit(initial_model_arrays(cfg)[:-1], {"server-round": 1})
+        client.fit(initial_model_arrays(cfg).to_numpy_ndarrays()[:-1], {"server-round": 1})
 
 
 def test_cuda_request_without_gpu_fails_clearly():

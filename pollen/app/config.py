@@ -57,6 +57,8 @@ DEFAULTS: dict[str, Any] = {
     # weight averaging (FedAvg / FedProx)
     "avg-weighting": "samples",
     "fedprox-mu": 0.01,
+    # failure semantics
+    "max-empty-rounds": 0,
 }
 
 # Width used when ``model-width = 0`` ("let the profile decide"). The small nets (FedProto's CNN, DLG's
@@ -73,13 +75,15 @@ def _key_error(key: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
 
 
-def _as_int(raw: Mapping[str, Any], key: str, minimum: int | None = None) -> int:
+def _as_int(raw: Mapping[str, Any], key: str, minimum: int | None = None, maximum: int | None = None) -> int:
     value = raw[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
         raise _key_error(key, value, "an integer")
     value = int(value)
     if minimum is not None and value < minimum:
         raise _key_error(key, value, f"an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise _key_error(key, value, f"an integer <= {maximum}")
     return value
 
 
@@ -152,6 +156,7 @@ class RunConfig:
     shot_split: str
     avg_weighting: str
     fedprox_mu: float
+    max_empty_rounds: int = 0
     # Method-specific keys (prefixed in the run config) that a method module validates itself.
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -208,12 +213,12 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
         fraction_evaluate=_as_float(merged, "fraction-evaluate", 0.0, 1.0),
         min_available_clients=_as_int(merged, "min-available-clients", 1),
         device=_as_choice(merged, "device", DEVICES),
-        torch_threads=_as_int(merged, "torch-threads", 1),
+        torch_threads=_as_int(merged, "torch-threads", 1, 256),
         model=_as_str(merged, "model").strip() or None,
-        model_width=_as_float(merged, "model-width", 0.0),
-        local_epochs=_as_int(merged, "local-epochs", 0),
-        batch_size=_as_int(merged, "batch-size", 1),
-        lr=_as_float(merged, "lr", 0.0, low_open=True),
+        model_width=_as_float(merged, "model-width", 0.0, 16.0),
+        local_epochs=_as_int(merged, "local-epochs", 1, 10_000),
+        batch_size=_as_int(merged, "batch-size", 1, 1_000_000),
+        lr=_as_float(merged, "lr", 0.0, 10.0, low_open=True),
         momentum=_as_float(merged, "momentum", 0.0, 1.0),
         weight_decay=_as_float(merged, "weight-decay", 0.0),
         max_train_samples=_as_int(merged, "max-train-samples", 0),
@@ -224,7 +229,8 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
         shot_test_per_class=_as_int(merged, "shot-test-per-class", 1),
         shot_split=_as_choice(merged, "shot-split", SHOT_SPLITS),
         avg_weighting=_as_choice(merged, "avg-weighting", WEIGHTINGS),
-        fedprox_mu=_as_float(merged, "fedprox-mu", 0.0),
+        fedprox_mu=_as_float(merged, "fedprox-mu", 0.0, 1e4),
+        max_empty_rounds=_as_int(merged, "max-empty-rounds", 0),
         extra={k: merged[k] for k in extra_defaults},
     )
     if cfg.model is not None:
@@ -238,8 +244,20 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
             "allow clients with fewer than 1 sample per class: need shot-shots - shot-stdev >= 1")
     from pollen.app.registry import validate_method_config
 
+    _refuse_other_methods_keys(method, merged, extra_defaults)
     validate_method_config(cfg)
     return cfg
+
+
+def _refuse_other_methods_keys(method: str, merged: Mapping[str, Any], extra_defaults: Mapping[str, Any]) -> None:
+    """A key of another method set away from its default is a mistake (``proto-lambda`` with fedavg)."""
+    from pollen.app.registry import METHODS
+
+    own = set(METHODS[method].defaults)
+    foreign = sorted(k for k, v in extra_defaults.items() if k not in own and merged[k] != v)
+    if foreign:
+        raise ConfigError(f"run config key(s) {foreign} belong to another method and have no effect with "
+                          f"method '{method}'; remove them")
 
 
 def _method_defaults() -> dict[str, Any]:
@@ -265,11 +283,10 @@ def parse_node_config(raw: Mapping[str, Any]) -> NodeConfig:
         raise ConfigError(
             f"node config is missing {', '.join(repr(k) for k in missing)}: start the SuperNode with "
             "--node-config \"partition-id=<i> num-partitions=<n>\" (simulation sets them itself)")
-    try:
-        pid, num = int(raw["partition-id"]), int(raw["num-partitions"])
-    except (TypeError, ValueError) as err:
+    pid, num = raw["partition-id"], raw["num-partitions"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (pid, num)):
         raise ConfigError(f"node config partition-id/num-partitions must be integers, got "
-                          f"{raw['partition-id']!r}/{raw['num-partitions']!r}") from err
+                          f"{pid!r}/{num!r}")
     if num < 1 or not 0 <= pid < num:
         raise ConfigError(f"node config needs 0 <= partition-id < num-partitions, got {pid} and {num}")
     data_root = str(raw.get("data-root", "") or "").strip() or None

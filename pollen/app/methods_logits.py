@@ -8,16 +8,14 @@ and ``solo`` with averaging is FedAvg evaluated per domain.
 
 from __future__ import annotations
 
-import random
-
-from flwr.server.strategy import Strategy
-
+from pollen.app.adapters import LOGITS
 from pollen.app.config import ConfigError, RunConfig
-from pollen.app.registry import MethodSpec, register_method
+from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.clients.logits import (FCCLClient, FCCLWithoutConClient, FedDFClient, FedMDClient, SoloClient,
                                    resolve_settings)
 from pollen.datasets.domain_tasks import DOMAIN_TASKS, get_domain_task
 from pollen.datasets.public import PUBLIC_SETS
+from pollen.strategies.base import PollenStrategy
 from pollen.strategies.logits import LogitAveraging
 from pollen.strategies.weights import LocalOnly
 
@@ -93,14 +91,12 @@ def validate(cfg: RunConfig) -> None:
         raise _bad("fccl-train-sizes", x["fccl-train-sizes"], "positive sizes")
 
 
-def make_strategy(cfg: RunConfig) -> Strategy:
-    random.seed(cfg.seed)  # Flower samples clients with the global `random`
+def make_strategy(cfg: RunConfig) -> PollenStrategy:
     s = resolve_settings(cfg, get_domain_task(cfg.task))
     if cfg.method == "solo" and not s.average_weights:
-        return LocalOnly(fraction_evaluate=cfg.fraction_evaluate, min_available_clients=cfg.min_available_clients)
+        return LocalOnly(**strategy_options(cfg))
     return LogitAveraging(num_public=s.public_size, num_classes=get_domain_task(cfg.task).num_classes,
-                          fraction_fit=cfg.fraction_fit, fraction_evaluate=cfg.fraction_evaluate,
-                          min_available_clients=cfg.min_available_clients, average_weights=s.average_weights)
+                          average_weights=s.average_weights, **strategy_options(cfg))
 
 
 for _name, _client, _descr in (
@@ -114,4 +110,4 @@ for _name, _client, _descr in (
                          "fccl-average-weights = true, FedAvg evaluated per domain"),
 ):
     register_method(MethodSpec(name=_name, family="logits", description=_descr, make_strategy=make_strategy,
-                               make_client=_client, defaults=dict(DEFAULTS), validate=validate))
+                               make_client=_client, adapter=LOGITS, defaults=dict(DEFAULTS), validate=validate))

@@ -6,11 +6,11 @@ are client-side. Run keys are prefixed ``proto-`` (README, "Run configuration").
 
 from __future__ import annotations
 
-import random
 from typing import TYPE_CHECKING
 
 from pollen.app.config import ConfigError
-from pollen.app.registry import MethodSpec, register_method
+from pollen.app.adapters import PROTOTYPES
+from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.clients.prototypes import (FAULT_KINDS, LOCAL_PROTO_MODES, NEGATIVE_FORMS, BDPrototypeClient,
                                        PrototypeClient, heterogeneous_channels)
 from pollen.datasets.tasks import get_task
@@ -106,22 +106,20 @@ def embed_dim(cfg: "RunConfig") -> int:
 
 
 def make_prototype_strategy(cfg: "RunConfig") -> PrototypeStrategy:
-    random.seed(cfg.seed)  # Flower samples clients with the global `random`
     return PrototypeStrategy(
         num_classes=get_task(cfg.task).num_classes, embed_dim=embed_dim(cfg),
-        weighting=cfg.extra["proto-weighting"], fraction_fit=cfg.fraction_fit,
-        fraction_evaluate=cfg.fraction_evaluate, min_available_clients=cfg.min_available_clients,
-        evaluate_every=int(cfg.extra["proto-evaluate-every"]), num_rounds=cfg.num_server_rounds)
+        weighting=cfg.extra["proto-weighting"], evaluate_every=int(cfg.extra["proto-evaluate-every"]),
+        **strategy_options(cfg))
 
 
 register_method(MethodSpec(
     name="fedproto", family="prototypes",
     description="FedProto (Tan et al. 2022): clients share class prototypes; L_S + λ·L_P (keys proto-*)",
-    make_strategy=make_prototype_strategy, make_client=PrototypeClient, defaults=dict(PROTO_DEFAULTS),
+    make_strategy=make_prototype_strategy, make_client=PrototypeClient, adapter=PROTOTYPES, defaults=dict(PROTO_DEFAULTS),
     validate=validate_proto))
 register_method(MethodSpec(
     name="bd-fedproto", family="prototypes",
     description="BD-FedProto (Xu et al. 2024): FedProto + contrastive negatives (CPA) + dynamic λ_D (DA); "
                 "CPA's loss form and DA's rule are reconstructed (keys proto-*)",
-    make_strategy=make_prototype_strategy, make_client=BDPrototypeClient, defaults=dict(PROTO_DEFAULTS),
+    make_strategy=make_prototype_strategy, make_client=BDPrototypeClient, adapter=PROTOTYPES, defaults=dict(PROTO_DEFAULTS),
     validate=validate_proto))

@@ -1,4 +1,4 @@
-"""One table from method name to (Strategy, NumPyClient, method run keys).
+"""One table from method name to (Message-API strategy, NumPyClient + records adapter, method run keys).
 
 Method families register here; the ServerApp and ClientApp only ever look methods up by name, so a
 new method is one entry, and ``method = "..."`` errors list exactly what exists.
@@ -6,18 +6,17 @@ new method is one entry, and ``method = "..."`` errors list exactly what exists.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
 import torch
-from flwr.common import Context, ndarrays_to_parameters
-from flwr.server.strategy import Strategy
+from flwr.app import ArrayRecord, Context
 
-from pollen.clients.weights import LocalClient, WeightClient, model_arrays
+from pollen.app.adapters import LOCAL, WEIGHTS, ClientAdapter
+from pollen.clients.weights import LocalClient, WeightClient
 from pollen.datasets.tasks import get_task
 from pollen.models import build_model
+from pollen.strategies.base import PollenStrategy
 from pollen.strategies.weights import LocalOnly, WeightAveraging
 
 if TYPE_CHECKING:
@@ -31,8 +30,11 @@ class MethodSpec:
     name: str
     family: str
     description: str
-    make_strategy: Callable[["RunConfig"], Strategy]
+    make_strategy: Callable[["RunConfig"], PollenStrategy]
     make_client: Callable[["RunConfig", "NodeConfig", Context], "NumPyClient"]
+    adapter: ClientAdapter | None = None
+    # The ServerApp's initial_arrays (weights: the shared starting model); empty by default.
+    initial_arrays: Callable[["RunConfig"], ArrayRecord] = lambda cfg: ArrayRecord()
     # Method run keys (prefixed, e.g. "fccl-...") with defaults; must also be in pyproject.toml.
     defaults: dict[str, Any] = field(default_factory=dict)
     validate: Callable[["RunConfig"], None] | None = None
@@ -42,6 +44,8 @@ METHODS: dict[str, MethodSpec] = {}
 
 
 def register_method(spec: MethodSpec) -> MethodSpec:
+    if spec.name in METHODS:
+        raise ValueError(f"method {spec.name!r} is already registered")
     METHODS[spec.name] = spec
     return spec
 
@@ -59,42 +63,47 @@ def validate_method_config(cfg: "RunConfig") -> None:
         spec.validate(cfg)
 
 
-def initial_model_arrays(cfg: "RunConfig") -> list[np.ndarray]:
+def strategy_options(cfg: "RunConfig") -> dict[str, Any]:
+    """The sampling and failure options every method's strategy takes from the run config."""
+    return {"fraction_train": cfg.fraction_fit, "fraction_evaluate": cfg.fraction_evaluate,
+            "min_available_nodes": cfg.min_available_clients, "num_rounds": cfg.num_server_rounds,
+            "min_evaluate_nodes": 1 if cfg.fraction_evaluate > 0 else 0, "seed": cfg.seed,
+            "max_empty_rounds": cfg.max_empty_rounds}
+
+
+def initial_model_arrays(cfg: "RunConfig") -> ArrayRecord:
     """The shared starting model of weight-averaging methods, from the run seed (same as clients')."""
     task = get_task(cfg.task)
     torch.manual_seed(cfg.seed)
     name = cfg.model or task.default_model
     model = build_model(name, task.num_classes, in_channels=task.fmt.channels, image_size=task.fmt.size,
                         width=cfg.width_for(name))
-    return model_arrays(model)
+    return ArrayRecord(model.state_dict())
 
 
-def _weight_strategy(proximal: bool) -> Callable[["RunConfig"], Strategy]:
-    def make(cfg: "RunConfig") -> Strategy:
-        random.seed(cfg.seed)  # Flower samples clients with the global `random`
-        return WeightAveraging(
-            initial_parameters=ndarrays_to_parameters(initial_model_arrays(cfg)),
-            weighting=cfg.avg_weighting, proximal_mu=cfg.fedprox_mu if proximal else 0.0,
-            fraction_fit=cfg.fraction_fit, fraction_evaluate=cfg.fraction_evaluate,
-            min_fit_clients=1, min_evaluate_clients=1 if cfg.fraction_evaluate > 0 else 0,
-            min_available_clients=cfg.min_available_clients)
+def _weight_strategy(proximal: bool) -> Callable[["RunConfig"], PollenStrategy]:
+    def make(cfg: "RunConfig") -> PollenStrategy:
+        return WeightAveraging(weighting=cfg.avg_weighting, proximal_mu=cfg.fedprox_mu if proximal else 0.0,
+                               **strategy_options(cfg))
     return make
 
 
-def _local_strategy(cfg: "RunConfig") -> Strategy:
-    return LocalOnly(fraction_evaluate=cfg.fraction_evaluate, min_available_clients=cfg.min_available_clients)
+def _local_strategy(cfg: "RunConfig") -> PollenStrategy:
+    return LocalOnly(**strategy_options(cfg))
 
 
 register_method(MethodSpec(
     name="fedavg", family="weights", description="FedAvg (McMahan et al. 2017): average full model state",
-    make_strategy=_weight_strategy(proximal=False), make_client=WeightClient))
+    make_strategy=_weight_strategy(proximal=False), make_client=WeightClient, adapter=WEIGHTS,
+    initial_arrays=initial_model_arrays))
 register_method(MethodSpec(
     name="fedprox", family="weights",
     description="FedProx (Li et al. 2020): FedAvg plus a proximal term mu/2·||w - w_global||² (key fedprox-mu)",
-    make_strategy=_weight_strategy(proximal=True), make_client=WeightClient))
+    make_strategy=_weight_strategy(proximal=True), make_client=WeightClient, adapter=WEIGHTS,
+    initial_arrays=initial_model_arrays))
 register_method(MethodSpec(
     name="local", family="local", description="Local-only training: no communication (lower bound)",
-    make_strategy=_local_strategy, make_client=LocalClient))
+    make_strategy=_local_strategy, make_client=LocalClient, adapter=LOCAL))
 
 # Method families register themselves on import (one line each, below).
 from pollen.app import methods_prototypes  # noqa: E402,F401

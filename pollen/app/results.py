@@ -1,10 +1,11 @@
 """Run outputs: ``config.json``, ``metrics.jsonl``, ``summary.json``, ``curves.png`` and one console line
 per round.
 
-:class:`RecordingStrategy` wraps any Flower strategy and watches what crosses the wire (bytes each way,
-per-client metrics, failures, dropped replies) without the method strategies knowing about files.
-:class:`PollenServer` closes each round after its evaluation and writes the summary at the end.
-The files are the interface for benchmarks and tests: they read these, never console output.
+The strategies keep a :class:`~pollen.strategies.base.RoundReport` of what crossed the wire (bytes
+each way, per-client metrics, failures, rejected replies); the ServerApp hands it to
+:meth:`RunRecorder.record_report` when the round ends. The files are the interface for benchmarks and
+tests: they read these, never console output. ``summary.json`` says whether the run completed or
+failed, and why.
 """
 
 from __future__ import annotations
@@ -15,16 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flwr.common import Parameters
-from flwr.server import Server
-from flwr.server.strategy import Strategy
-
-from pollen.strategies.validation import client_label
-
-
-def parameters_nbytes(parameters: Parameters | None) -> int:
-    """Serialised payload size: what actually travels for these arrays."""
-    return 0 if parameters is None else sum(len(t) for t in parameters.tensors)
+from pollen.strategies.base import RoundReport
 
 
 def _clean(metrics: dict | None) -> dict[str, Any]:
@@ -73,6 +65,28 @@ class RunRecorder:
     def record_initial(self, metrics: dict[str, Any]) -> None:
         self.initial = _clean(metrics)
 
+    def record_report(self, report: RoundReport, server_evaluate: dict[str, Any] | None = None) -> None:
+        """Close round ``report.round`` from the strategy's report (and server-side metrics)."""
+        rec = self.round(report.round)
+        rec["_t0"] = min(rec["_t0"], report.started)
+        rec["bytes-down"] += report.bytes_down
+        rec["bytes-up"] += report.bytes_up
+        rec["sampled"] = report.sampled
+        rec["accepted"] = report.accepted
+        rec["fit-clients"].update({k: _clean(v) for k, v in report.fit_clients.items()})
+        rec["evaluate-clients"].update({k: _clean(v) for k, v in report.evaluate_clients.items()})
+        rec["fit"] = _clean(report.fit)
+        rec["evaluate"] = _clean(report.evaluate)
+        rec["rejected"].extend(report.rejected)
+        rec["failures"] += len(report.failures)
+        if report.failures:
+            rec.setdefault("failure-reasons", []).extend(
+                {"stage": f["stage"], "client": f["client"], "code": f["code"], "reason": f["reason"]}
+                for f in report.failures)
+        if server_evaluate:
+            rec["server-evaluate"] = _clean(server_evaluate)
+        self.end_round(report.round)
+
     def end_round(self, server_round: int) -> None:
         rec = self.round(server_round)
         rec["wall-time-s"] = round(time.perf_counter() - rec.pop("_t0"), 4)
@@ -99,9 +113,14 @@ class RunRecorder:
         return " | ".join(parts)
 
     # end of run ----------------------------------------------------------------------------
-    def finish(self) -> dict[str, Any]:
+    def finish(self, status: str = "completed", reason: str | None = None,
+               files: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write ``summary.json`` (with ``status`` and, for a failed run, ``failure-reason``) and the plot."""
         final = self.rounds[-1] if self.rounds else {}
         summary = {
+            "status": status,
+            "failure-reason": reason,
+            "files": files or {},
             "method": self.config.get("method"),
             "task": self.config.get("task"),
             "rounds": len(self.rounds),
@@ -119,7 +138,10 @@ class RunRecorder:
             summary["final-accuracy"] = {"metric": acc[0], "mean": acc[1], "std": acc[2]}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         plot_curves(self.rounds, self.run_dir / "curves.png", title=f"{summary['method']} on {summary['task']}")
-        self._print(f"[pollen] done in {summary['wall-time-s']:.1f}s; summary: {self.run_dir / 'summary.json'}")
+        if status == "completed":
+            self._print(f"[pollen] done in {summary['wall-time-s']:.1f}s; summary: {self.run_dir / 'summary.json'}")
+        else:
+            self._print(f"[pollen] run {status}: {reason}; summary: {self.run_dir / 'summary.json'}")
         return summary
 
 
@@ -173,99 +195,3 @@ def plot_curves(rounds: list[dict[str, Any]], path: Path, title: str = "") -> No
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _record_failures(rec: dict[str, Any], stage: str, failures) -> None:
-    """Count failed client calls and keep why (a ClientApp exception arrives as its message)."""
-    rec["failures"] += len(failures)
-    for failure in failures:
-        if isinstance(failure, BaseException):
-            reason = f"{type(failure).__name__}: {failure}"
-        else:  # (proxy, result) with a non-OK status
-            proxy, res = failure
-            reason = f"node {proxy.cid}: {getattr(res.status, 'message', res.status)}"
-        rec.setdefault("failure-reasons", []).append({"stage": stage, "reason": reason[-2000:]})
-
-
-class RecordingStrategy(Strategy):
-    """Delegates everything to ``inner`` and records payload sizes, client metrics and rejections."""
-
-    def __init__(self, inner: Strategy, recorder: RunRecorder):
-        self.inner = inner
-        self.recorder = recorder
-
-    def __repr__(self) -> str:
-        return f"Recording({self.inner!r})"
-
-    def __getattr__(self, name: str):  # expose the wrapped strategy's own attributes
-        return getattr(self.inner, name)
-
-    def initialize_parameters(self, client_manager):
-        return self.inner.initialize_parameters(client_manager)
-
-    def configure_fit(self, server_round, parameters, client_manager):
-        instructions = self.inner.configure_fit(server_round, parameters, client_manager)
-        rec = self.recorder.round(server_round)
-        rec["bytes-down"] += sum(parameters_nbytes(ins.parameters) for _, ins in instructions)
-        rec["sampled"] = len(instructions)
-        return instructions
-
-    def aggregate_fit(self, server_round, results, failures):
-        rec = self.recorder.round(server_round)
-        rec["bytes-up"] += sum(parameters_nbytes(res.parameters) for _, res in results)
-        _record_failures(rec, "fit", failures)
-        for proxy, res in results:
-            rec["fit-clients"][client_label(res.metrics, proxy.cid)] = {
-                **_clean(res.metrics), "num-examples": res.num_examples,
-                "bytes-up": parameters_nbytes(res.parameters)}
-        params, metrics = self.inner.aggregate_fit(server_round, results, failures)
-        rec["fit"] = _clean(metrics)
-        take = getattr(self.inner, "take_rejections", None)
-        if take is not None:
-            rec["rejected"].extend(r.as_dict() for r in take())
-        return params, metrics
-
-    def configure_evaluate(self, server_round, parameters, client_manager):
-        instructions = self.inner.configure_evaluate(server_round, parameters, client_manager)
-        rec = self.recorder.round(server_round)
-        rec["bytes-down"] += sum(parameters_nbytes(ins.parameters) for _, ins in instructions)
-        return instructions
-
-    def aggregate_evaluate(self, server_round, results, failures):
-        rec = self.recorder.round(server_round)
-        _record_failures(rec, "evaluate", failures)
-        for proxy, res in results:
-            rec["evaluate-clients"][client_label(res.metrics, proxy.cid)] = {
-                **_clean(res.metrics), "loss": res.loss, "num-examples": res.num_examples}
-        loss, metrics = self.inner.aggregate_evaluate(server_round, results, failures)
-        rec["evaluate"] = {**_clean(metrics), **({"loss": loss} if loss is not None else {})}
-        return loss, metrics
-
-    def evaluate(self, server_round, parameters):
-        res = self.inner.evaluate(server_round, parameters)
-        if res is not None:
-            loss, metrics = res
-            merged = {**_clean(metrics), "loss": loss}
-            if server_round == 0:
-                self.recorder.record_initial(merged)
-            else:
-                self.recorder.round(server_round)["server-evaluate"] = merged
-        return res
-
-
-class PollenServer(Server):
-    """Flower's server loop, closing each round's record after evaluation and summarising at the end."""
-
-    def __init__(self, *, client_manager, strategy: RecordingStrategy):
-        super().__init__(client_manager=client_manager, strategy=strategy)
-        self.recorder = strategy.recorder
-
-    def evaluate_round(self, server_round, timeout):
-        res = super().evaluate_round(server_round, timeout)
-        self.recorder.end_round(server_round)
-        return res
-
-    def fit(self, num_rounds, timeout):
-        history, elapsed = super().fit(num_rounds, timeout)
-        self.recorder.finish()
-        return history, elapsed

@@ -34,7 +34,8 @@ from flwr.server.strategy import Strategy
 from pollen.strategies.metrics import mean_std_metrics
 from pollen.strategies.proxy import (LBFGSSettings, ProxyState, monitor_accuracy, reconstruct_batched)
 from pollen.strategies.validation import ArraySpec, check_arrays, specs_like
-from pollen.strategies.weights import RejectionLog, average_arrays
+from pollen.strategies.legacy import RejectionLog
+from pollen.strategies.weights import average_arrays
 
 
 def model_to_arrays(model: torch.nn.Module) -> list[np.ndarray]:

@@ -1,38 +1,25 @@
-"""Public-logit aggregation: the server side of FCCL, FedMD and FedDF.
+"""Public-logit aggregation on the Message API: the server side of FCCL, FedMD and FedDF.
 
 Clients never send parameters (heterogeneous architectures have nothing to average); each sends its
-logits on the shared unlabeled public set, N0×C float32, rows in public-sample order. The server
-keeps only their mean (the *consensus*) and sends it back next round, with the number of
-contributors, so a client whose own reply is in the mean can take it out again (leave-one-out target,
-see :func:`pollen.clients.logit_losses.leave_one_out_target`).
-
-Payloads (lists of ndarrays):
-
-* server → client, ``FitIns.parameters``: ``[]`` before any consensus exists (round 1), else
-  ``[consensus N0×C float32, contributors (1,) int64]`` followed, in homogeneous mode
-  (``average_weights=True``), by the averaged model state. ``FitIns.config``: ``server-round`` and
-  ``contributed`` (whether this client's logits are in the consensus).
-* client → server, ``FitRes.parameters``: ``[logits N0×C float32]`` (+ model state in homogeneous mode).
-
-Every reply is validated (array count, shape, dtype, finite); a bad one is dropped with a logged
-reason and counted in the round's metrics. The mean is unweighted: every participant counts once,
-as in FCCL's and FedMD's code.
+logits on the shared unlabeled public set (contract: :mod:`pollen.protocol.logits`). The server keeps
+their unweighted mean (the *consensus*) and sends it back next round with the number of contributors,
+so a client whose own reply is in the mean can take it out again (leave-one-out target).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
-from flwr.common import (EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar,
-                         ndarrays_to_parameters)
-from flwr.server.client_manager import ClientManager
-from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import Strategy
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
 
-from pollen.strategies.metrics import mean_std_metrics
-from pollen.strategies.validation import ArraySpec, check_arrays, specs_like
-from pollen.strategies.weights import RejectionLog, average_arrays
+from pollen.protocol.logits import MODEL, decode_logit_reply, encode_consensus
+from pollen.protocol.records import ARRAYS, CONFIG, array_record
+from pollen.protocol.weights import decode_weights_reply
+from pollen.protocol.screening import ArraySpec, decode_record
+from pollen.strategies.base import PollenStrategy
+from pollen.strategies.weights import average_arrays
 
 
 def mean_logits(client_logits: Sequence[np.ndarray]) -> np.ndarray:
@@ -46,119 +33,93 @@ def mean_logits(client_logits: Sequence[np.ndarray]) -> np.ndarray:
     return (sum(a.astype(np.float64) for a in client_logits) / len(client_logits)).astype(np.float32)
 
 
-class LogitAveraging(RejectionLog, Strategy):
+class LogitAveraging(PollenStrategy):
     """Averages clients' public-set logits into a consensus; never sees model parameters.
 
     ``num_public`` × ``num_classes`` is the logit shape every reply must have. With
     ``average_weights=True`` (homogeneous mode: every client runs the same architecture) replies also
-    carry the model state, which is averaged FedAvg-style (weighted by training samples) and sent back
-    with the consensus — FCCL "+ averaging" of the paper's Table 3, or FedAvg when the client does no
-    collaborative step.
+    carry the model state in a ``model`` record, averaged FedAvg-style (weighted by ``num-examples``)
+    and sent back with the consensus. Participants count equally in the consensus and in evaluation
+    (inter-domain accuracy is a mean over clients, as in FCCL's code).
     """
 
-    def __init__(self, *, num_public: int, num_classes: int, fraction_fit: float = 1.0,
-                 fraction_evaluate: float = 1.0, min_fit_clients: int = 1,
-                 min_available_clients: int = 1, average_weights: bool = False):
+    family = "logits"
+
+    def __init__(self, *, num_public: int, num_classes: int, average_weights: bool = False, **kwargs):
         if num_public < 1 or num_classes < 1:
             raise ValueError(f"num_public and num_classes must be >= 1, got {num_public} and {num_classes}")
-        if not 0.0 < fraction_fit <= 1.0:
-            raise ValueError(f"fraction_fit must be in (0, 1], got {fraction_fit}")
-        if not 0.0 <= fraction_evaluate <= 1.0:
-            raise ValueError(f"fraction_evaluate must be in [0, 1], got {fraction_evaluate}")
-        self._init_rejections()
+        super().__init__(**kwargs)
         self.num_public = num_public
         self.num_classes = num_classes
-        self.fraction_fit = fraction_fit
-        self.fraction_evaluate = fraction_evaluate
-        self.min_fit_clients = min_fit_clients
-        self.min_available_clients = min_available_clients
         self.average_weights = average_weights
         self.consensus: np.ndarray | None = None
-        self.contributors: set[str] = set()
-        self.weights: list[np.ndarray] | None = None
+        self.contributors: set[int] = set()
+        self.weights: ArrayRecord | None = None
 
     def __repr__(self) -> str:
         return (f"LogitAveraging(num_public={self.num_public}, num_classes={self.num_classes}, "
                 f"average_weights={self.average_weights})")
 
-    @property
-    def logit_spec(self) -> ArraySpec:
-        return ArraySpec("public-logits", (self.num_public, self.num_classes), "float32")
-
-    # sampling ------------------------------------------------------------------------------
-    def _sample(self, client_manager: ClientManager, fraction: float, minimum: int) -> list[ClientProxy]:
-        client_manager.wait_for(self.min_available_clients)
-        n = max(int(client_manager.num_available() * fraction), minimum)
-        return client_manager.sample(num_clients=n, min_num_clients=n)
-
-    # Flower Strategy API --------------------------------------------------------------------
-    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
-        return ndarrays_to_parameters([])
-
-    def payload(self) -> list[np.ndarray]:
-        """What every sampled client receives this round (see the module docstring)."""
+    def consensus_record(self) -> ArrayRecord:
         if self.consensus is None:
-            return []
-        out = [self.consensus, np.array([len(self.contributors)], dtype=np.int64)]
-        if self.average_weights and self.weights is not None:
-            out.extend(self.weights)
-        return out
+            return ArrayRecord()
+        return encode_consensus(self.consensus, len(self.contributors))
 
-    def configure_fit(self, server_round: int, parameters: Parameters,
-                      client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
-        params = ndarrays_to_parameters(self.payload())
-        return [(proxy, FitIns(params, {"server-round": server_round,
-                                        "contributed": proxy.cid in self.contributors}))
-                for proxy in self._sample(client_manager, self.fraction_fit, self.min_fit_clients)]
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        nodes = self.sample(grid, self.fraction_train, self.min_train_nodes)
+        consensus = self.consensus_record()
 
-    def _reply_specs(self, arrays: list[np.ndarray], reference: list[np.ndarray] | None) -> list[ArraySpec]:
-        if not self.average_weights:
-            return [self.logit_spec]
-        if reference is None:  # first weights ever: any float/int state, shapes fixed by the first reply
-            return [self.logit_spec] + [ArraySpec(f"param[{i}]", tuple(a.shape), "any")
-                                        for i, a in enumerate(arrays[1:])]
-        return [self.logit_spec] + specs_like(reference)
+        def content(node: int) -> RecordDict:
+            rd = RecordDict({ARRAYS: consensus, CONFIG: self.round_config(
+                config, server_round, contributed=node in self.contributors)})
+            if self.average_weights and self.weights is not None:
+                rd[MODEL] = self.weights
+            return rd
 
-    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
-                      failures) -> tuple[Parameters | None, dict[str, Scalar]]:
+        return self.build_messages(server_round, nodes, MessageType.TRAIN, content)
+
+    def _decode(self, msg: Message, reference: ArrayRecord | None) -> tuple[object, str | None]:
+        logits, reason = decode_logit_reply(msg.content.get(ARRAYS), self.num_public, self.num_classes)
+        if reason is not None or not self.average_weights:
+            return (logits, None), reason
+        model = msg.content.get(MODEL)
+        if reference is None:  # first weights ever: any numeric state, finite
+            if not isinstance(model, ArrayRecord) or len(model) == 0:
+                return None, f"homogeneous mode needs the model state under '{MODEL}'"
+            specs = [ArraySpec(k, tuple(a.shape), "any") for k, a in model.items()]
+            state, reason = decode_record(model, specs)
+        else:
+            state, reason = decode_weights_reply(model, reference)
+        return ((logits, state), None) if reason is None else (None, f"{MODEL}: {reason}")
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         reference = self.weights
 
-        def check(arrays: list[np.ndarray], res: FitRes) -> str | None:
+        def decode(msg: Message, _metrics: dict) -> tuple[object, str | None]:
             nonlocal reference
-            reason = check_arrays(arrays, self._reply_specs(arrays, reference))
-            if reason is None and res.num_examples <= 0:
-                reason = f"num_examples = {res.num_examples} (must be > 0)"
+            payload, reason = self._decode(msg, reference)
             if reason is None and self.average_weights and reference is None:
-                reference = arrays[1:]  # the first good reply fixes the shapes of round 1
-            return reason
+                reference = array_record(payload[1])  # the first good reply fixes round 1's shapes
+            return payload, reason
 
-        accepted = self.screen_replies(server_round, results, check)
-        metrics: dict[str, Scalar] = {"accepted": len(accepted), "rejected": len(results) - len(accepted),
-                                      "failures": len(failures)}
+        accepted = self.screen(server_round, "train", replies, decode)
+        metrics = self.train_metrics(server_round, accepted)
+        self.close_train_round(server_round, accepted)
         if not accepted:  # keep last round's consensus: better stale than nothing
             return None, metrics
-        self.consensus = mean_logits([arrays[0] for _, arrays, _ in accepted])
-        self.contributors = {proxy.cid for proxy, _, _ in accepted}
+        self.consensus = mean_logits([a.payload[0] for a in accepted])
+        self.contributors = {a.node_id for a in accepted}
         if self.average_weights:
-            self.weights = average_arrays([arrays[1:] for _, arrays, _ in accepted],
-                                          [float(res.num_examples) for _, _, res in accepted])
-        metrics.update(mean_std_metrics([(1, res.metrics) for _, _, res in accepted]))
-        return ndarrays_to_parameters(self.payload()), metrics
+            keys = list(reference.keys())
+            averaged = average_arrays([[a.payload[1][k] for k in keys] for a in accepted],
+                                      [float(a.num_examples) for a in accepted])
+            self.weights = array_record(dict(zip(keys, averaged)))
+        return self.consensus_record(), metrics
 
-    def configure_evaluate(self, server_round: int, parameters: Parameters,
-                           client_manager: ClientManager) -> list[tuple[ClientProxy, EvaluateIns]]:
-        if self.fraction_evaluate <= 0:
-            return []
-        ins = EvaluateIns(ndarrays_to_parameters([]), {"server-round": server_round})
-        return [(proxy, ins) for proxy in self._sample(client_manager, self.fraction_evaluate, 1)]
+    def evaluate_content(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
+        return RecordDict({ARRAYS: ArrayRecord(), CONFIG: self.round_config(config, server_round)})
 
-    def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
-                           failures) -> tuple[float | None, dict[str, Scalar]]:
-        """Participants count equally: inter-domain accuracy is a mean over clients (FCCL's code)."""
-        if not results:
-            return None, {}
-        loss = sum(r.loss for _, r in results) / len(results)
-        return float(loss), mean_std_metrics([(1, r.metrics) for _, r in results])
-
-    def evaluate(self, server_round: int, parameters: Parameters):
-        return None
+    def evaluate_weight(self, accepted) -> float:
+        return 1.0

@@ -10,16 +10,20 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-ID_KEYS = frozenset({"partition-id", "num-partitions", "server-round"})
+ID_KEYS = frozenset({"partition-id", "num-partitions", "server-round", "num-examples"})
+
+
+def _number(value: object) -> bool:
+    """Finite int/float (not bool): anything else a client sends is skipped, never a crash."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def mean_std_metrics(reports: Sequence[tuple[int, Mapping[str, object]]]) -> dict[str, float]:
     """``{key: weighted mean, key-client-mean: mean, key-client-std: population std}`` per metric."""
-    keys = sorted({k for _, m in reports for k, v in m.items()
-                   if k not in ID_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    keys = sorted({k for _, m in reports for k, v in m.items() if k not in ID_KEYS and _number(v)})
     out: dict[str, float] = {}
     for key in keys:
-        pairs = [(n, float(m[key])) for n, m in reports if key in m]
+        pairs = [(n, float(m[key])) for n, m in reports if _number(m.get(key))]
         total = sum(n for n, _ in pairs)
         values = [v for _, v in pairs]
         mean = sum(values) / len(values)

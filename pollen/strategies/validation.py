@@ -68,9 +68,12 @@ class Rejection:
 
 def client_label(metrics: dict | None, fallback: str) -> str:
     """Name a client by its partition id when it reported one, else by Flower's node id."""
-    if metrics and "partition-id" in metrics:
-        return f"partition {int(metrics['partition-id'])}"
-    return f"node {fallback}"
+    value = (metrics or {}).get("partition-id")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"partition {value}"
+    if isinstance(value, float) and value.is_integer():
+        return f"partition {int(value)}"
+    return f"node {fallback}"  # a missing or malformed id never crashes the server
 
 
 def log_rejection(rej: Rejection) -> None:

@@ -1,0 +1,58 @@
+"""Logit family (FCCL, FedMD, FedDF): clients share logits on an unlabeled public set, never weights.
+
+| direction | record / key | shape | dtype | notes |
+|---|---|---|---|---|
+| server → client | ``arrays["consensus"]`` | N0×C | float32 | mean of last round's accepted logits |
+| server → client | ``arrays["contributors"]`` | 1 | int64 | how many clients the mean averages |
+| server → client | ``config["contributed"]`` | | bool | this client's logits are in the mean |
+| server → client | ``model`` (ArrayRecord) | state dict | any | homogeneous mode only: averaged weights |
+| client → server | ``arrays["logits"]`` | N0×C | float32 | rows in public-sample order, finite |
+| client → server | ``model`` (ArrayRecord) | state dict | any | homogeneous mode only |
+| client → server | ``metrics["num-examples"]`` | | int | private training samples |
+
+Round 1 the server sends an **empty** ``arrays`` record (no consensus yet).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+from flwr.app import ArrayRecord, RecordDict
+
+from pollen.protocol.records import array_record, reply_content
+from pollen.protocol.screening import ArraySpec, decode_record
+
+CONSENSUS = "consensus"
+CONTRIBUTORS = "contributors"
+LOGITS = "logits"
+MODEL = "model"  # the extra ArrayRecord of homogeneous mode
+
+
+def encode_consensus(consensus: np.ndarray, contributors: int) -> ArrayRecord:
+    return array_record({CONSENSUS: np.asarray(consensus, dtype=np.float32),
+                         CONTRIBUTORS: np.array([contributors], dtype=np.int64)})
+
+
+def decode_consensus(record: ArrayRecord, num_public: int, num_classes: int) -> tuple[np.ndarray, int] | None:
+    """Client side: ``(consensus N0×C, contributors)``, or ``None`` for round 1's empty record."""
+    if len(record) == 0:
+        return None
+    arrays, reason = decode_record(record, [ArraySpec(CONSENSUS, (num_public, num_classes), "float32"),
+                                            ArraySpec(CONTRIBUTORS, (1,), "int64", nonnegative=True)])
+    if reason is not None:
+        raise ValueError(f"consensus: {reason}")
+    return arrays[CONSENSUS], int(arrays[CONTRIBUTORS][0])
+
+
+def encode_logit_reply(logits: np.ndarray, num_examples: int, metrics: Mapping[str, Any] | None = None,
+                       model: ArrayRecord | None = None) -> RecordDict:
+    """Client side: public-set logits (+ the model state in homogeneous mode)."""
+    extra = {MODEL: model} if model is not None else {}
+    return reply_content({LOGITS: np.asarray(logits, dtype=np.float32)}, num_examples, metrics, **extra)
+
+
+def decode_logit_reply(record: Any, num_public: int, num_classes: int) -> tuple[np.ndarray | None, str | None]:
+    """Server side: ``(logits, None)`` or ``(None, reason)``."""
+    arrays, reason = decode_record(record, [ArraySpec(LOGITS, (num_public, num_classes), "float32")])
+    return (arrays[LOGITS] if arrays is not None else None), reason

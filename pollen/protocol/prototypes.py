@@ -1,0 +1,83 @@
+"""Prototype family (FedProto, BD-FedProto): clients share one embedding per class, never weights.
+
+| direction | record / key | shape | dtype | notes |
+|---|---|---|---|---|
+| server → client | ``arrays["prototypes"]`` | C×d | float32 | global prototypes; rows of absent classes are 0 |
+| server → client | ``arrays["present"]`` | C | int64 (0/1) | classes some client has held |
+| server → client | ``arrays["margin"]`` | 1 | float32 | CPA's margin (median distance) |
+| server → client | ``config["server-round"]`` | | int | |
+| client → server | ``arrays["prototypes"]`` | C×d | float32 | local class means; rows with count 0 ignored |
+| client → server | ``arrays["class-counts"]`` | C | int64 | training samples per class, >= 0 |
+| client → server | ``metrics["num-examples"]`` | | int | |
+
+Round 1 (before any aggregation) the server sends an **empty** ``arrays`` record.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+from flwr.app import ArrayRecord, RecordDict
+
+from pollen.protocol.records import array_record, reply_content
+from pollen.protocol.screening import ArraySpec, decode_record
+
+PROTOTYPES = "prototypes"
+PRESENT = "present"
+MARGIN = "margin"
+CLASS_COUNTS = "class-counts"
+
+
+def encode_global_prototypes(protos: np.ndarray, present: np.ndarray, margin: float) -> ArrayRecord:
+    """Server side: the global prototypes, presence mask and margin as one named record."""
+    return array_record({PROTOTYPES: np.asarray(protos, dtype=np.float32),
+                         PRESENT: np.asarray(present).astype(np.int64),
+                         MARGIN: np.array([margin], dtype=np.float32)})
+
+
+def decode_global_prototypes(record: ArrayRecord, num_classes: int,
+                             embed_dim: int) -> tuple[np.ndarray, np.ndarray, float] | None:
+    """Client side: ``(protos C×d, present C bool, margin)``, or ``None`` for round 1's empty record.
+
+    Raises ``ValueError`` naming the key for a malformed record.
+    """
+    if len(record) == 0:
+        return None
+    specs = [ArraySpec(PROTOTYPES, (num_classes, embed_dim), "float32", finite=False),
+             ArraySpec(PRESENT, (num_classes,), "int64", nonnegative=True, max_value=1),
+             ArraySpec(MARGIN, (1,), "float32", nonnegative=True)]
+    arrays, reason = decode_record(record, specs)
+    if reason is not None:
+        raise ValueError(f"global prototypes: {reason}")
+    present = arrays[PRESENT].astype(bool)
+    if not np.isfinite(arrays[PROTOTYPES][present]).all():
+        raise ValueError("global prototypes: 'prototypes' has NaN or infinite rows for present classes")
+    return arrays[PROTOTYPES], present, float(arrays[MARGIN][0])
+
+
+def encode_prototype_reply(protos: np.ndarray, counts: np.ndarray, metrics: Mapping[str, Any] | None = None,
+                           num_examples: int | None = None) -> RecordDict:
+    """Client side: a reply with local prototypes and class counts (``num-examples`` = Σ counts)."""
+    counts = np.asarray(counts).astype(np.int64)
+    n = int(counts.sum()) if num_examples is None else int(num_examples)
+    return reply_content({PROTOTYPES: np.asarray(protos, dtype=np.float32), CLASS_COUNTS: counts}, n, metrics)
+
+
+def decode_prototype_reply(record: Any, num_classes: int, embed_dim: int,
+                           max_count: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+    """Server side: ``((protos, counts), None)`` or ``(None, reason)``; nothing decoded before the
+    metadata checks pass. Prototypes of held classes must be finite; counts within ``max_count``."""
+    specs = [ArraySpec(PROTOTYPES, (num_classes, embed_dim), "float32", finite=False),
+             ArraySpec(CLASS_COUNTS, (num_classes,), "int64", nonnegative=True, max_value=max_count)]
+    arrays, reason = decode_record(record, specs)
+    if reason is not None:
+        return None, reason
+    protos, counts = arrays[PROTOTYPES], arrays[CLASS_COUNTS]
+    if int(counts.sum()) > max_count:
+        return None, f"'{CLASS_COUNTS}': total {int(counts.sum())} above the plausible maximum {max_count}"
+    held = counts > 0
+    if not np.isfinite(protos[held]).all():
+        bad = [int(c) for c in np.flatnonzero(held & ~np.isfinite(protos).all(axis=1))]
+        return None, f"'{PROTOTYPES}': NaN or infinite values for held class(es) {bad}"
+    return (protos, counts), None

@@ -1,0 +1,71 @@
+"""Record names and conversions every family shares, on both sides of the wire.
+
+A message's ``content`` is a :class:`~flwr.app.RecordDict` with Flower's usual names: ``arrays``
+(an ArrayRecord), ``config`` (server → client ConfigRecord) and ``metrics`` (client → server
+MetricRecord, always with ``num-examples``). Families add named arrays inside ``arrays``; never a
+positional list.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+NUM_EXAMPLES = "num-examples"
+
+
+def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Named numpy arrays as an ArrayRecord (C-contiguous copies are made only when needed)."""
+    return ArrayRecord({str(k): Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+def metric_record(num_examples: int, metrics: Mapping[str, Any] | None = None) -> MetricRecord:
+    """A MetricRecord from plain or numpy numbers; non-numeric values (strings, None) are left out.
+
+    Flower's MetricRecord refuses ``np.float32``/``np.int64`` and bools: they are cast here so a
+    client can pass what torch/numpy gave it.
+    """
+    out: dict[str, int | float | list] = {}
+    for key, value in (metrics or {}).items():
+        if isinstance(value, (bool, np.bool_)):
+            out[key] = int(value)
+        elif isinstance(value, (int, np.integer)):
+            out[key] = int(value)
+        elif isinstance(value, (float, np.floating)):
+            out[key] = float(value)
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+            out[key] = [float(v) for v in value]
+    out[NUM_EXAMPLES] = int(num_examples)
+    return MetricRecord(out)
+
+
+def reply_content(arrays: ArrayRecord | Mapping[str, np.ndarray], num_examples: int,
+                  metrics: Mapping[str, Any] | None = None, **extra_records: ArrayRecord) -> RecordDict:
+    """The content of a client reply: named arrays, metrics with ``num-examples``, extra records."""
+    rec = arrays if isinstance(arrays, ArrayRecord) else array_record(arrays)
+    content = RecordDict({ARRAYS: rec, METRICS: metric_record(num_examples, metrics)})
+    for name, record in extra_records.items():
+        content[name] = record
+    return content
+
+
+def record_bytes(content: RecordDict) -> int:
+    """Bytes of all arrays in a message: what actually travels for it."""
+    total = 0
+    for record in content.array_records.values():
+        total += sum(len(a.data) for a in record.values())
+    return total
+
+
+def finite_float(value: Any, default: float = math.nan) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return default
+    return out if math.isfinite(out) else default

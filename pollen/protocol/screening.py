@@ -1,0 +1,174 @@
+"""Screening what a client sends, before any of it is used.
+
+Every check here reads only what a record carries *next to* its data: an :class:`~flwr.app.Array`'s
+``dtype``, ``shape`` and byte length are plain attributes, so a reply with the wrong dtype, the wrong
+shape or an oversized payload is refused without decoding a single byte. Only replies that pass get
+decoded, and then values (finiteness, ranges) are checked on the decoded arrays.
+
+Each check returns ``None`` for a good value or a one-line reason that names the key; strategies drop
+the reply with that reason (logged as a WARNING and recorded), and the rest of the round goes on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, MetricRecord
+
+# ``np.save`` writes a small header in front of the raw bytes; anything beyond header + data is padding
+# a client added on purpose.
+_NPY_HEADER_MAX = 4096
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Expected shape (``None`` = any size on that axis) and dtype of one named array."""
+
+    key: str
+    shape: tuple[int | None, ...]
+    dtype: str = "float32"  # a numpy dtype name, "float" (any float width) or "any"
+    finite: bool = True
+    nonnegative: bool = False
+    max_value: float | None = None
+
+
+def _shape_text(shape: Sequence[int | None]) -> str:
+    return "x".join("*" if s is None else str(s) for s in shape) or "scalar"
+
+
+def check_array_meta(array: Any, spec: ArraySpec) -> str | None:
+    """Type, dtype, shape and byte size of one record entry, from metadata only (nothing decoded)."""
+    if not isinstance(array, Array):
+        return f"'{spec.key}': not an Array ({type(array).__name__})"
+    if array.stype != "numpy.ndarray":
+        return f"'{spec.key}': serialisation {array.stype!r} is not 'numpy.ndarray'"
+    shape = tuple(array.shape)
+    if len(shape) != len(spec.shape) or any(w is not None and g != w for g, w in zip(shape, spec.shape)):
+        return f"'{spec.key}': shape {_shape_text(shape)} != expected {_shape_text(spec.shape)}"
+    try:
+        dtype = np.dtype(array.dtype)
+    except TypeError:
+        return f"'{spec.key}': unknown dtype {array.dtype!r}"
+    if spec.dtype == "float" and dtype.kind != "f":
+        return f"'{spec.key}': dtype {dtype} is not a float type"
+    if spec.dtype not in ("float", "any") and dtype != np.dtype(spec.dtype):
+        return f"'{spec.key}': dtype {dtype} != expected {spec.dtype}"
+    if dtype.kind not in "biuf":
+        return f"'{spec.key}': dtype {dtype} is not numeric"
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if not expected <= len(array.data) <= expected + _NPY_HEADER_MAX:
+        return f"'{spec.key}': {len(array.data)} bytes for a {_shape_text(shape)} {dtype} array"
+    return None
+
+
+def check_array_values(key: str, value: np.ndarray, spec: ArraySpec) -> str | None:
+    """Finiteness and range of one decoded array."""
+    if spec.finite and value.dtype.kind == "f" and not np.isfinite(value).all():
+        return f"'{key}': contains NaN or infinite values"
+    if spec.nonnegative and value.size and value.min() < 0:
+        return f"'{key}': contains negative values"
+    if spec.max_value is not None and value.size and value.max() > spec.max_value:
+        return f"'{key}': value {value.max()} above the plausible maximum {spec.max_value:g}"
+    return None
+
+
+def decode_record(record: Any, specs: Sequence[ArraySpec], *,
+                  allow_extra: bool = False) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """``(arrays by key, None)`` when ``record`` holds exactly ``specs``, else ``(None, reason)``.
+
+    Keys, dtypes, shapes and sizes are checked before anything is decoded; values after.
+    """
+    if not isinstance(record, ArrayRecord):
+        return None, f"expected an ArrayRecord, got {type(record).__name__}"
+    wanted = [s.key for s in specs]
+    missing = [k for k in wanted if k not in record]
+    if missing:
+        return None, f"missing key(s) {missing}"
+    extra = [k for k in record if k not in wanted]
+    if extra and not allow_extra:
+        return None, f"unexpected key(s) {extra[:5]}"
+    for spec in specs:
+        reason = check_array_meta(record[spec.key], spec)
+        if reason is not None:
+            return None, reason
+    out: dict[str, np.ndarray] = {}
+    for spec in specs:
+        try:
+            value = record[spec.key].numpy()
+        except Exception as err:  # corrupt bytes behind valid metadata
+            return None, f"'{spec.key}': undecodable ({type(err).__name__})"
+        if value.shape != tuple(record[spec.key].shape) or value.dtype != np.dtype(record[spec.key].dtype):
+            return None, f"'{spec.key}': data disagrees with its declared dtype/shape"
+        reason = check_array_values(spec.key, value, spec)
+        if reason is not None:
+            return None, reason
+        out[spec.key] = value
+    return out, None
+
+
+@dataclass(frozen=True)
+class MetricBound:
+    """Range of one known metric; ``integer`` demands a whole number."""
+
+    low: float | None = None
+    high: float | None = None
+    integer: bool = False
+    required: bool = False
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_metrics(metrics: Any, bounds: Mapping[str, MetricBound]) -> str | None:
+    """Every value a finite number (or list of them); known keys within their bounds."""
+    if not isinstance(metrics, (MetricRecord, dict)):
+        return f"metrics: expected a MetricRecord, got {type(metrics).__name__}"
+    for key, bound in bounds.items():
+        if bound.required and key not in metrics:
+            return f"metric '{key}' is missing"
+    for key, value in metrics.items():
+        values: Iterable[Any] = value if isinstance(value, list) else [value]
+        for v in values:
+            if not _finite_number(v):
+                return f"metric '{key}' = {v!r} is not a finite number"
+        bound = bounds.get(key)
+        if bound is None:
+            continue
+        if isinstance(value, list):
+            return f"metric '{key}' must be a single number, got a list"
+        if bound.integer and float(value) != int(value):
+            return f"metric '{key}' = {value!r} is not a whole number"
+        if bound.low is not None and value < bound.low:
+            return f"metric '{key}' = {value!r} is below {bound.low:g}"
+        if bound.high is not None and value > bound.high:
+            return f"metric '{key}' = {value!r} is above {bound.high:g}"
+    return None
+
+
+# Bounds every family shares. ``num-examples`` is capped by the strategy (``max_examples``).
+ACCURACY = MetricBound(0.0, 1.0)
+COMMON_METRICS: dict[str, MetricBound] = {
+    "partition-id": MetricBound(0, None, integer=True),
+    "loss": MetricBound(0.0, None),
+    "train-loss": MetricBound(0.0, None),
+}
+
+
+def metric_bounds(max_examples: int, *, evaluate: bool) -> dict[str, MetricBound]:
+    """Bounds for a train or evaluate reply: counts capped, any ``*accuracy`` key checked by name."""
+    bounds = dict(COMMON_METRICS)
+    bounds["num-examples"] = MetricBound(0 if evaluate else 1, max_examples, integer=True, required=True)
+    return bounds
+
+
+def check_accuracy_keys(metrics: Mapping[str, Any]) -> str | None:
+    """Any metric whose name ends in ``accuracy`` must lie in [0, 1]."""
+    for key, value in metrics.items():
+        if key.endswith("accuracy") and not isinstance(value, list) and _finite_number(value) \
+                and not 0.0 <= value <= 1.0:
+            return f"metric '{key}' = {value!r} is outside [0, 1]"
+    return None

@@ -1,0 +1,299 @@
+"""What every Pollen strategy shares on Flower's Message API: sampling, reply screening, round reports.
+
+:class:`PollenStrategy` is a :class:`flwr.serverapp.strategy.Strategy`; ``strategy.start(grid=...,
+initial_arrays=..., num_rounds=...)`` runs it from any ``@app.main()`` ServerApp. Subclasses say what
+a reply must hold (``decode_train_reply``) and how accepted replies combine (``aggregate_accepted``);
+this class makes sure no reply reaches that code unchecked:
+
+* error replies are counted as failures with their reason;
+* metrics must be finite numbers, counts within ``max_examples``, accuracies in [0, 1];
+* a node's ``partition-id`` is bound to its node id for the run: a second node claiming the same
+  partition, or a node changing its claim, is rejected;
+* arrays are checked from their metadata before decoding (:mod:`pollen.protocol.screening`).
+
+A rejected reply is logged as a WARNING naming the client, the key and the reason, and kept in the
+round report (:meth:`take_round_report`). A round in which nobody was accepted is a WARNING with the
+first reasons; more such rounds than ``max_empty_rounds`` raise :class:`NoTrainingError`, so a run
+that trains nobody never looks like a success.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from pollen.protocol.records import ARRAYS, CONFIG, METRICS, record_bytes
+from pollen.protocol.screening import check_accuracy_keys, check_metrics, metric_bounds
+from pollen.strategies.metrics import mean_std_metrics
+
+LOGGER = logging.getLogger("pollen")
+REASON_CHARS = 500  # enough for a ClientApp traceback's last lines, bounded for metrics.jsonl
+
+
+class NoTrainingError(RuntimeError):
+    """Raised when more rounds than allowed trained nobody: the run has failed."""
+
+
+@dataclass
+class Accepted:
+    """One screened reply: who sent it, its decoded payload, its metrics and example count."""
+
+    node_id: int
+    label: str
+    payload: Any
+    metrics: dict[str, Any]
+    num_examples: int
+
+
+@dataclass
+class RoundReport:
+    """What crossed the wire in one round and what became of it (for logs and results files)."""
+
+    round: int
+    sampled: int = 0
+    evaluated: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    accepted: int = 0
+    fit_clients: dict[str, dict] = field(default_factory=dict)
+    evaluate_clients: dict[str, dict] = field(default_factory=dict)
+    rejected: list[dict] = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)
+    fit: dict[str, Any] = field(default_factory=dict)
+    evaluate: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+
+
+def _plain(metrics: Any) -> dict[str, Any]:
+    return {str(k): (list(v) if isinstance(v, list) else v) for k, v in dict(metrics).items()}
+
+
+class PollenStrategy(Strategy):
+    """Base class: node sampling, message building, screening and reporting (module docstring).
+
+    Args:
+        fraction_train / fraction_evaluate: share of connected nodes sampled per round (as Flower's).
+        min_train_nodes / min_evaluate_nodes: at least this many sampled (when connected).
+        min_available_nodes: wait for this many nodes before sampling — at most ``node_wait_s``
+            seconds, then fail naming both numbers instead of hanging.
+        evaluate_every: evaluate every this many rounds and always in round ``num_rounds``.
+        max_examples: the largest ``num-examples`` (and class count) a client may claim.
+        max_empty_rounds: rounds allowed to train nobody before the run fails.
+        seed: seeds this strategy's own sampling RNG (never the global ``random``).
+    """
+
+    family = "base"
+
+    def __init__(self, *, fraction_train: float = 1.0, fraction_evaluate: float = 1.0,
+                 min_train_nodes: int = 1, min_evaluate_nodes: int = 1, min_available_nodes: int = 1,
+                 evaluate_every: int = 1, num_rounds: int | None = None, max_examples: int = 10_000_000,
+                 max_empty_rounds: int = 0, node_wait_s: float = 120.0, seed: int = 0):
+        if not 0.0 < fraction_train <= 1.0:
+            raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
+        if not 0.0 <= fraction_evaluate <= 1.0:
+            raise ValueError(f"fraction_evaluate must be in [0, 1], got {fraction_evaluate}")
+        for name, value in (("min_train_nodes", min_train_nodes), ("min_available_nodes", min_available_nodes),
+                            ("evaluate_every", evaluate_every), ("max_examples", max_examples)):
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value}")
+        if min_evaluate_nodes < 0 or max_empty_rounds < 0 or node_wait_s < 0:
+            raise ValueError("min_evaluate_nodes, max_empty_rounds and node_wait_s must be >= 0")
+        self.fraction_train = fraction_train
+        self.fraction_evaluate = fraction_evaluate
+        self.min_train_nodes = min_train_nodes
+        self.min_evaluate_nodes = min_evaluate_nodes
+        self.min_available_nodes = min_available_nodes
+        self.evaluate_every = evaluate_every
+        self.num_rounds = num_rounds
+        self.max_examples = int(max_examples)
+        self.max_empty_rounds = max_empty_rounds
+        self.node_wait_s = node_wait_s
+        self.rng = random.Random(seed)
+        self.empty_rounds = 0
+        self.partition_of: dict[int, int] = {}  # node id -> partition it claimed first
+        self.node_of: dict[int, int] = {}  # partition -> node id serving it
+        self.reports: dict[int, RoundReport] = {}
+
+    # ------------------------------------------------------------------ sampling and messages
+    def wait_for_nodes(self, grid: Grid, needed: int) -> list[int]:
+        """Connected node ids once ``needed`` are there; a clear error after ``node_wait_s``."""
+        deadline = time.monotonic() + self.node_wait_s
+        next_log = 0.0
+        while True:
+            nodes = sorted(grid.get_node_ids())
+            if len(nodes) >= needed:
+                return nodes
+            now = time.monotonic()
+            if now >= deadline:
+                raise NoTrainingError(
+                    f"only {len(nodes)} node(s) connected after {self.node_wait_s:.0f} s, but "
+                    f"min-available-clients / the sample needs {needed}: start more SuperNodes "
+                    f"(simulation: num-supernodes) or lower the minimum")
+            if now >= next_log:
+                LOGGER.info("waiting for nodes: %d connected, %d needed", len(nodes), needed)
+                next_log = now + 5.0
+            time.sleep(0.1)
+
+    def sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
+        """``max(fraction × connected, minimum)`` node ids, drawn with the strategy's own RNG."""
+        nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, minimum))
+        size = min(len(nodes), max(int(len(nodes) * fraction), minimum, 1))
+        return sorted(self.rng.sample(nodes, size))
+
+    def evaluates(self, server_round: int) -> bool:
+        return server_round % self.evaluate_every == 0 or server_round == self.num_rounds
+
+    def report(self, server_round: int) -> RoundReport:
+        if server_round not in self.reports:
+            self.reports[server_round] = RoundReport(server_round)
+        return self.reports[server_round]
+
+    def take_round_report(self, server_round: int) -> RoundReport:
+        """The report of ``server_round``, removed from the strategy (rounds are reported once)."""
+        return self.reports.pop(server_round, None) or RoundReport(server_round)
+
+    def build_messages(self, server_round: int, node_ids: Sequence[int], message_type: str,
+                       content_for: Callable[[int], RecordDict]) -> list[Message]:
+        messages = [Message(content=content_for(n), message_type=message_type, dst_node_id=n) for n in node_ids]
+        rep = self.report(server_round)
+        rep.bytes_down += sum(record_bytes(m.content) for m in messages)
+        if message_type == MessageType.TRAIN:
+            rep.sampled += len(messages)
+        else:
+            rep.evaluated += len(messages)
+        return messages
+
+    @staticmethod
+    def round_config(config: ConfigRecord | None, server_round: int, **extra: Any) -> ConfigRecord:
+        """A fresh ConfigRecord per message: Flower reuses the caller's ``train_config`` every round."""
+        out = ConfigRecord(dict(config or {}))
+        out["server-round"] = server_round
+        for key, value in extra.items():
+            out[key] = value
+        return out
+
+    # ------------------------------------------------------------------ screening
+    def label(self, node_id: int) -> str:
+        pid = self.partition_of.get(node_id)
+        return f"partition {pid}" if pid is not None else f"node {node_id}"
+
+    def reject(self, server_round: int, stage: str, label: str, reason: str) -> None:
+        LOGGER.warning("round %d %s: rejected reply from %s: %s", server_round, stage, label, reason)
+        self.report(server_round).rejected.append(
+            {"round": server_round, "stage": stage, "client": label, "reason": reason[:REASON_CHARS]})
+
+    def _bind_partition(self, node_id: int, metrics: dict[str, Any]) -> str | None:
+        if "partition-id" not in metrics:
+            return None
+        pid = int(metrics["partition-id"])
+        claimed = self.partition_of.get(node_id)
+        if claimed is not None and claimed != pid:
+            return f"partition-id {pid} differs from partition {claimed} this node claimed before"
+        owner = self.node_of.get(pid)
+        if owner is not None and owner != node_id:
+            return f"partition {pid} is already served by node {owner}"
+        self.partition_of[node_id] = pid
+        self.node_of[pid] = node_id
+        return None
+
+    def screen(self, server_round: int, stage: str, replies: Iterable[Message],
+               decode: Callable[[Message, dict[str, Any]], tuple[Any, str | None]]) -> list[Accepted]:
+        """Failures counted, bad replies rejected with a reason, the rest decoded by ``decode``."""
+        rep = self.report(server_round)
+        accepted: list[Accepted] = []
+        seen: set[int] = set()
+        for msg in replies:
+            node = int(msg.metadata.src_node_id)
+            if msg.has_error():
+                rep.failures.append({"stage": stage, "client": self.label(node), "code": int(msg.error.code),
+                                     "reason": str(msg.error.reason)[-REASON_CHARS:]})
+                continue
+            rep.bytes_up += record_bytes(msg.content)
+            label = self.label(node)
+            if node in seen:
+                self.reject(server_round, stage, label, "a second reply from the same node in one round")
+                continue
+            seen.add(node)
+            metrics_rec = msg.content.get(METRICS)
+            if not isinstance(metrics_rec, MetricRecord):
+                self.reject(server_round, stage, label, f"no MetricRecord under '{METRICS}'")
+                continue
+            reason = (check_metrics(metrics_rec, metric_bounds(self.max_examples, evaluate=stage == "evaluate"))
+                      or check_accuracy_keys(metrics_rec))
+            metrics = _plain(metrics_rec)
+            if reason is None:
+                reason = self._bind_partition(node, metrics)
+            label = self.label(node)
+            if reason is None:
+                payload, reason = decode(msg, metrics)
+            if reason is not None:
+                self.reject(server_round, stage, label, reason)
+                continue
+            accepted.append(Accepted(node, label, payload, metrics, int(metrics["num-examples"])))
+            target = rep.fit_clients if stage == "train" else rep.evaluate_clients
+            target[label] = metrics
+        return accepted
+
+    def close_train_round(self, server_round: int, accepted: Sequence[Accepted]) -> None:
+        """Count the round; an empty one is a WARNING, too many of them fail the run."""
+        rep = self.report(server_round)
+        rep.accepted = len(accepted)
+        if accepted:
+            return
+        self.empty_rounds += 1
+        reasons = [f"{r['client']}: {r['reason']}" for r in rep.rejected[:3]]
+        reasons += [f"{f['client']}: {f['reason'].strip().splitlines()[-1] if f['reason'].strip() else ''}"
+                    for f in rep.failures[:3]]
+        if not rep.sampled:
+            reasons.append("no node was sampled")
+        text = "; ".join(reasons) or "no reply arrived before the round timeout"
+        LOGGER.warning("round %d trained nobody (%d sampled, %d rejected, %d failed): %s", server_round,
+                       rep.sampled, len(rep.rejected), len(rep.failures), text)
+        if self.empty_rounds > self.max_empty_rounds:
+            raise NoTrainingError(f"round {server_round} trained nobody ({rep.sampled} sampled, "
+                                  f"{len(rep.rejected)} rejected, {len(rep.failures)} failed): {text}")
+
+    def train_metrics(self, server_round: int, accepted: Sequence[Accepted], **extra: float) -> MetricRecord:
+        """Round metrics: counts of accepted/rejected/failed plus client metrics' mean ± std."""
+        rep = self.report(server_round)
+        out: dict[str, Any] = {"accepted": len(accepted), "rejected": len(rep.rejected),
+                               "failures": len([f for f in rep.failures if f["stage"] == "train"])}
+        out.update(mean_std_metrics([(a.num_examples, a.metrics) for a in accepted]))
+        out.update(extra)
+        rep.fit = dict(out)
+        return MetricRecord(out)
+
+    # ------------------------------------------------------------------ evaluate (shared)
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        if self.fraction_evaluate <= 0 or not self.evaluates(server_round):
+            return []
+        nodes = self.sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
+        content = self.evaluate_content(server_round, arrays, config)
+        return self.build_messages(server_round, nodes, MessageType.EVALUATE, lambda _n: content)
+
+    def evaluate_content(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
+        """What evaluating clients receive; by default the current global arrays."""
+        return RecordDict({ARRAYS: arrays, CONFIG: self.round_config(config, server_round)})
+
+    def evaluate_weight(self, accepted: Accepted) -> float:
+        """Weight of one client's evaluate metrics: its number of test examples."""
+        return float(accepted.num_examples)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        accepted = self.screen(server_round, "evaluate", replies, lambda _m, _x: (None, None))
+        if not accepted:
+            return None
+        out = mean_std_metrics([(self.evaluate_weight(a), a.metrics) for a in accepted])
+        self.report(server_round).evaluate = dict(out)
+        return MetricRecord(out)
+
+    def summary(self) -> None:
+        LOGGER.info("%r", self)

@@ -43,7 +43,7 @@ class ClientState:
 
     # arrays -------------------------------------------------------------------------------
     def save_arrays(self, key: str, arrays: Mapping[str, np.ndarray]) -> None:
-        self.records[key] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+        self.records[key] = ArrayRecord({k: Array(np.require(v, requirements="C")) for k, v in arrays.items()})
 
     def load_arrays(self, key: str) -> dict[str, np.ndarray] | None:
         if key not in self.records:

@@ -21,8 +21,12 @@ NUM_EXAMPLES = "num-examples"
 
 
 def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """Named numpy arrays as an ArrayRecord (C-contiguous copies are made only when needed)."""
-    return ArrayRecord({str(k): Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    """Named numpy arrays as an ArrayRecord (C-contiguous copies are made only when needed).
+
+    ``np.require`` keeps 0-d arrays 0-d (BatchNorm's step counter); ``np.ascontiguousarray`` would
+    turn them into shape ``(1,)`` and the server would rightly refuse the reply.
+    """
+    return ArrayRecord({str(k): Array(np.require(v, requirements="C")) for k, v in arrays.items()})
 
 
 def metric_record(num_examples: int, metrics: Mapping[str, Any] | None = None) -> MetricRecord:

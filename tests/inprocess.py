@@ -8,6 +8,7 @@ are real ``Message`` objects built with ``reply_to``, so metadata (source node) 
 
 from __future__ import annotations
 
+import tempfile
 from typing import Callable, Iterable
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -48,10 +49,16 @@ class InProcessGrid:
 
 
 def clientapp_node(app, run_config: dict, partition_id: int, num_partitions: int,
-                   node_id: int | None = None) -> Handler:
-    """A node that answers with a real ``ClientApp`` and keeps its ``Context`` (state) across messages."""
+                   node_id: int | None = None, state_dir: str | None = None) -> Handler:
+    """A node that answers with a real ``ClientApp`` and keeps its ``Context`` (state) across messages.
+
+    Its on-disk state folder is a fresh temporary one unless ``state_dir`` is given, so no test ever
+    reads another run's saved models.
+    """
+    state_dir = state_dir or tempfile.mkdtemp(prefix=f"pollen-node-{partition_id}-")
     context = Context(run_id=1, node_id=node_id if node_id is not None else 100 + partition_id,
-                      node_config={"partition-id": partition_id, "num-partitions": num_partitions},
+                      node_config={"partition-id": partition_id, "num-partitions": num_partitions,
+                                   "state-dir": state_dir},
                       state=RecordDict(), run_config=dict(run_config))
 
     def handle(msg: Message) -> Message:

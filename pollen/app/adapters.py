@@ -52,16 +52,26 @@ class ClientAdapter:
 
 
 # -- weights: the state dict by name, in and out ----------------------------------------------------
+def _state_in_client_order(client, record: ArrayRecord) -> tuple[list[str], list[np.ndarray]]:
+    """The received state as the client's positional list: matched by name, not by arrival order."""
+    keys = client.state_keys()
+    if sorted(keys) != sorted(record.keys()):
+        missing = sorted(set(keys) - set(record.keys()))[:5]
+        extra = sorted(set(record.keys()) - set(keys))[:5]
+        raise ValueError(f"server model state does not match this client's model {client.model_name!r}: "
+                         f"missing {missing}, unexpected {extra}; do server and client use the same model "
+                         "and width?")
+    return keys, [record[k].numpy() for k in keys]
+
+
 def _weights_train(client, content: RecordDict) -> RecordDict:
-    rec = _arrays(content)
-    arrays, n, metrics = client.fit([a.numpy() for a in rec.values()], _config(content))
-    if len(arrays) != len(rec):
-        raise ValueError(f"client returned {len(arrays)} arrays for {len(rec)} received")
-    return reply_content(dict(zip(rec.keys(), arrays)), n, metrics)
+    keys, params = _state_in_client_order(client, _arrays(content))
+    arrays, n, metrics = client.fit(params, _config(content))
+    return reply_content(dict(zip(keys, arrays)), n, metrics)
 
 
 def _weights_evaluate(client, content: RecordDict) -> RecordDict:
-    return evaluate_reply(client, [a.numpy() for a in _arrays(content).values()], _config(content))
+    return evaluate_reply(client, _state_in_client_order(client, _arrays(content))[1], _config(content))
 
 
 WEIGHTS = ClientAdapter(_weights_train, _weights_evaluate)
@@ -98,15 +108,13 @@ def _logit_train(client, content: RecordDict) -> RecordDict:
     params = _named(_arrays(content), (logit_protocol.CONSENSUS, logit_protocol.CONTRIBUTORS))
     model_in = content.get(logit_protocol.MODEL)
     if isinstance(model_in, ArrayRecord) and len(model_in):
-        params += [a.numpy() for a in model_in.values()]
+        params += _state_in_client_order(client, model_in)[1]
     arrays, n, metrics = client.fit(params, _config(content))
     if not arrays:  # SOLO: nothing leaves the client
         return reply_content(ArrayRecord(), n, metrics)
     model_out = None
     if len(arrays) > 1:  # homogeneous mode: the state dict by name
-        keys = (list(model_in.keys()) if isinstance(model_in, ArrayRecord) and len(model_in)
-                else list(client.new_model().state_dict().keys()))
-        model_out = array_record(dict(zip(keys, arrays[1:])))
+        model_out = array_record(dict(zip(client.state_keys(), arrays[1:])))
     return logit_protocol.encode_logit_reply(arrays[0], n, metrics, model=model_out)
 
 

@@ -3,33 +3,75 @@
 Each handler builds the method's ``NumPyClient`` for this node and lets the family's adapter
 (:mod:`pollen.app.adapters`) translate named records to the client's arrays and back. An exception
 here becomes an error reply, which the strategy counts as a failure with its reason.
+
+What the client remembers (``context.state``: private model, teachers, histories) is also kept on
+disk under the node's state folder — node config ``state-dir``, by default
+``<run folder>/nodes/partition-<i>`` — written atomically after every training round and read back
+when a restarted SuperNode (or a resumed run) starts with an empty state. After the last round the
+personal model is saved there as ``final-model.safetensors`` with ``final-model.json``; it never
+leaves the node.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from pollen.app.config import parse_node_config, parse_run_config
+from pollen.app.checkpoints import load_records, save_arrays, save_records, write_json
+from pollen.app.config import NodeConfig, RunConfig, parse_node_config, parse_run_config
 from pollen.app.registry import METHODS
+from pollen.app.results import run_directory
 
 app = ClientApp()
 
 
-def _client(context: Context):
+def node_state_dir(cfg: RunConfig, node: NodeConfig, run_id: int) -> Path:
+    if node.state_dir:
+        return Path(node.state_dir).expanduser().resolve()
+    return run_directory(cfg, run_id) / "nodes" / f"partition-{node.partition_id}"
+
+
+def _prepare(context: Context):
     cfg = parse_run_config(context.run_config)
     node = parse_node_config(context.node_config)
     spec = METHODS[cfg.method]
-    return spec.adapter, spec.make_client(cfg, node, context)
+    if spec.adapter is None:
+        raise RuntimeError(f"method {cfg.method!r} has no Message-API client adapter")
+    folder = node_state_dir(cfg, node, context.run_id)
+    if len(context.state) == 0:
+        load_records(folder, context.state)
+    return cfg, spec, folder, spec.make_client(cfg, node, context)
+
+
+def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Context, server_round: int) -> None:
+    """The personal model and what is needed to rebuild it (``pollen.predict`` reads both)."""
+    record = context.state.get(spec.personal_model)
+    if record is None:
+        return
+    save_arrays(folder / "final-model.safetensors", {k: a.numpy() for k, a in record.items()})
+    kwargs = client.model_kwargs() if hasattr(client, "model_kwargs") else {}
+    fmt = client.task.fmt
+    write_json(folder / "final-model.json", {
+        "method": cfg.method, "task": cfg.task, "model": client.model_name,
+        "width": cfg.width_for(client.model_name), "num-classes": client.task.num_classes,
+        "in-channels": fmt.channels, "image-size": fmt.size, "model-kwargs": kwargs,
+        "round": server_round, "partition-id": client.partition_id, "seed": cfg.seed})
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    adapter, client = _client(context)
-    return Message(content=adapter.train(client, msg.content), reply_to=msg)
+    cfg, spec, folder, client = _prepare(context)
+    content = spec.adapter.train(client, msg.content)
+    save_records(folder, context.state)
+    server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
+    if spec.personal_model and server_round >= cfg.num_server_rounds:
+        save_final_model(folder, cfg, spec, client, context, server_round)
+    return Message(content=content, reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    adapter, client = _client(context)
-    return Message(content=adapter.evaluate(client, msg.content), reply_to=msg)
+    _, spec, _, client = _prepare(context)
+    return Message(content=spec.adapter.evaluate(client, msg.content), reply_to=msg)

@@ -59,6 +59,10 @@ DEFAULTS: dict[str, Any] = {
     "fedprox-mu": 0.01,
     # failure semantics
     "max-empty-rounds": 0,
+    # what is kept
+    "checkpoint-every": 1,
+    "checkpoint-keep": 2,
+    "resume-from": "",
 }
 
 # Width used when ``model-width = 0`` ("let the profile decide"). The small nets (FedProto's CNN, DLG's
@@ -157,6 +161,9 @@ class RunConfig:
     avg_weighting: str
     fedprox_mu: float
     max_empty_rounds: int = 0
+    checkpoint_every: int = 1
+    checkpoint_keep: int = 2
+    resume_from: str = ""
     # Method-specific keys (prefixed in the run config) that a method module validates itself.
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -231,6 +238,9 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
         avg_weighting=_as_choice(merged, "avg-weighting", WEIGHTINGS),
         fedprox_mu=_as_float(merged, "fedprox-mu", 0.0, 1e4),
         max_empty_rounds=_as_int(merged, "max-empty-rounds", 0),
+        checkpoint_every=_as_int(merged, "checkpoint-every", 0),
+        checkpoint_keep=_as_int(merged, "checkpoint-keep", 1),
+        resume_from=_as_str(merged, "resume-from").strip(),
         extra={k: merged[k] for k in extra_defaults},
     )
     if cfg.model is not None:
@@ -274,6 +284,7 @@ class NodeConfig:
     num_partitions: int
     data_root: str | None = None
     model: str | None = None
+    state_dir: str | None = None
 
 
 def parse_node_config(raw: Mapping[str, Any]) -> NodeConfig:
@@ -297,4 +308,8 @@ def parse_node_config(raw: Mapping[str, Any]) -> NodeConfig:
         if model not in MODEL_NAMES:
             raise ConfigError(f"node config 'model' = {model!r} is invalid: expected one of "
                               + ", ".join(MODEL_NAMES))
-    return NodeConfig(partition_id=pid, num_partitions=num, data_root=data_root, model=model)
+    state_dir = raw.get("state-dir", "")
+    if not isinstance(state_dir, str):
+        raise ConfigError(f"node config 'state-dir' must be a path (string), got {state_dir!r}")
+    return NodeConfig(partition_id=pid, num_partitions=num, data_root=data_root, model=model,
+                      state_dir=state_dir.strip() or None)

@@ -110,4 +110,5 @@ for _name, _client, _descr in (
                          "fccl-average-weights = true, FedAvg evaluated per domain"),
 ):
     register_method(MethodSpec(name=_name, family="logits", description=_descr, make_strategy=make_strategy,
-                               make_client=_client, adapter=LOGITS, defaults=dict(DEFAULTS), validate=validate))
+                               make_client=_client, adapter=LOGITS,
+                               personal_model=_client.NET, defaults=dict(DEFAULTS), validate=validate))

@@ -115,11 +115,13 @@ def make_prototype_strategy(cfg: "RunConfig") -> PrototypeStrategy:
 register_method(MethodSpec(
     name="fedproto", family="prototypes",
     description="FedProto (Tan et al. 2022): clients share class prototypes; L_S + λ·L_P (keys proto-*)",
-    make_strategy=make_prototype_strategy, make_client=PrototypeClient, adapter=PROTOTYPES, defaults=dict(PROTO_DEFAULTS),
+    make_strategy=make_prototype_strategy, make_client=PrototypeClient, adapter=PROTOTYPES,
+    personal_model=PrototypeClient.MODEL_KEY, defaults=dict(PROTO_DEFAULTS),
     validate=validate_proto))
 register_method(MethodSpec(
     name="bd-fedproto", family="prototypes",
     description="BD-FedProto (Xu et al. 2024): FedProto + contrastive negatives (CPA) + dynamic λ_D (DA); "
                 "CPA's loss form and DA's rule are reconstructed (keys proto-*)",
-    make_strategy=make_prototype_strategy, make_client=BDPrototypeClient, adapter=PROTOTYPES, defaults=dict(PROTO_DEFAULTS),
+    make_strategy=make_prototype_strategy, make_client=BDPrototypeClient, adapter=PROTOTYPES,
+    personal_model=PrototypeClient.MODEL_KEY, defaults=dict(PROTO_DEFAULTS),
     validate=validate_proto))

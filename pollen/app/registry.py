@@ -35,6 +35,8 @@ class MethodSpec:
     adapter: ClientAdapter | None = None
     # The ServerApp's initial_arrays (weights: the shared starting model); empty by default.
     initial_arrays: Callable[["RunConfig"], ArrayRecord] = lambda cfg: ArrayRecord()
+    # The context.state key of the client's personal model, saved as the node's final-model.safetensors.
+    personal_model: str | None = None
     # Method run keys (prefixed, e.g. "fccl-...") with defaults; must also be in pyproject.toml.
     defaults: dict[str, Any] = field(default_factory=dict)
     validate: Callable[["RunConfig"], None] | None = None
@@ -103,7 +105,8 @@ register_method(MethodSpec(
     initial_arrays=initial_model_arrays))
 register_method(MethodSpec(
     name="local", family="local", description="Local-only training: no communication (lower bound)",
-    make_strategy=_local_strategy, make_client=LocalClient, adapter=LOCAL))
+    make_strategy=_local_strategy, make_client=LocalClient, adapter=LOCAL,
+    personal_model=LocalClient.STATE_KEY))
 
 # Method families register themselves on import (one line each, below).
 from pollen.app import methods_prototypes  # noqa: E402,F401

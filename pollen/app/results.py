@@ -19,6 +19,18 @@ from typing import Any
 from pollen.strategies.base import RoundReport
 
 
+def run_directory(cfg, run_id: int | str) -> Path:
+    """``resume-from`` when continuing a run, else ``out-dir/<run-id>`` (``$POLLEN_OUT_DIR`` or
+    ``./pollen-runs`` when ``out-dir`` is empty). Pass absolute paths: relative ones resolve against
+    the working directory of the SuperLink (server) or SuperNode (clients)."""
+    import os
+
+    if cfg.resume_from:
+        return Path(cfg.resume_from).expanduser().resolve()
+    base = cfg.out_dir or os.environ.get("POLLEN_OUT_DIR") or "pollen-runs"
+    return Path(base).expanduser().resolve() / str(run_id)
+
+
 def _clean(metrics: dict | None) -> dict[str, Any]:
     """Metrics as JSON-safe plain values (NaN/inf become None)."""
     out = {}
@@ -34,7 +46,8 @@ def _clean(metrics: dict | None) -> dict[str, Any]:
 class RunRecorder:
     """Collects one record per round and writes the run's files under ``run_dir``."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], num_rounds: int, echo: bool = True):
+    def __init__(self, run_dir: Path, config: dict[str, Any], num_rounds: int, echo: bool = True,
+                 resume_after: int = 0):
         self.run_dir = Path(run_dir)
         self.config = config
         self.num_rounds = num_rounds
@@ -44,8 +57,15 @@ class RunRecorder:
         self.started = time.perf_counter()
         self.initial: dict[str, Any] | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        (self.run_dir / "metrics.jsonl").write_text("")
+        metrics = self.run_dir / "metrics.jsonl"
+        if resume_after > 0 and metrics.exists():  # keep the rounds the checkpoint covers, drop the rest
+            kept = [line for line in metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line)["round"] <= resume_after]
+            self.rounds = [json.loads(line) for line in kept]
+            metrics.write_text("".join(line + "\n" for line in kept))
+        else:
+            (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            metrics.write_text("")
         self._print(f"[pollen] method={config.get('method')} task={config.get('task')} "
                     f"rounds={num_rounds} -> {self.run_dir}")
 

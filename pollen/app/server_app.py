@@ -1,36 +1,59 @@
-"""Flower ServerApp (Message API): validate the run config, run the method's strategy, record the run.
+"""Flower ServerApp (Message API): validate the run config, run the method's strategy, keep what it made.
 
 The strategy does the federated work (:mod:`pollen.strategies`); this app adds what a Pollen run
 promises: one results folder per run (:mod:`pollen.app.results`), a closed record after every round,
-and a run that trained nobody ends **failed** — ``summary.json`` says why and the ServerApp raises,
-so Flower reports ``finished:failed`` and the launcher exits non-zero.
+a checkpoint every ``checkpoint-every`` rounds and the final global state under ``final/``
+(:mod:`pollen.app.checkpoints`), ``resume-from`` to continue an interrupted run, and a run that trained
+nobody ends **failed** — ``summary.json`` says why and the ServerApp raises, so Flower reports
+``finished:failed`` and the launcher exits non-zero.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import Array, ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from pollen.app.checkpoints import (CheckpointError, latest_checkpoint, save_arrays, write_checkpoint,
+                                    write_json)
 from pollen.app.config import RunConfig, parse_run_config
 from pollen.app.registry import METHODS
-from pollen.app.results import RunRecorder
+from pollen.app.results import RunRecorder, run_directory
 
 LOGGER = logging.getLogger("pollen")
+
+# Keys that may differ between an interrupted run and its resumption.
+RESUMABLE_CHANGES = frozenset({"resume-from", "out-dir", "num-server-rounds", "data-root", "device",
+                               "torch-threads"})
 
 app = ServerApp()
 
 
-def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
-    """``out-dir/<run-id>``; an empty ``out-dir`` means ``$POLLEN_OUT_DIR`` or ``./pollen-runs``.
+def config_differences(saved: dict, now: dict) -> list[str]:
+    return sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
 
-    Pass an absolute ``out-dir``: relative paths resolve against the SuperLink's working directory.
-    """
-    base = cfg.out_dir or os.environ.get("POLLEN_OUT_DIR") or "pollen-runs"
-    return Path(base).expanduser().resolve() / str(run_id)
+
+def _initial_arrays(strategy, arrays: dict) -> ArrayRecord:
+    """What ``start`` continues from after a restore: the strategy's global record, if it has one."""
+    model = {k[len("model."):]: v for k, v in arrays.items() if k.startswith("model.")}
+    if getattr(strategy, "family", "") == "weights" and model:
+        return ArrayRecord({k: Array(v) for k, v in model.items()})
+    return ArrayRecord()
+
+
+def write_final(run_dir: Path, cfg: RunConfig, strategy, last_round: int) -> dict[str, str]:
+    """``final/global.safetensors`` (+ JSON): the strategy's global state at the end of the run."""
+    arrays, values = strategy.state()
+    values = {k: v for k, v in values.items() if k != "rng"}
+    if not arrays:
+        return {}
+    folder = run_dir / "final"
+    save_arrays(folder / "global.safetensors", arrays)
+    write_json(folder / "global.json", {"method": cfg.method, "task": cfg.task, "family": strategy.family,
+                                        "round": last_round, "model": cfg.model or "", "values": values})
+    return {"global": str(folder / "global.safetensors")}
 
 
 @app.main()
@@ -38,8 +61,21 @@ def main(grid: Grid, context: Context) -> None:
     cfg = parse_run_config(context.run_config)
     spec = METHODS[cfg.method]
     strategy = spec.make_strategy(cfg)
-    recorder = RunRecorder(run_directory(cfg, context.run_id), cfg.to_dict(), cfg.num_server_rounds)
+    run_dir = run_directory(cfg, context.run_id)
+    initial = spec.initial_arrays(cfg)
+    first_round = 1
+    if cfg.resume_from:
+        ckpt = latest_checkpoint(run_dir)
+        changed = config_differences(ckpt.config, cfg.to_dict())
+        if changed:
+            raise CheckpointError(f"cannot resume {run_dir}: run config differs in {changed}")
+        strategy.restore(ckpt.arrays, ckpt.values)
+        initial = _initial_arrays(strategy, ckpt.arrays) or initial
+        first_round = ckpt.round + 1
+        LOGGER.info("resuming %s after round %d (%s)", run_dir, ckpt.round, ckpt.path.name)
+    recorder = RunRecorder(run_dir, cfg.to_dict(), cfg.num_server_rounds, resume_after=first_round - 1)
     server_evaluate = getattr(strategy, "evaluate_global", None)  # GLFC evaluates on the server
+    written: dict[str, str] = {}
 
     def end_of_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         metrics = server_evaluate(server_round, arrays) if server_evaluate is not None else None
@@ -49,14 +85,23 @@ def main(grid: Grid, context: Context) -> None:
             return metrics
         recorder.record_report(strategy.take_round_report(server_round),
                                dict(metrics) if metrics is not None else None)
+        every = cfg.checkpoint_every
+        if every and (server_round % every == 0 or server_round == cfg.num_server_rounds):
+            state_arrays, values = strategy.state()
+            written["checkpoint"] = str(write_checkpoint(run_dir, server_round, state_arrays, values,
+                                                         cfg.to_dict(), cfg.checkpoint_keep))
         return metrics
 
-    try:
-        strategy.start(grid=grid, initial_arrays=spec.initial_arrays(cfg), num_rounds=cfg.num_server_rounds,
-                       evaluate_fn=end_of_round)
-    except Exception as err:
-        reason = f"{type(err).__name__}: {err}"
-        LOGGER.error("run failed: %s", reason)
-        recorder.finish(status="failed", reason=reason)
-        raise
-    recorder.finish()
+    if first_round > cfg.num_server_rounds:
+        LOGGER.info("nothing to resume: %s already finished round %d", run_dir, first_round - 1)
+    else:
+        try:
+            strategy.start(grid=grid, initial_arrays=initial, num_rounds=cfg.num_server_rounds,
+                           evaluate_fn=end_of_round, first_round=first_round)
+            written.update(write_final(run_dir, cfg, strategy, cfg.num_server_rounds))
+        except Exception as err:
+            reason = f"{type(err).__name__}: {err}"
+            LOGGER.error("run failed: %s", reason)
+            recorder.finish(status="failed", reason=reason, files=written)
+            raise
+    recorder.finish(files=written)

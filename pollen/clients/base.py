@@ -23,6 +23,13 @@ from pollen.models import SplitModel, build_model, to_channels_last
 # bench/backbones.py and bench/results/backbones.md. The two small nets keep the default layout.
 SMALL_MODELS = frozenset({"cnn_mnist", "lenet"})
 
+@functools.lru_cache(maxsize=32)
+def _state_keys(name: str, num_classes: int, channels: int, size: int, width: float) -> tuple[str, ...]:
+    with torch.device("meta"):  # shapes and names only: no memory, no init
+        model = build_model(name, num_classes, in_channels=channels, image_size=size, width=width)
+    return tuple(model.state_dict().keys())
+
+
 if TYPE_CHECKING:  # the app layer builds these; clients only read them
     from pollen.app.config import NodeConfig, RunConfig
 
@@ -66,6 +73,12 @@ class PollenClient(NumPyClient):
     def model_name(self) -> str:
         """Node config beats run config beats the task's per-partition default."""
         return self.node.model or self.cfg.model or self.task.model_for(self.partition_id)
+
+    def state_keys(self) -> list[str]:
+        """Names of this client's model state in ``state_dict`` order (cached per architecture)."""
+        fmt = self.task.fmt
+        return list(_state_keys(self.model_name, self.task.num_classes, fmt.channels, fmt.size,
+                                self.cfg.width_for(self.model_name)))
 
     def new_model(self, init_seed: int | None = None, **kwargs) -> SplitModel:
         """A fresh model on this client's device; ``init_seed`` makes initial weights reproducible."""

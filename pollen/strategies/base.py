@@ -25,9 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 
 from pollen.protocol.records import ARRAYS, CONFIG, METRICS, record_bytes
 from pollen.protocol.screening import check_accuracy_keys, check_metrics, metric_bounds
@@ -297,3 +298,57 @@ class PollenStrategy(Strategy):
 
     def summary(self) -> None:
         LOGGER.info("%r", self)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """``(named arrays, JSON-able values)``: everything needed to continue after a restart.
+
+        Partition bindings are not kept: a restarted run's nodes have new node ids and bind anew.
+        """
+        version, internal, gauss = self.rng.getstate()
+        return {}, {"rng": [version, list(internal), gauss], "empty-rounds": self.empty_rounds}
+
+    def restore(self, arrays: dict[str, np.ndarray], values: dict[str, Any]) -> None:
+        version, internal, gauss = values["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.empty_rounds = int(values["empty-rounds"])
+
+    # ------------------------------------------------------------------ the round loop
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+              first_round: int = 1) -> Result:
+        """Flower's ``Strategy.start`` loop, able to continue from ``first_round`` (a resumed run).
+
+        Same order and ``Result`` as Flower's: ``evaluate_fn(0, initial_arrays)`` (fresh runs only), then
+        per round train → aggregate → evaluate → aggregate → ``evaluate_fn(round, arrays)``.
+        """
+        if not 1 <= first_round <= num_rounds:
+            raise ValueError(f"first_round must be in 1..{num_rounds}, got {first_round}")
+        result = Result()
+        arrays = initial_arrays
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        if evaluate_fn is not None and first_round == 1:
+            res = evaluate_fn(0, arrays)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+        for server_round in range(first_round, num_rounds + 1):
+            LOGGER.info("[ROUND %d/%d]", server_round, num_rounds)
+            replies = grid.send_and_receive(
+                messages=self.configure_train(server_round, arrays, train_config, grid), timeout=timeout)
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                result.arrays = arrays = new_arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[server_round] = train_metrics
+            replies = grid.send_and_receive(
+                messages=self.configure_evaluate(server_round, arrays, evaluate_config, grid), timeout=timeout)
+            eval_metrics = self.aggregate_evaluate(server_round, replies)
+            if eval_metrics is not None:
+                result.evaluate_metrics_clientapp[server_round] = eval_metrics
+            if evaluate_fn is not None:
+                res = evaluate_fn(server_round, arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[server_round] = res
+        return result

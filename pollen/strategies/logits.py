@@ -60,6 +60,26 @@ class LogitAveraging(PollenStrategy):
         return (f"LogitAveraging(num_public={self.num_public}, num_classes={self.num_classes}, "
                 f"average_weights={self.average_weights})")
 
+    def state(self) -> tuple[dict[str, np.ndarray], dict]:
+        """Consensus and averaged weights; contributors by partition (node ids change on restart)."""
+        arrays, values = super().state()
+        if self.consensus is not None:
+            arrays["consensus"] = self.consensus.copy()
+        if self.weights is not None:
+            arrays.update({f"model.{k}": a.numpy() for k, a in self.weights.items()})
+        values["contributor-partitions"] = sorted(self.partition_of[n] for n in self.contributors
+                                                  if n in self.partition_of)
+        values["contributors"] = len(self.contributors)
+        return arrays, values
+
+    def restore(self, arrays: dict[str, np.ndarray], values: dict) -> None:
+        super().restore(arrays, values)
+        self.consensus = arrays.get("consensus")
+        model = {k[len("model."):]: a for k, a in arrays.items() if k.startswith("model.")}
+        self.weights = array_record(model) if model else None
+        # Node ids are new after a restart: keep the count (it scales the consensus), not the ids.
+        self.contributors = set(range(-int(values["contributors"]), 0))
+
     def consensus_record(self) -> ArrayRecord:
         if self.consensus is None:
             return ArrayRecord()

@@ -107,6 +107,20 @@ class PrototypeStrategy(PollenStrategy):
         return (f"PrototypeStrategy(C={self.num_classes}, d={self.embed_dim}, weighting={self.weighting}, "
                 f"evaluate_every={self.evaluate_every})")
 
+    def state(self) -> tuple[dict[str, np.ndarray], dict]:
+        arrays, values = super().state()
+        arrays.update({"prototypes": self.protos.copy(), "present": self.present.astype(np.int64)})
+        values["margin"] = float(self.margin)
+        return arrays, values
+
+    def restore(self, arrays: dict[str, np.ndarray], values: dict) -> None:
+        super().restore(arrays, values)
+        if arrays["prototypes"].shape != self.protos.shape:
+            raise ValueError(f"checkpoint prototypes {arrays['prototypes'].shape} != {self.protos.shape}")
+        self.protos = arrays["prototypes"].astype(np.float32)
+        self.present = arrays["present"].astype(bool)
+        self.margin = float(values["margin"])
+
     def global_record(self) -> ArrayRecord:
         """What clients receive now: an empty record before the first aggregation."""
         if not self.present.any():

@@ -63,6 +63,17 @@ class WeightAveraging(PollenStrategy):
     def __repr__(self) -> str:
         return f"WeightAveraging(weighting={self.weighting}, proximal_mu={self.proximal_mu})"
 
+    def state(self) -> tuple[dict[str, np.ndarray], dict]:
+        arrays, values = super().state()
+        if self.current is not None:
+            arrays.update({f"model.{k}": a.numpy() for k, a in self.current.items()})
+        return arrays, values
+
+    def restore(self, arrays: dict[str, np.ndarray], values: dict) -> None:
+        super().restore(arrays, values)
+        model = {k[len("model."):]: a for k, a in arrays.items() if k.startswith("model.")}
+        self.current = array_record(model) if model else None
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         if len(arrays) == 0:

@@ -1,0 +1,146 @@
+"""What is kept: atomic checkpoints, refusal of corrupt ones, node state on disk, resume, final models.
+
+Runs use Pollen's real ServerApp ``main`` and real ClientApp, served in this process by the in-process
+grid (``tests/inprocess.py``); the same files are written under ``flwr run`` (see the e2e tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+
+from pollen.app.checkpoints import (CheckpointError, checkpoint_paths, latest_checkpoint, list_checkpoints,
+                                    load_records, save_records, write_checkpoint)
+from pollen.app.client_app import app as client_app
+from pollen.app.server_app import main as server_main
+from tests.inprocess import InProcessGrid, clientapp_node
+
+CONFIG = {"method": "fedavg"}
+
+
+def _arrays(seed):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.normal(size=(3, 2)).astype(np.float32), "n": np.array(seed, dtype=np.int64)}
+
+
+def test_checkpoints_keep_the_newest_and_round_trip(tmp_path):
+    for r in (1, 2, 3):
+        write_checkpoint(tmp_path, r, _arrays(r), {"rng": [3, [1, 2], None], "k": r}, CONFIG, keep=2)
+    assert list_checkpoints(tmp_path) == [2, 3]
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.round == 3 and ckpt.values["k"] == 3 and ckpt.config == CONFIG
+    np.testing.assert_array_equal(ckpt.arrays["w"], _arrays(3)["w"])
+    assert ckpt.arrays["n"].shape == () and ckpt.arrays["n"] == 3
+
+
+def test_a_truncated_checkpoint_is_refused_by_name_and_the_previous_one_used(tmp_path, caplog):
+    for r in (1, 2):
+        write_checkpoint(tmp_path, r, _arrays(r), {"k": r}, CONFIG, keep=2)
+    newest, _ = checkpoint_paths(tmp_path, 2)
+    newest.write_bytes(newest.read_bytes()[:40])
+    assert latest_checkpoint(tmp_path).round == 1
+    assert "round-0002.safetensors: content does not match its recorded SHA-256" in caplog.text
+    oldest, _ = checkpoint_paths(tmp_path, 1)
+    oldest.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no valid checkpoint .*round-0002.*round-0001"):
+        latest_checkpoint(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores folder permissions")
+def test_an_unwritable_folder_fails_naming_the_path_and_keeps_the_last_checkpoint(tmp_path):
+    write_checkpoint(tmp_path, 1, _arrays(1), {}, CONFIG, keep=2)
+    folder = tmp_path / "checkpoints"
+    folder.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        with pytest.raises(CheckpointError, match=str(folder)):
+            write_checkpoint(tmp_path, 2, _arrays(2), {}, CONFIG, keep=2)
+    finally:
+        folder.chmod(stat.S_IRWXU)
+    assert latest_checkpoint(tmp_path).round == 1
+
+
+def test_a_failing_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    """Disk full, simulated where the bytes hit the disk: the rename never happens."""
+    write_checkpoint(tmp_path, 1, _arrays(1), {}, CONFIG, keep=2)
+    before = checkpoint_paths(tmp_path, 1)[0].read_bytes()
+
+    def full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        write_checkpoint(tmp_path, 1, _arrays(9), {}, CONFIG, keep=2)
+    assert checkpoint_paths(tmp_path, 1)[0].read_bytes() == before
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
+
+
+def test_node_state_round_trips_through_disk(tmp_path):
+    from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+
+    state = RecordDict({"model": ArrayRecord({"w": Array(np.ones((2, 2), np.float32)),
+                                              "steps": Array(np.array(3))}),
+                        "small": ConfigRecord({"json": '{"history": [1, 2]}', "flag": True}),
+                        "m": MetricRecord({"x": 1.5})})
+    save_records(tmp_path, state)
+    again = RecordDict()
+    assert load_records(tmp_path, again)
+    assert again["model"]["steps"].numpy().shape == () and again["small"]["flag"] is True
+    np.testing.assert_array_equal(again["model"]["w"].numpy(), state["model"]["w"].numpy())
+    assert again["m"]["x"] == 1.5 and not load_records(tmp_path / "empty", RecordDict())
+
+
+# -- resume: an interrupted run continued to the end equals the uninterrupted run ----------------------
+def _run(run_config, out_dir, state_root, num_partitions=3):
+    grid = InProcessGrid({100 + p: clientapp_node(client_app, run_config, p, num_partitions,
+                                                  state_dir=str(state_root / f"p{p}"))
+                          for p in range(num_partitions)})
+    server_main(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(),
+                              run_config={**run_config, "out-dir": str(out_dir)}))
+    return Path(run_config["resume-from"]) if run_config.get("resume-from") else out_dir / "7"
+
+
+def _metrics(run_dir):
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in ("round", "fit", "evaluate", "fit-clients", "evaluate-clients")} for r in lines]
+
+
+@pytest.mark.parametrize("method, task, extra", [
+    ("fedavg", "uci-dirichlet", {}),
+    ("local", "uci-dirichlet", {}),
+    ("fedproto", "mnist-shot", {"shot-shots": 12, "shot-stdev": 1, "shot-test-per-class": 5}),
+    ("bd-fedproto", "mnist-shot", {"shot-shots": 12, "shot-stdev": 1, "shot-test-per-class": 5}),
+])
+def test_resumed_run_ends_with_the_metrics_of_an_uninterrupted_one(method, task, extra, tmp_path):
+    if task == "mnist-shot":
+        from tests.conftest import require_real_data
+
+        extra = {**extra, "data-root": require_real_data()}
+    base = {"method": method, "task": task, "seed": 3, "local-epochs": 1, **extra}
+    full = _run({**base, "num-server-rounds": 3}, tmp_path / "full", tmp_path / "full-nodes")
+    part = _run({**base, "num-server-rounds": 2}, tmp_path / "part", tmp_path / "part-nodes")
+    assert json.loads((part / "summary.json").read_text())["status"] == "completed"
+    resumed = _run({**base, "num-server-rounds": 3, "resume-from": str(part)}, tmp_path / "unused",
+                   tmp_path / "part-nodes")
+    assert resumed == part
+    assert _metrics(resumed) == _metrics(full)
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["rounds"] == 3 and summary["files"]["checkpoint"].endswith("round-0003.safetensors")
+    if method != "local":
+        assert (resumed / "final" / "global.safetensors").exists()
+    if method in ("local", "fedproto", "bd-fedproto"):
+        info = json.loads((tmp_path / "part-nodes" / "p0" / "final-model.json").read_text())
+        assert info["round"] == 3 and info["method"] == method and info["partition-id"] == 0
+
+
+def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path):
+    base = {"method": "fedavg", "task": "uci-dirichlet", "num-server-rounds": 1}
+    part = _run(base, tmp_path / "part", tmp_path / "nodes")
+    with pytest.raises(CheckpointError, match=r"differs in \['lr', 'method'\]"):
+        _run({**base, "method": "fedprox", "lr": 0.1, "num-server-rounds": 2, "resume-from": str(part)},
+             tmp_path / "x", tmp_path / "nodes")

@@ -10,9 +10,13 @@ Unlike simulation, every client is a real ``flower-supernode`` process with its 
    node key with ``flwr supernode register``,
 3. starts the SuperNodes and waits until all of them are online,
 4. submits the app with ``flwr run``, streams its log, reads the final status with ``flwr ls``,
-5. stops every process it started, by process group: after the run, on failure, on timeout, on
-   Ctrl-C and on SIGTERM,
-6. prints the status and wall times and writes them to ``<out-dir>/<run-id>/fleet.json``.
+5. watches the SuperLink throughout: if it dies, says so (``SuperLink (pid N) died with code X``) within
+   about a second and exits 3,
+6. stops every process it started (SuperLink, SuperNodes, ``flower-superexec``, ServerApp and ClientApp
+   processes, wherever they went: found by PID through the fleet's environment mark), after the run,
+   on failure, on timeout, on Ctrl-C and on SIGTERM, and checks by PID that none is left,
+7. prints the status (and a failed run's reason, from ``summary.json``) and wall times and writes them to
+   ``<out-dir>/<run-id>/fleet.json``.
 
 The exit code is 0 only for ``finished:completed``. Example (``make fleet`` wraps it)::
 
@@ -35,7 +39,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,12 +51,15 @@ from deploy import certs  # noqa: E402
 from pollen.app import launch  # noqa: E402
 from pollen.app.config import ConfigError, RunConfig, parse_run_config  # noqa: E402
 
+# The checkout holding the pollen package (None when Pollen is installed); the app to run is
+# launch.default_app_dir(): the current directory if it is a Flower app, else this checkout.
 PROJECT_ROOT = launch.PROJECT_ROOT
-DEFAULT_OUT_DIR = PROJECT_ROOT / "runs"
+DEFAULT_OUT_DIR = (PROJECT_ROOT or Path.cwd()) / "runs"
 
 # Exit codes besides 0 (completed) and 128 + signal number (interrupted).
 EXIT_NOT_COMPLETED = 1
 EXIT_USAGE = 2
+EXIT_SUPERLINK_DIED = launch.EXIT_SUPERLINK_DIED  # 3
 EXIT_TIMEOUT = 124
 # The last line of a Python traceback: "package.module.SomeError: message".
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): .+$", re.M)
@@ -204,6 +210,8 @@ class SuperNode:
     log_path: Path
     key: certs.NodeKey | None = None
     registered_id: int | None = None
+    stopped: bool = False  # stopped on purpose (fault injection), not a crash
+    death_reported: bool = False
 
     @property
     def pid(self) -> int:
@@ -218,6 +226,7 @@ class FleetReport:
     num_supernodes: int
     tls: bool
     status: str = "not started"
+    failure_reason: str | None = None
     run_id: int | None = None
     superlink_pid: int | None = None
     results_dir: str | None = None
@@ -227,6 +236,8 @@ class FleetReport:
     total_s: float | None = None
     nodes: list[dict[str, Any]] = field(default_factory=list)
     client_errors: dict[str, list[str]] = field(default_factory=dict)
+    processes: list[str] = field(default_factory=list)  # "name(pid)" of every process seen
+    leftover: list[int] = field(default_factory=list)  # PIDs alive after teardown (should be empty)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -238,6 +249,9 @@ class Fleet:
     Use as a context manager. With ``tls=True`` the SuperLink serves HTTPS with a fresh CA and
     authenticates SuperNodes: :meth:`add_supernode` writes each node's key pair and registers it
     (``register=False`` starts a node with a key the SuperLink has never seen, which it refuses).
+    Every process started carries the fleet's :class:`launch.ProcessTree` mark, so :meth:`close` stops
+    the whole tree by PID (also ServerApp/ClientApp processes in other sessions) and :attr:`leftover`
+    says what survived (nothing, normally). FLWR_HOME is ``<work_dir>/flwr-home``: private to the fleet.
     """
 
     def __init__(self, work_dir: Path, *, tls: bool = False, hosts: Sequence[str] = (), echo: bool = True):
@@ -254,6 +268,8 @@ class Fleet:
         self.superlink_proc: subprocess.Popen | None = None
         self.supernodes: list[SuperNode] = []
         self.teardown_s: float | None = None
+        self.tree = launch.ProcessTree("fleet")
+        self.leftover: list[int] = []
         self._stack = contextlib.ExitStack()
 
     # lifecycle ---------------------------------------------------------------------------------------
@@ -290,9 +306,7 @@ class Fleet:
                      "--ssl-keyfile", str(self.credentials.server_key), "--enable-supernode-auth"]
         self.connection, self.port, self.superlink_proc = self._stack.enter_context(
             launch.superlink(self.flwr_home, simulation=False, extra_args=extra, connection="fleet",
-                             root_certificates=root))
-        if self.tls:
-            launch.wait_healthy_tls(self.port, root, self.superlink_proc)
+                             root_certificates=root, tree=self.tree))
         mode = "TLS + SuperNode auth" if self.tls else "insecure"
         self._say(f"SuperLink {self.address} ({mode}) pid {self.superlink_proc.pid}, "
                   f"log {self.superlink_log}")
@@ -300,6 +314,19 @@ class Fleet:
     @property
     def superlink_log(self) -> Path:
         return self.flwr_home / f"superlink-{self.port}.log"
+
+    def check(self) -> None:
+        """Raise :class:`launch.SuperLinkDied` if the SuperLink has exited; report (once) each SuperNode
+        that died without being stopped on purpose. Called about once a second while waiting."""
+        if self.superlink_proc is not None and self.superlink_proc.poll() is not None:
+            raise launch.SuperLinkDied(self.superlink_proc, self.superlink_log)
+        for node in self.supernodes:
+            code = node.proc.poll() if node.proc is not None else None
+            if code is not None and not node.stopped and not node.death_reported:
+                node.death_reported = True
+                how = f"code {code}" if code >= 0 else f"code {code} ({launch._signal_name(-code)})"
+                print(f"[fleet] warning: {node.spec.name} (pid {node.pid}) died with {how}; the run goes on "
+                      "without it", file=sys.stderr, flush=True)
 
     def add_supernode(self, spec: NodeSpec, *, register: bool = True) -> SuperNode:
         """Start one SuperNode; with TLS, write its key pair and (unless ``register=False``) register it."""
@@ -314,7 +341,7 @@ class Fleet:
         log_path = self.log_dir / f"{spec.name}.log"
         proc = launch.start_supernode(self.flwr_home, self.address, log_path, node_config=spec.node_config,
                                       root_certificates=root, auth_private_key=key.private_key if key else None,
-                                      extra_env=spec.env)
+                                      extra_env=spec.env, tree=self.tree)
         self._stack.callback(launch.stop_process, proc)
         node = SuperNode(spec, proc, log_path, key, registered)
         self.supernodes.append(node)
@@ -326,18 +353,24 @@ class Fleet:
         """Wait until ``count`` (default: all started) SuperNodes are online."""
         count = len(self.supernodes) if count is None else count
         ids = launch.wait_for_supernodes(self.connection, self.flwr_home, count, timeout=timeout,
-                                         procs=[n.proc for n in self.supernodes])
+                                         procs=[n.proc for n in self.supernodes], watch=self.check)
         self._say(f"{len(ids)} SuperNodes online")
         return ids
 
     def run(self, run_config: Mapping[str, Any], *, timeout: float = 3600.0, echo: bool | None = None,
-            app_dir: Path = PROJECT_ROOT) -> launch.RunOutcome:
-        """``flwr run`` the app on this fleet and wait for its final status."""
+            app_dir: Path | None = None) -> launch.RunOutcome:
+        """``flwr run`` the app on this fleet and wait for its final status (and a failed run's reason,
+        from ``<out-dir>/<run-id>/summary.json``). Raises :class:`launch.SuperLinkDied` within about a
+        second of the SuperLink dying."""
+        app_dir = Path(app_dir) if app_dir is not None else launch.default_app_dir()
+        out_dir = str(run_config.get("out-dir") or "").strip()
         return launch.submit_and_wait(app_dir, self.connection, self.flwr_home, run_config=format_config(run_config),
-                                      timeout=timeout, echo=self.echo if echo is None else echo)
+                                      timeout=timeout, echo=self.echo if echo is None else echo,
+                                      out_dir=Path(out_dir) if out_dir else None, watch=self.check, tree=self.tree)
 
     def stop_supernode(self, node: SuperNode, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
         """Stop one SuperNode's process group now (fault injection); ``close`` skips it later."""
+        node.stopped = True
         with contextlib.suppress(ProcessLookupError):
             os.killpg(node.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -350,18 +383,22 @@ class Fleet:
         return groups + [n.pid for n in self.supernodes]
 
     def close(self) -> None:
-        """Stop SuperNodes, then the SuperLink (reverse start order); signals are held off meanwhile."""
+        """Stop SuperNodes, then the SuperLink (reverse start order), then whatever else of the fleet's
+        process tree is left; signals (and the timeout alarm) are held off meanwhile."""
         began = time.monotonic()
-        blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM}
-        in_main = threading.current_thread() is threading.main_thread()
-        if in_main:
-            old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
-        try:
-            self._stack.close()
-        finally:
-            self.teardown_s = round(time.monotonic() - began, 2)
-            if in_main:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        with launch.signals_held((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)):
+            try:
+                self._stack.close()
+            finally:
+                self.leftover = self.tree.terminate(grace=5.0)
+                self.teardown_s = round(time.monotonic() - began, 2)
+        if self.leftover:
+            print(f"[fleet] warning: still running after teardown: {self.tree.describe(self.leftover)}",
+                  file=sys.stderr, flush=True)
+
+    def processes(self) -> list[str]:
+        """``name(pid)`` of every process of the fleet seen so far."""
+        return [f"{name or '?'}({pid})" for pid, (_start, name) in sorted(self.tree.seen.items())]
 
     def client_errors(self) -> dict[str, list[str]]:
         """Exceptions raised by ClientApps, per SuperNode, from the SuperNode logs (distinct, in order).
@@ -494,9 +531,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--host only applies to the TLS server certificate: add --tls")
         if args.timeout <= 0:
             raise ConfigError(f"--timeout = {args.timeout} is invalid: expected seconds > 0")
-        if args.work_dir is not None and (args.work_dir.resolve() == PROJECT_ROOT
-                                          or PROJECT_ROOT in args.work_dir.resolve().parents):
-            raise ConfigError(f"--work-dir {args.work_dir} is inside the app directory {PROJECT_ROOT}: "
+        try:
+            app_dir = launch.default_app_dir()
+        except launch.LaunchConfigError as err:
+            raise ConfigError(str(err)) from err
+        if args.work_dir is not None and (args.work_dir.resolve() == app_dir
+                                          or app_dir in args.work_dir.resolve().parents):
+            raise ConfigError(f"--work-dir {args.work_dir} is inside the app directory {app_dir}: "
                               "`flwr run` would pack its files into the app; choose a folder outside it")
     except ConfigError as err:
         print(f"[fleet] error: {err}", file=sys.stderr)
@@ -515,12 +556,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         fleet.add_supernode(spec)
                     fleet.wait_for_nodes(timeout=min(300.0, args.timeout))
                     report.startup_s = round(time.monotonic() - started, 2)
-                    outcome = fleet.run(values, timeout=args.timeout, echo=not args.quiet)
+                    outcome = fleet.run(values, timeout=args.timeout, echo=not args.quiet, app_dir=app_dir)
                     report.run_id, report.status = outcome.run_id, outcome.status
+                    report.failure_reason = outcome.failure_reason
                     report.run_s = round(outcome.wall_time_s, 2)
                     code = 0 if outcome.completed else EXIT_NOT_COMPLETED
             except TimeoutError as err:  # the alarm, or a wait inside the fleet
                 report.status, code = f"timeout: {err}", EXIT_TIMEOUT
+            except launch.SuperLinkDied as err:
+                report.status, code = f"error: {err}", EXIT_SUPERLINK_DIED
+                print(f"[fleet] {err}", file=sys.stderr, flush=True)
             except FleetInterrupted as err:
                 report.status, code = str(err), 128 + err.signum
             except KeyboardInterrupt:
@@ -538,6 +583,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.nodes = [{"name": n.spec.name, "pid": n.pid, "node-config": n.spec.node_config, "gpu": n.spec.gpu,
                      "exit-code": n.proc.returncode} for n in fleet.supernodes]
     report.client_errors = fleet.client_errors()
+    report.processes, report.leftover = fleet.processes(), fleet.leftover
+    if report.leftover and code == 0:
+        code = EXIT_NOT_COMPLETED
     if report.run_id is not None:
         run_dir = Path(values["out-dir"]) / str(report.run_id)
         if run_dir.is_dir():
@@ -547,6 +595,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     left = groups_alive(fleet.process_groups())
     if left:
         print(f"[fleet] warning: process groups still alive after teardown: {left}", file=sys.stderr)
+    elif not fleet.leftover and report.processes:
+        print(f"[fleet] stopped the fleet's {len(report.processes)} processes: none left (checked by PID)",
+              flush=True)
     if code == 0 and not args.keep_logs and args.work_dir is None:
         shutil.rmtree(work_dir, ignore_errors=True)
     else:
@@ -560,6 +611,11 @@ def _print_report(report: FleetReport, fleet: Fleet, code: int) -> None:
 
     print(f"[fleet] {report.method} on {report.num_supernodes} SuperNodes "
           f"({'TLS + node auth' if report.tls else 'insecure'}): run {report.run_id}: {report.status}", flush=True)
+    if report.run_id is not None and code != 0 and report.status.startswith("finished:"):
+        verdict = report.status.split(":", 1)[1]
+        verdict = "failed" if verdict == "completed" else verdict  # summary.json says failed
+        print(f"[fleet] run {report.run_id} {verdict}: {report.failure_reason or 'no reason recorded'}",
+              file=sys.stderr, flush=True)
     print(f"[fleet] wall time: fleet up {secs(report.startup_s)} | run {secs(report.run_s)} | "
           f"teardown {secs(report.teardown_s)} | total {secs(report.total_s)}", flush=True)
     if report.results_dir:

@@ -25,7 +25,7 @@ from deploy.fleet import (EXIT_USAGE, Fleet, NodeSpec, SuperNode, compose_run_co
                           parse_config_string, plan_nodes)
 from pollen.app import launch
 from pollen.app.config import ConfigError
-from tests.conftest import PROJECT_ROOT
+from tests.conftest import PROJECT_ROOT, require_real_data
 
 
 # --- config plumbing (no processes) -------------------------------------------------------------------
@@ -148,7 +148,7 @@ class FleetCase:
 
     method: str
     run_config: dict = field(default_factory=dict)
-    needs_data: bool = False  # reads POLLEN_DATA_ROOT (skipped when unset)
+    needs_data: bool = False  # reads POLLEN_DATA_ROOT (skipped without MNIST/raw there)
 
 
 # One entry per method family (families land over time; see deploy/README.md, "Covered methods").
@@ -174,8 +174,8 @@ def _rounds_written(out_dir: Path) -> list[dict]:
 def test_method_on_fleet_survives_a_lost_node_and_reports_a_misconfigured_one(case, tmp_path):
     """Insecure fleet: 2 good SuperNodes + 1 started without partition-id; one good node is killed
     after round 1. The run must still complete, and the results must show both problems."""
-    if case.needs_data and not os.environ.get("POLLEN_DATA_ROOT"):
-        pytest.skip("POLLEN_DATA_ROOT unset: this method's task needs the real datasets")
+    if case.needs_data:
+        require_real_data()  # this method's task needs the real datasets
     out = tmp_path / "runs"
     values, cfg = compose_run_config(method=case.method, rounds=2, out_dir=out, data_root=None,
                                      user=format_config(case.run_config), num_supernodes=3)
@@ -249,8 +249,9 @@ def test_tls_fleet_with_node_auth_completes_through_the_cli(tmp_path):
 
 @pytest.mark.e2e
 def test_supernode_with_unregistered_key_is_refused(tmp_path):
-    """A node whose key was never registered gets no node id: it exits with Flower's activation error,
-    and the SuperLink lists only the registered node."""
+    """A node whose key was never registered gets no node id: it logs Flower's exit code 305 with the
+    activation error and exits with status 1 (Flower's flwr_exit maps every error code to status 1), and
+    the SuperLink lists only the registered node."""
     with Fleet(tmp_path / "work", tls=True, echo=False) as fleet:
         member = fleet.add_supernode(plan_nodes(1)[0])
         online = launch.wait_for_supernodes(fleet.connection, fleet.flwr_home, 1, timeout=120,
@@ -264,8 +265,8 @@ def test_supernode_with_unregistered_key_is_refused(tmp_path):
         listed = launch.list_supernodes(fleet.connection, fleet.flwr_home)
         log = intruder.log_path.read_text(errors="replace")
         groups = fleet.process_groups()
-    assert code != 0
-    assert "Failed to activate SuperNode" in log
+    assert code == 1, log[-2000:]
+    assert "Exit Code: 305" in log and "Failed to activate SuperNode" in log, log[-2000:]
     assert online == [str(member.registered_id)]
     assert [(n["node-id"], n["status"]) for n in listed] == [(str(member.registered_id), "online")]
     assert not groups_alive(groups)
@@ -299,6 +300,50 @@ def test_cli_tears_the_fleet_down_on_sigterm(tmp_path):
 
 
 @pytest.mark.e2e
+def test_cli_says_when_the_superlink_is_killed_and_leaves_nothing(tmp_path):
+    """SIGKILL of the SuperLink mid-run: within seconds the CLI names the dead SuperLink and its signal,
+    exits 3, and no process of the fleet (SuperNodes, superexec, ServerApp, ClientApps) is left, checked by
+    PID both through the fleet's process groups and through the test's own record of every process."""
+    from tests.test_launch import TreeWatcher
+
+    log_path = tmp_path / "cli.log"
+    with TreeWatcher() as watcher, log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.fleet", "--num-supernodes", "2", "--rounds", "50",
+             "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "runs")],
+            cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=watcher.env())
+        try:
+            deadline = time.monotonic() + 240
+            while "[pollen] method=" not in log_path.read_text() and proc.poll() is None:
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.3)
+            time.sleep(2.0)  # the run is under way
+            superlink_pid = int(re.search(r"^\[fleet\] SuperLink \S+ \(.*?\) pid (\d+)", log_path.read_text(),
+                                          flags=re.M).group(1))
+            os.kill(superlink_pid, signal.SIGKILL)
+            killed = time.monotonic()
+            said = f"SuperLink (pid {superlink_pid}) died with code -9 (SIGKILL)"
+            while said not in log_path.read_text() and proc.poll() is None and time.monotonic() < killed + 60:
+                time.sleep(0.1)
+            noticed_s = time.monotonic() - killed
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        deadline = time.monotonic() + 5
+        while watcher.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = watcher.alive()
+    text = log_path.read_text()
+    assert code == 3, text[-3000:]
+    assert said in text and noticed_s < 10, (noticed_s, text[-3000:])
+    assert "none left (checked by PID)" in text, text[-3000:]
+    assert not groups_alive(_pids_in(text))
+    assert left == [], left
+
+
+@pytest.mark.e2e
 def test_cli_timeout_stops_the_fleet(tmp_path):
     """`--timeout` holds even while the CLI is blocked on the log stream: exit 124, nothing left running."""
     proc = subprocess.run(
@@ -316,9 +361,7 @@ def test_logit_family_on_a_four_domain_fleet(tmp_path):
     """FCCL on a real fleet: four SuperNodes, one digit domain and one architecture each, 2 rounds.
 
     Its own test (not a FLEET_CASES entry) because the digits task is defined for exactly 4 clients."""
-    data_root = os.environ.get("POLLEN_DATA_ROOT", "")
-    if not data_root:
-        pytest.skip("POLLEN_DATA_ROOT unset: the digits-offline task needs MNIST")
+    data_root = require_real_data()  # the digits-offline task needs MNIST
     out = tmp_path / "runs"
     tiny = ("task='digits-offline' model-width=0.125 fccl-public='photo_patches' fccl-public-size=40 "
             "fccl-public-batch-size=20 fccl-train-sizes='24,24,24,24' fccl-solo-epochs=1 fccl-local-epochs='1' "

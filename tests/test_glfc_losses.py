@@ -120,3 +120,46 @@ def test_learning_rate_schedules():
     assert learning_rate("code", 2.0, round_in_task=0, epoch=3, global_round=10, **kw) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="schedule"):
         learning_rate("step", 1.0, round_in_task=0, epoch=0, global_round=0, **kw)
+
+
+def test_gc_weights_are_finite_and_exact_for_confident_logits():
+    """Issue 19: true-class logits >= ~17 made 1 - sigmoid(o) exactly 0 in float32, so a group's weights were
+    0/0 = NaN. With sigmoid(-o) (in log space) they are finite and equal the math, even past underflow."""
+    true = [20.0, 25.0, 30.0, 33.0, 40.0, 120.0]  # sigmoid(-120) underflows float32 to 0
+    labels = torch.tensor([0, 0, 1, 2, 3, 3])
+    logits = torch.zeros(6, 4, dtype=torch.float32)
+    logits[torch.arange(6), labels] = torch.tensor(true)
+    assert float((torch.sigmoid(logits[torch.arange(6), labels]) - 1).abs().max()) == 0.0  # the old cancellation
+    w = gc_weights(logits, labels, learned_classes=[0, 1])
+    assert w.dtype == torch.float32 and torch.isfinite(w).all()
+    # the math in float64 log space: g_i = sigmoid(-o_i); w_i = g_i / mean of its group (old: labels 0, 1)
+    log_g = [-math.log1p(math.exp(o)) if o < 30 else -o - math.log1p(math.exp(-o)) for o in true]
+
+    def group(idx):
+        top = max(log_g[i] for i in idx)
+        log_mean = top + math.log(sum(math.exp(log_g[i] - top) for i in idx) / len(idx))
+        return [math.exp(log_g[i] - log_mean) for i in idx]
+
+    expected = torch.tensor(group([0, 1, 2]) + group([3, 4, 5]), dtype=torch.float64)
+    assert torch.allclose(w.double(), expected, rtol=1e-5, atol=1e-30)
+    assert w[:3].double().mean() == pytest.approx(1.0, rel=1e-5) and w[3:].double().mean() == pytest.approx(1.0, rel=1e-5)
+    loss, parts = incremental_loss(logits, labels, learned_classes=[0, 1], old_logits=torch.zeros(6, 2))
+    assert math.isfinite(float(loss)) and set(parts) == {"gc", "rd"}
+
+
+def test_nan_guard_names_the_loss_term():
+    logits, labels = _batch()
+    old = torch.zeros(4, 1, dtype=torch.float64)
+    bad = logits.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"L_GC .*model's logits are not finite") as err:
+        incremental_loss(bad, labels, learned_classes=[0], old_logits=old)
+    assert "learning rate" not in str(err.value)
+    bad_old = old.clone()
+    bad_old[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"L_RD .*old model's logits are not finite"):
+        incremental_loss(logits, labels, learned_classes=[0], old_logits=bad_old)
+    with pytest.raises(FloatingPointError, match=r"BCE \(iCaRL distillation\)"):
+        incremental_loss(logits, labels, objective="icarl", old_logits=bad_old)
+    with pytest.raises(FloatingPointError, match=r"CE \(cross-entropy\)"):
+        incremental_loss(bad, labels, objective="ce")

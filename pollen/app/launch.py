@@ -1,36 +1,530 @@
 """Run Pollen under a SuperLink this process owns, and report whether the run really completed.
 
 ``flwr run`` exits 0 even when the ServerApp crashes, and its managed local SuperLink outlives the
-command. This launcher starts its own ``flower-superlink`` (simulation, or deployment for ``deploy/``),
-submits the app with ``flwr run``, streams the run's log, reads the final status with ``flwr ls`` and
-always stops every process it started, by PID. Used by ``make run``, the tests and the benchmarks::
+command. This launcher checks the run config against the app's keys before anything starts, starts its
+own ``flower-superlink`` (simulation, or deployment for ``deploy/``) with a private ``FLWR_HOME``,
+submits the app with ``flwr run``, streams the run's log, reads the final status with ``flwr ls`` (and
+the failure reason from ``<out-dir>/<run-id>/summary.json``) and always stops every process the launch
+started, by PID: the SuperLink, ``flower-superexec``, ``flwr-simulation``/``flwr-serverapp``/
+``flwr-clientapp`` and the run's private Ray instance. Used by ``make run``, the tests and the
+benchmarks::
 
     python -m pollen.app.launch --num-supernodes 5 --run-config "method='fedprox' num-server-rounds=3"
+
+Exit codes: 0 only for ``finished:completed``; 1 the run failed, was stopped or its status is unknown;
+2 bad options or run config (nothing was started); 3 the SuperLink died; 124 timeout; 128 + signal when
+interrupted (130 Ctrl-C, 143 SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import os
+import re
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+EXIT_COMPLETED = 0
+EXIT_NOT_COMPLETED = 1
+EXIT_USAGE = 2
+EXIT_SUPERLINK_DIED = 3
+EXIT_TIMEOUT = 124
+
+# Every process a launch starts carries this variable (the launch's token, ':'-joined when launches nest),
+# so its whole tree is found by PID even after a process left its parent's session or was re-parented.
+LAUNCH_MARK = "POLLEN_LAUNCH_ID"
 
 
-def flower_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for every Flower process: isolated home, offline, no per-run ``uv sync``."""
+class LaunchError(RuntimeError):
+    """The launch cannot go on (no app, a process failed to start); the message says why."""
+
+
+class LaunchConfigError(LaunchError, ValueError):
+    """Bad options or run config, found before anything was started."""
+
+
+class SuperLinkDied(LaunchError):
+    """The SuperLink process exited while the launch still needed it."""
+
+    def __init__(self, proc: subprocess.Popen, log_path: Path | None = None):
+        code = proc.returncode
+        how = f"code {code}" if code is None or code >= 0 else f"code {code} ({_signal_name(-code)})"
+        text = f"SuperLink (pid {proc.pid}) died with {how}"
+        if log_path is not None:
+            text += f"; its log: {log_path}"
+        super().__init__(text)
+        self.pid, self.returncode = proc.pid, code
+
+
+class LaunchInterrupted(Exception):
+    """SIGINT/SIGTERM/SIGHUP arrived: unwind so every process gets stopped, then exit 128 + signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {_signal_name(signum)}")
+        self.signum = signum
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+# --- the app: where it is, which run keys it declares ------------------------------------------------
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    with path.open("rb") as fh:
+        return tomllib.load(fh)
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested TOML tables as Flower flattens them: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def is_flower_app(path: Path) -> bool:
+    """Whether ``path`` holds a ``pyproject.toml`` with a ``[tool.flwr.app]`` table."""
+    try:
+        data = _load_toml(Path(path) / "pyproject.toml")
+    except (OSError, ValueError):
+        return False
+    return isinstance(data.get("tool", {}).get("flwr", {}).get("app"), Mapping)
+
+
+def package_checkout(module_file: str | Path = __file__) -> Path | None:
+    """The source checkout that holds this package (``<root>/pollen/app/launch.py``), if it is a Flower app.
+
+    ``None`` for an installed package: ``site-packages`` is not an app.
+    """
+    root = Path(module_file).resolve().parents[2]
+    return root if is_flower_app(root) else None
+
+
+# The checkout this module was imported from, or None when Pollen is installed (not a checkout).
+PROJECT_ROOT: Path | None = package_checkout()
+
+
+def default_app_dir(cwd: str | Path | None = None, module_file: str | Path = __file__) -> Path:
+    """The app to run when ``--app`` is not given: the current directory if it is a Flower app, else
+    the checkout containing the ``pollen`` package, else a :class:`LaunchConfigError` saying what to do."""
+    here = Path(cwd if cwd is not None else os.getcwd()).resolve()
+    if is_flower_app(here):
+        return here
+    checkout = package_checkout(module_file)
+    if checkout is not None:
+        return checkout
+    raise LaunchConfigError(
+        f"no Flower app to run: {here} has no pyproject.toml with a [tool.flwr.app] table, and the pollen "
+        f"package ({Path(module_file).resolve().parents[1]}) is installed, not inside a checkout; "
+        "run from the app directory or pass --app DIR")
+
+
+def app_run_config(app_dir: Path) -> dict[str, Any]:
+    """The app's run keys with their defaults (``[tool.flwr.app.config]``, flattened as Flower does)."""
+    path = Path(app_dir) / "pyproject.toml"
+    try:
+        data = _load_toml(path)
+    except OSError as err:
+        raise LaunchConfigError(f"--app {app_dir}: cannot read {path}: {err}") from err
+    except ValueError as err:
+        raise LaunchConfigError(f"--app {app_dir}: {path} is not valid TOML: {err}") from err
+    app = data.get("tool", {}).get("flwr", {}).get("app")
+    if not isinstance(app, Mapping):
+        raise LaunchConfigError(f"--app {app_dir}: {path} has no [tool.flwr.app] table; not a Flower app")
+    return _flatten(app.get("config") or {})
+
+
+# --- run config: parse like Flower, check keys, write back --------------------------------------------
+
+# Flower's own pattern (flwr.common.config.parse_config_args): key=(quoted string | non-space run).
+_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
+
+
+def parse_run_config(text: str) -> dict[str, Any]:
+    """``--run-config`` as ``flwr run`` reads it: ``k=v`` pairs (values TOML) or one ``.toml`` file.
+
+    Unlike Flower, text that is not a ``k=v`` pair is an error instead of being dropped silently.
+    """
+    text = (text or "").strip()
+    if not text:
+        return {}
+    if text.endswith(".toml") and "=" not in text:
+        path = Path(text).expanduser()
+        try:
+            return _flatten(_load_toml(path))
+        except OSError as err:
+            raise LaunchConfigError(f"--run-config file {path}: {err}") from err
+        except ValueError as err:
+            raise LaunchConfigError(f"--run-config file {path} is not valid TOML: {err}") from err
+    leftover = _PAIR.sub(" ", text).split()
+    if leftover:
+        raise LaunchConfigError(
+            f"--run-config {text!r}: cannot read {' '.join(leftover)!r}: expected space-separated key=value "
+            "pairs with quoted strings, e.g. \"method='fedprox' lr=0.1\"")
+    pairs = _PAIR.findall(text)
+    try:
+        return _flatten(tomllib.loads("\n".join(f"{k} = {v}" for k, v in pairs)))
+    except ValueError as err:
+        raise LaunchConfigError(
+            f"--run-config {text!r} could not be parsed ({err}): values must be TOML (numbers, true/false, "
+            "quoted strings), e.g. \"method='fedprox' lr=0.1\"") from err
+
+
+def check_run_config_keys(values: Mapping[str, Any], known: Mapping[str, Any], app_dir: Path) -> None:
+    """Refuse keys the app does not declare, naming each and suggesting close matches.
+
+    Flower refuses them too, but only after the SuperLink started, as "[code: 15] Invalid run
+    configuration" without the key.
+    """
+    unknown = [key for key in values if key not in known]
+    if not unknown:
+        return
+    names = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
+        names.append(f"'{key}'" + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""))
+    plural = "s" if len(unknown) > 1 else ""
+    raise LaunchConfigError(
+        f"unknown run config key{plural} {', '.join(names)}: the app at {app_dir} declares "
+        f"{len(known)} keys in [tool.flwr.app.config] of its pyproject.toml")
+
+
+def format_run_config(values: Mapping[str, Any]) -> str:
+    """``k=v`` pairs that :func:`parse_run_config` (and ``flwr run --run-config``) read back unchanged."""
+    parts = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif isinstance(value, str):
+            if any(c in value for c in "\n\r"):
+                raise LaunchConfigError(f"run config key '{key}' = {value!r}: expected a single-line string")
+            if "'" not in value:
+                text = f"'{value}'"  # TOML literal string: no escapes, so paths with backslashes survive
+            elif '"' not in value and "\\" not in value:
+                text = f'"{value}"'
+            else:
+                raise LaunchConfigError(f"run config key '{key}' = {value!r} holds a single quote and a double "
+                                        "quote or backslash, which Flower's parser cannot carry")
+        else:
+            raise LaunchConfigError(f"run config key '{key}' = {value!r}: expected a bool, number or string")
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+def default_out_dir() -> Path:
+    """Results root when neither ``--out-dir`` nor the run config's ``out-dir`` names one."""
+    return Path(os.environ.get("POLLEN_OUT_DIR") or "pollen-runs").expanduser().resolve()
+
+
+def compose_run_config(app_dir: Path, run_config: str | Mapping[str, Any] = "", *,
+                       out_dir: str | Path | None = None, data_root: str | Path | None = None
+                       ) -> tuple[dict[str, Any], Path | None]:
+    """The run config to submit, checked against the app's keys before anything starts.
+
+    ``out_dir``/``data_root`` become the ``out-dir``/``data-root`` run keys (absolute paths); giving a key
+    both ways with different values is an error. When the app has an ``out-dir`` key that ends up empty,
+    it is set to :func:`default_out_dir`: the ServerApp runs in the SuperLink's working directory (the
+    private FLWR_HOME, removed after the run), so a relative default would lose the results.
+    Returns the values and the results root (``None`` when the app has no ``out-dir`` key).
+    """
+    known = app_run_config(app_dir)
+    values = dict(run_config) if isinstance(run_config, Mapping) else parse_run_config(run_config)
+    check_run_config_keys(values, known, app_dir)
+    for key, option, given in (("out-dir", "--out-dir", out_dir), ("data-root", "--data-root", data_root)):
+        if given is None or given == "":
+            continue
+        if key not in known:
+            raise LaunchConfigError(f"{option}: the app at {app_dir} has no '{key}' run key")
+        path = str(Path(given).expanduser().resolve())
+        if key in values and str(values[key]) != path and str(values[key]) != str(given):
+            raise LaunchConfigError(f"run config key '{key}' given twice: {values[key]!r} in --run-config and "
+                                    f"{str(given)!r} as {option}")
+        values[key] = path
+    results = None
+    if "out-dir" in known:
+        current = str(values.get("out-dir", known["out-dir"]) or "").strip()
+        if not current:
+            values["out-dir"] = current = str(default_out_dir())
+        elif not Path(current).expanduser().is_absolute():
+            values["out-dir"] = current = str(Path(current).expanduser().resolve())
+        results = Path(current).expanduser()
+    return values, results
+
+
+# --- processes: environment, the launch's process tree, stopping everything --------------------------
+
+class ProcessTree:
+    """Every process one launch started, found by PID and stopped as a whole.
+
+    Members are the descendants of the registered roots (by parent PID) plus every process whose
+    environment carries this launch's :data:`LAUNCH_MARK` token: ``flwr-serverapp`` runs in its own
+    session and Ray daemons outlive their parent, so neither process groups nor parent links alone find
+    them. Each member is remembered with its start time, so a reused PID is never signalled. Linux reads
+    ``/proc``; elsewhere only the roots' process groups are known.
+    """
+
+    def __init__(self, label: str = "pollen"):
+        self.token = f"{label}-{os.getpid()}-{secrets.token_hex(6)}"
+        self.roots: list[int] = []
+        self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, name)
+        self._lock = threading.Lock()
+
+    def mark(self, env: dict[str, str]) -> dict[str, str]:
+        """Tag an environment for a process this launch starts (nested launches keep outer tokens)."""
+        outer = env.get(LAUNCH_MARK, "")
+        if self.token not in outer.split(":"):
+            env[LAUNCH_MARK] = f"{outer}:{self.token}" if outer else self.token
+        return env
+
+    def add_root(self, pid: int) -> None:
+        with self._lock:
+            if pid not in self.roots:
+                self.roots.append(pid)
+        info = _proc_stat(pid)
+        if info is not None:
+            self.seen.setdefault(pid, (info[3], ""))  # named later: it may not have exec'd yet
+
+    def members(self) -> dict[int, tuple[int, str]]:
+        """The launch's live processes now (zombies excluded): pid -> (start time, name)."""
+        table = _proc_table()
+        if table is None:  # no /proc: the roots whose group still answers
+            return {pid: self.seen.get(pid, (0, "?")) for pid in self.roots if _group_alive(pid)}
+        children: dict[int, list[int]] = {}
+        for pid, (_state, ppid, _pgrp, _start, _name) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        found: set[int] = set()
+        stack = [pid for pid in self.roots if pid in table]
+        while stack:
+            pid = stack.pop()
+            if pid in found:
+                continue
+            found.add(pid)
+            stack.extend(children.get(pid, ()))
+        needle = f"{self.token}".encode()
+        me = os.getpid()
+        for pid in table:
+            if pid in found or pid == me:
+                continue
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                continue
+            if needle in environ and LAUNCH_MARK.encode() in environ:
+                found.add(pid)
+        found.discard(me)
+        live = {}
+        for pid in found:
+            state, _ppid, _pgrp, start, name = table[pid]
+            if state in ("Z", "X"):
+                continue
+            live[pid] = (start, _display_name(pid, name))
+        with self._lock:
+            for pid, info in live.items():
+                if not self.seen.get(pid, (0, ""))[1]:
+                    self.seen[pid] = info
+        return live
+
+    def alive(self, pids: Sequence[int] | None = None) -> list[int]:
+        """Which of ``pids`` (default: every process seen) still run, as the same process (start time)."""
+        wanted = list(self.seen) if pids is None else list(pids)
+        out = []
+        for pid in wanted:
+            info = _proc_stat(pid)
+            if info is None:
+                if _proc_table() is None and _group_alive(pid):
+                    out.append(pid)
+                continue
+            state, _ppid, _pgrp, start, _name = info
+            known = self.seen.get(pid)
+            if state in ("Z", "X") or (known is not None and known[0] != start):
+                continue
+            out.append(pid)
+        return sorted(out)
+
+    def terminate(self, grace: float = 10.0) -> list[int]:
+        """Stop the whole tree: SIGTERM the roots' groups, then every member left, then SIGKILL.
+
+        Returns the PIDs still alive afterwards (empty when everything is gone). Signals are held off
+        meanwhile when called from the main thread, so a second Ctrl-C cannot cut the teardown short.
+        """
+        with signals_held():
+            before = self.members()
+            for pid in self.roots:
+                _signal_group(pid, signal.SIGTERM)
+            self._wait_gone(self.roots, grace)
+            for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+                live = set(self.members()) | set(self.alive(list(before)))
+                if not live:
+                    break
+                for pid in live:
+                    self._signal(pid, sig)
+                for pid in self.roots:
+                    _signal_group(pid, sig)
+                self._wait_gone(sorted(live), wait)
+            return sorted(set(self.members()) | set(self.alive()))
+
+    def _signal(self, pid: int, sig: int) -> None:
+        info = _proc_stat(pid)
+        known = self.seen.get(pid)
+        if info is not None and known is not None and known[0] != info[3]:
+            return  # the PID now belongs to another process
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+    def _wait_gone(self, pids: Sequence[int], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def describe(self, pids: Sequence[int] | None = None) -> str:
+        """``name(pid)`` for ``pids`` (default: every process seen), for messages."""
+        pids = sorted(self.seen) if pids is None else pids
+        return ", ".join(f"{self.seen.get(p, (0, '?'))[1] or '?'}({p})" for p in pids)
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int, int, str] | None:
+    """(state, ppid, pgrp, start time, comm) of a process from /proc, or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    head, _, rest = stat.rpartition(")")
+    fields = rest.split()
+    try:
+        return fields[0], int(fields[1]), int(fields[2]), int(fields[19]), head.partition("(")[2]
+    except (IndexError, ValueError):
+        return None
+
+
+def _proc_table() -> dict[int, tuple[str, int, int, int, str]] | None:
+    root = Path("/proc")
+    if not (root / "self" / "stat").exists():
+        return None
+    table = {}
+    for entry in root.iterdir():
+        if entry.name.isdigit():
+            info = _proc_stat(int(entry.name))
+            if info is not None:
+                table[int(entry.name)] = info
+    return table
+
+
+def _display_name(pid: int, comm: str) -> str:
+    """A readable process name: the console script for Python processes (``flwr-simulation``), else comm."""
+    try:
+        argv = [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return comm
+    if not argv:
+        return comm
+    first = os.path.basename(argv[0].decode(errors="replace"))
+    if first.startswith("python"):
+        rest = iter(a.decode(errors="replace") for a in argv[1:])
+        for arg in rest:
+            if arg == "-m":
+                return next(rest, first)
+            if not arg.startswith("-"):
+                return os.path.basename(arg)
+    return first.split()[0] if first else comm
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+@contextlib.contextmanager
+def signals_held(signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """Hold ``signals`` (default SIGINT/SIGTERM/SIGHUP) off while a teardown runs (main thread only; nests).
+
+    A signal arriving meanwhile is recorded and re-raised once the block ends, so it reaches whatever
+    handler was installed before (e.g. :func:`signals_raise`) only after every process was stopped; a
+    second Ctrl-C cannot leave half a tree running. (Masking the signal would not do: Python runs its
+    handlers in the main thread even when another thread, e.g. a log reader, took the signal.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def record(signum, _frame):
+        pending.append(signum)
+
+    previous = {}
+    for s in signals:
+        with contextlib.suppress(ValueError, OSError):
+            previous[s] = signal.signal(s, record)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if pending:
+            signal.raise_signal(pending[0])
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raise :class:`LaunchInterrupted` in the main thread, so ``finally``
+    blocks stop every process; the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum, _frame):
+        raise LaunchInterrupted(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def flower_env(flwr_home: Path, *, tree: ProcessTree | None = None, ray_address: str = "local") -> dict[str, str]:
+    """Environment for every Flower process: isolated home, offline, no per-run ``uv sync``, and Ray told
+    where to go (``local``: start a private instance, never attach to a cluster recorded on the machine)."""
     env = dict(os.environ)
     bin_dir = str(Path(sys.executable).parent)
     env.update({
@@ -40,12 +534,17 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "RAY_DEDUP_LOGS": "0",
         "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+        "RAY_ADDRESS": ray_address or "local",
         "PATH": bin_dir + os.pathsep + env.get("PATH", ""),
     })
+    if tree is not None:
+        tree.mark(env)
     return env
 
 
 def free_port() -> int:
+    """A port free right now (the OS picks it). Another process may take it before it is used: callers
+    that start a server on it retry with a fresh one when the server cannot bind (see :func:`superlink`)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -81,11 +580,11 @@ def write_connection(flwr_home: Path, name: str, address: str, *, root_certifica
     path.write_text("\n".join(f"{key}\n" + "\n".join(sections[key]) + "\n" for key in ordered))
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0, log_path: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited early with code {proc.returncode}")
+            raise SuperLinkDied(proc, log_path)
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -95,7 +594,7 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> No
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the process group (the SuperLink and what it spawned), then SIGKILL stragglers."""
+    """SIGTERM the process group (the process and what it spawned), then SIGKILL stragglers."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -109,35 +608,69 @@ def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
         proc.wait(timeout=5)
 
 
+def _port_taken(log_path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        text = log_path.read_text(errors="replace").lower()
+        return "address already in use" in text or "errno 98" in text or "port is already" in text
+    return False
+
+
 @contextlib.contextmanager
 def superlink(flwr_home: Path, *, simulation: bool, port: int | None = None,
               extra_args: Sequence[str] = (), connection: str = "pollen",
-              root_certificates: str | None = None) -> Iterator[tuple[str, int, subprocess.Popen]]:
-    """A SuperLink owned by the caller; yields (connection name, port, process) and stops it after."""
+              root_certificates: str | None = None, tree: ProcessTree | None = None,
+              ray_address: str = "local") -> Iterator[tuple[str, int, subprocess.Popen]]:
+    """A SuperLink owned by the caller; yields (connection name, port, process) and stops it after.
+
+    Started in its own process group from a neutral working directory (``flwr_home``). With ``tree``
+    the caller stops the whole tree (:meth:`ProcessTree.terminate`); without, this does it on exit.
+    A free port taken by someone else between choosing and binding is retried with another.
+    """
     flwr_home = flwr_home.resolve()
-    port = port or free_port()
-    env = flower_env(flwr_home)
-    write_connection(flwr_home, connection, f"127.0.0.1:{port}", root_certificates=root_certificates)
-    args = [flower_bin("flower-superlink"), "--port", str(port), "--disable-runtime-dependency-installation"]
-    if root_certificates is None and "--ssl-certfile" not in extra_args:
-        args.append("--insecure")
-    if simulation:
-        args.append("--simulation")
-    args.extend(extra_args)
-    log_path = flwr_home / f"superlink-{port}.log"
-    with log_path.open("w") as log:
-        # A neutral cwd: Ray workers get the SuperLink's cwd on sys.path (FLOWER.md, traps).
-        proc = subprocess.Popen(args, cwd=flwr_home, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    own_tree = tree is None
+    tree = tree or ProcessTree()
+    env = flower_env(flwr_home, tree=tree, ray_address=ray_address)
+    proc = None
+    chosen = port
     try:
-        if root_certificates is None:
-            wait_healthy(port, proc)
-        else:
-            wait_healthy_tls(port, root_certificates, proc)
-        yield connection, port, proc
+        for attempt in range(5):
+            chosen = port or free_port()
+            write_connection(flwr_home, connection, f"127.0.0.1:{chosen}", root_certificates=root_certificates)
+            args = [flower_bin("flower-superlink"), "--port", str(chosen), "--disable-runtime-dependency-installation"]
+            if root_certificates is None and "--ssl-certfile" not in extra_args:
+                args.append("--insecure")
+            if simulation:
+                args.append("--simulation")
+            args.extend(extra_args)
+            log_path = flwr_home / f"superlink-{chosen}.log"
+            with log_path.open("w") as log:
+                # A neutral cwd: Ray workers get the SuperLink's cwd on sys.path (FLOWER.md, traps).
+                proc = subprocess.Popen(args, cwd=flwr_home, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            tree.add_root(proc.pid)
+            try:
+                if root_certificates is None:
+                    wait_healthy(chosen, proc, log_path=log_path)
+                else:
+                    wait_healthy_tls(chosen, root_certificates, proc, log_path=log_path)
+                break
+            except SuperLinkDied:
+                if port is None and attempt < 4 and _port_taken(log_path):
+                    continue  # lost the race for the free port: try another one
+                raise
+        assert proc is not None and chosen is not None
+        yield connection, chosen, proc
     finally:
-        stop_process(proc)
-        stop_orphaned_apps(port)
+        with signals_held():
+            if proc is not None:
+                stop_process(proc)
+            if own_tree:
+                left = tree.terminate()
+                if left:
+                    print(f"[pollen] warning: still running after teardown: {tree.describe(left)}",
+                          file=sys.stderr, flush=True)
+            if chosen is not None:
+                stop_orphaned_apps(chosen)
 
 
 def stop_orphaned_apps(port: int) -> list[int]:
@@ -145,7 +678,7 @@ def stop_orphaned_apps(port: int) -> list[int]:
 
     ``flwr-serverapp`` runs in its own session, so stopping the SuperLink's process group misses it;
     a run interrupted mid-flight (timeout, Ctrl-C) otherwise leaves it waiting forever. Linux only
-    (reads /proc); elsewhere nothing is done.
+    (reads /proc); elsewhere nothing is done. (:class:`ProcessTree` finds these too, by their mark.)
     """
     needle = f"127.0.0.1:{port}".encode()
     killed = []
@@ -161,24 +694,56 @@ def stop_orphaned_apps(port: int) -> list[int]:
     return killed
 
 
+# --- one run: submit, stream, status, reason -----------------------------------------------------------
+
 @dataclass
 class RunOutcome:
     run_id: int
     status: str
     wall_time_s: float
     log: str
+    summary: dict[str, Any] | None = None  # <out-dir>/<run-id>/summary.json, when the app wrote one
+    failure_reason: str | None = None
+    results_dir: Path | None = None
+    processes: list[str] = field(default_factory=list)  # "name(pid)" of every process the launch saw
+    leftover: list[int] = field(default_factory=list)  # PIDs still alive after teardown (should be empty)
 
     @property
     def completed(self) -> bool:
-        return self.status == "finished:completed"
+        if self.status != "finished:completed":
+            return False
+        return self.summary is None or self.summary.get("status", "completed") == "completed"
+
+    @property
+    def verdict(self) -> str:
+        """``completed``, ``failed``, ``stopped``... (the part after ``finished:``), or the raw status."""
+        if self.status == "finished:completed" and not self.completed:
+            return "failed"
+        return self.status.split(":", 1)[1] if self.status.startswith("finished:") else self.status
 
 
-def _flwr(args: Sequence[str], env: dict[str, str], timeout: float, cwd: Path | None = None) -> str:
-    proc = subprocess.run([flower_bin("flwr"), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+def _flwr(args: Sequence[str], env: dict[str, str], timeout: float, cwd: Path | None = None,
+          watch: Callable[[], None] | None = None) -> str:
+    """One ``flwr`` CLI call; ``watch`` runs every half second meanwhile (it raises to abandon the call)."""
+    proc = subprocess.Popen([flower_bin("flwr"), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                stdout, stderr = proc.communicate(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if watch is not None:
+                    watch()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"flwr {' '.join(args)} did not answer within {timeout:.0f}s") from None
+    finally:
+        if proc.poll() is None:
+            stop_process(proc, grace=1.0)
     if proc.returncode != 0:
-        raise RuntimeError(f"flwr {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc.stdout
+        raise RuntimeError(f"flwr {' '.join(args)} failed ({proc.returncode}):\n{stdout}\n{stderr}")
+    return stdout
 
 
 def _json_tail(text: str) -> dict:
@@ -188,35 +753,71 @@ def _json_tail(text: str) -> dict:
     return json.loads(text[start:])
 
 
+# The last line of a Python traceback: "package.module.SomeError: message".
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): .+$", re.M)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def read_summary(out_dir: Path | None, run_id: int) -> dict[str, Any] | None:
+    if out_dir is None:
+        return None
+    path = Path(out_dir) / str(run_id) / "summary.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def failure_reason(summary: Mapping[str, Any] | None, details: str, log: str) -> str | None:
+    """Why a run did not complete: the ServerApp's own ``failure-reason`` in summary.json, else Flower's
+    status details, else the last exception line of the run's log."""
+    if summary and summary.get("failure-reason"):
+        return str(summary["failure-reason"])
+    if details and details.strip():
+        return details.strip()
+    found = _EXCEPTION_LINE.findall(_ANSI.sub("", log))
+    return found[-1].strip() if found else None
+
+
 def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_config: str = "",
-                    federation_config: str = "", timeout: float = 3600.0, echo: bool = True) -> RunOutcome:
-    """``flwr run`` + stream the log until the run ends + read its final status."""
-    env = flower_env(flwr_home.resolve())
+                    federation_config: str = "", timeout: float = 3600.0, echo: bool = True,
+                    out_dir: Path | None = None, watch: Callable[[], None] | None = None,
+                    tree: ProcessTree | None = None) -> RunOutcome:
+    """``flwr run`` + stream the log until the run ends + read its final status (and, with ``out_dir``,
+    the run's summary.json and failure reason).
+
+    ``watch`` is called about once a second throughout (e.g. to notice a dead SuperLink); whatever it
+    raises ends the wait. A run still going at ``timeout`` is stopped and :class:`TimeoutError` raised.
+    """
+    env = flower_env(flwr_home.resolve(), tree=tree)
     started = time.monotonic()
+    deadline = started + timeout
     args = ["run", str(app_dir), connection, "--format", "json"]
     if run_config:
         args += ["--run-config", run_config]
     if federation_config:
         args += ["--federation-config", federation_config]
-    out = _json_tail(_flwr(args, env, timeout=300))
+    out = _json_tail(_flwr(args, env, timeout=min(300.0, timeout), watch=watch))
     if not out.get("success", True) or "run-id" not in out:
         raise RuntimeError(f"flwr run did not start a run: {out}")
     run_id = int(out["run-id"])
     lines: list[str] = []
     stream = subprocess.Popen([flower_bin("flwr"), "log", str(run_id), connection, "--stream"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    status = "unknown"
+    status, details = "unknown", ""
     # A reader thread, so a run that hangs silently (e.g. waiting for clients) still hits the deadline.
     queue: "Queue[str | None]" = Queue()
     reader = threading.Thread(target=_pump_lines, args=(stream, queue), daemon=True)
     reader.start()
     try:
-        deadline = started + timeout
         while True:
+            if watch is not None:
+                watch()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 with contextlib.suppress(Exception):
-                    _flwr(["stop", str(run_id), connection], env, timeout=60)
+                    _flwr(["stop", str(run_id), connection], env, timeout=30, watch=watch)
                 raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f}s (stopped it)")
             try:
                 line = queue.get(timeout=min(remaining, 1.0))
@@ -230,13 +831,21 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
                 sys.stdout.flush()
         # The stream can end a moment before the status is final; poll briefly.
         for _ in range(60):
-            status = run_status(run_id, connection, env)
+            if watch is not None:
+                watch()
+            status, details = run_status_details(run_id, connection, env, watch=watch)
             if status.startswith("finished"):
                 break
             time.sleep(1.0)
     finally:
         stop_process(stream, grace=2.0)
-    return RunOutcome(run_id, status, time.monotonic() - started, "".join(lines))
+    log = "".join(lines)
+    summary = read_summary(out_dir, run_id)
+    outcome = RunOutcome(run_id, status, time.monotonic() - started, log, summary=summary,
+                         results_dir=(Path(out_dir) / str(run_id)) if out_dir is not None else None)
+    if not outcome.completed:
+        outcome.failure_reason = failure_reason(summary, details, log)
+    return outcome
 
 
 def _pump_lines(proc: subprocess.Popen, queue: "Queue[str | None]") -> None:
@@ -246,53 +855,233 @@ def _pump_lines(proc: subprocess.Popen, queue: "Queue[str | None]") -> None:
     queue.put(None)
 
 
-def run_status(run_id: int, connection: str, env: dict[str, str]) -> str:
-    out = _json_tail(_flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env, timeout=60))
+def run_status_details(run_id: int, connection: str, env: dict[str, str],
+                       watch: Callable[[], None] | None = None) -> tuple[str, str]:
+    """(status, status details) of a run, from ``flwr ls``."""
+    out = _json_tail(_flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env, timeout=60,
+                           watch=watch))
     runs = out.get("runs") or []
     if not runs:
-        return "unknown"
-    run = runs[0]
-    status = run.get("status", "unknown")
-    return status
+        return "unknown", ""
+    return str(runs[0].get("status", "unknown")), str(runs[0].get("status-details") or "")
 
 
-def simulate(*, app_dir: Path = PROJECT_ROOT, flwr_home: Path | None = None, num_supernodes: int = 5,
-             cpus_per_client: int = 1, gpus_per_client: float = 0.0, run_config: str = "",
-             timeout: float = 3600.0, echo: bool = True) -> RunOutcome:
-    """One simulation run on a fresh, owned SuperLink."""
-    flwr_home = (flwr_home or app_dir / ".flwr-home").resolve()
+def run_status(run_id: int, connection: str, env: dict[str, str]) -> str:
+    return run_status_details(run_id, connection, env)[0]
+
+
+def superlink_watch(proc: subprocess.Popen, log_path: Path | None = None) -> Callable[[], None]:
+    """A ``watch`` for :func:`submit_and_wait`: raises :class:`SuperLinkDied` once ``proc`` has exited."""
+    def check() -> None:
+        if proc.poll() is not None:
+            raise SuperLinkDied(proc, log_path)
+    return check
+
+
+def _tree_watch(tree: ProcessTree, proc: subprocess.Popen, log_path: Path | None,
+                every: float = 5.0) -> Callable[[], None]:
+    """:func:`superlink_watch` that also records the tree's members every ``every`` seconds (for the
+    report of what was stopped; the teardown finds every member again by itself)."""
+    check = superlink_watch(proc, log_path)
+    last = [0.0]
+
+    def watch() -> None:
+        check()
+        now = time.monotonic()
+        if now - last[0] >= every:
+            last[0] = now
+            tree.members()
+    return watch
+
+
+def ray_line(ray_address: str | None) -> str:
+    if ray_address and ray_address != "local":
+        return f"[pollen] Ray: attaching to the cluster at {ray_address} (--ray-address)"
+    inherited = os.environ.get("RAY_ADDRESS", "")
+    note = f"; RAY_ADDRESS={inherited} from the environment ignored" if inherited and inherited != "local" else ""
+    return ("[pollen] Ray: a private local instance for this run (RAY_ADDRESS=local, never a cluster recorded "
+            f"on this machine); pass --ray-address ADDR to attach to a cluster{note}")
+
+
+def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_supernodes: int = 5,
+             cpus_per_client: int = 1, gpus_per_client: float = 0.0,
+             run_config: str | Mapping[str, Any] = "", timeout: float = 3600.0, echo: bool = True,
+             out_dir: str | Path | None = None, data_root: str | Path | None = None,
+             ray_address: str | None = None) -> RunOutcome:
+    """One simulation run on a fresh, owned SuperLink, its whole process tree stopped afterwards.
+
+    The run config is checked against the app's keys first (:class:`LaunchConfigError`, nothing
+    started). ``flwr_home`` defaults to a private temporary folder, removed at the end; a given one is
+    kept. ``ray_address`` ``None``/``"local"`` starts a private Ray instance, anything else attaches to
+    that cluster. Raises :class:`TimeoutError`, :class:`SuperLinkDied` or :class:`LaunchInterrupted`
+    (under :func:`signals_raise`) after stopping everything.
+    """
+    app_dir = (Path(app_dir) if app_dir is not None else default_app_dir()).resolve()
+    values, results_root = compose_run_config(app_dir, run_config, out_dir=out_dir, data_root=data_root)
     fed = (f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client} "
            f"client-resources-num-gpus={gpus_per_client}")
-    with superlink(flwr_home, simulation=True) as (conn, _port, _proc):
-        return submit_and_wait(app_dir, conn, flwr_home, run_config=run_config, federation_config=fed,
-                               timeout=timeout, echo=echo)
+    ray_address = ray_address or "local"
+    private_home = flwr_home is None
+    home = Path(tempfile.mkdtemp(prefix="pollen-flwr-")) if private_home else Path(flwr_home)
+    home = home.resolve()
+    tree = ProcessTree()
+    outcome: RunOutcome | None = None
+    if echo:
+        print(ray_line(ray_address), flush=True)
+        print(f"[pollen] FLWR_HOME {home}" + (" (private, removed at the end)" if private_home else ""), flush=True)
+    try:
+        try:
+            with superlink(home, simulation=True, tree=tree, ray_address=ray_address) as (conn, port, proc):
+                log_path = home / f"superlink-{port}.log"
+                outcome = submit_and_wait(app_dir, conn, home, run_config=format_run_config(values),
+                                          federation_config=fed, timeout=timeout, echo=echo,
+                                          out_dir=results_root, watch=_tree_watch(tree, proc, log_path), tree=tree)
+                if not outcome.completed and outcome.failure_reason is None:
+                    outcome.failure_reason = failure_reason(None, "", log_path.read_text(errors="replace"))
+        finally:
+            left = tree.terminate()
+            if outcome is not None:
+                outcome.processes = [f"{name or '?'}({pid})" for pid, (_s, name) in sorted(tree.seen.items())]
+                outcome.leftover = left
+            if left:
+                print(f"[pollen] warning: still running after teardown: {tree.describe(left)}",
+                      file=sys.stderr, flush=True)
+    finally:
+        if private_home:
+            shutil.rmtree(home, ignore_errors=True)
+    return outcome
+
+
+# --- command line --------------------------------------------------------------------------------------
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown for every option that has one (``None``/``False`` defaults are described in words)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _catalog() -> str:
+    """Registered methods and tasks, for ``--help``; never fails (it imports torch, so only for help)."""
+    lines = []
+    try:
+        from pollen.app.registry import METHODS
+
+        lines.append("methods: " + ", ".join(sorted(METHODS)))
+    except Exception as err:  # noqa: BLE001 - help must print whatever is broken
+        lines.append(f"methods: (not listed: {type(err).__name__}: {err})")
+    try:
+        from pollen.datasets.tasks import TASKS
+
+        lines.append("tasks: " + ", ".join(sorted(TASKS)))
+    except Exception as err:  # noqa: BLE001
+        lines.append(f"tasks: (not listed: {type(err).__name__}: {err})")
+    return "\n".join(lines)
+
+
+def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
+    epilog = ("exit codes: 0 finished:completed; 1 run failed/stopped/unknown; 2 bad options or run config "
+              "(nothing started); 3 SuperLink died; 124 timeout; 130/143 interrupted (Ctrl-C/SIGTERM)")
+    if catalog:
+        epilog = _catalog() + "\n\n" + epilog
+    parser = argparse.ArgumentParser(prog="python -m pollen.app.launch", description=__doc__.split("\n\n")[0],
+                                     epilog=epilog, formatter_class=_HelpFormatter)
+    parser.add_argument("--app", type=Path, default=None,
+                        help="Flower app directory (default: the current directory if its pyproject.toml has "
+                             "[tool.flwr.app], else the checkout holding the pollen package)")
+    parser.add_argument("--flwr-home", type=Path, default=None,
+                        help="FLWR_HOME to use and keep (default: a private temporary folder, removed at the end)")
+    parser.add_argument("--num-supernodes", type=int, default=5, help="simulated SuperNodes (clients)")
+    parser.add_argument("--cpus-per-client", type=int, default=1, help="CPUs Ray reserves per ClientApp")
+    parser.add_argument("--gpus-per-client", type=float, default=0.0,
+                        help="GPU fraction per ClientApp, e.g. 0.25 packs 4 clients on one GPU")
+    parser.add_argument("--run-config", default="",
+                        help="run keys of [tool.flwr.app.config], e.g. \"method='fedprox' num-server-rounds=3\" "
+                             "(or one .toml file); unknown keys are refused before anything starts")
+    parser.add_argument("--out-dir", default=None,
+                        help="results root, the 'out-dir' run key; results land in OUT_DIR/<run-id>/ (default: the "
+                             "run config's out-dir, else $POLLEN_OUT_DIR, else ./pollen-runs)")
+    parser.add_argument("--data-root", default=None,
+                        help="dataset root, the 'data-root' run key (default: the run config's, else "
+                             "$POLLEN_DATA_ROOT as the app reads it)")
+    parser.add_argument("--ray-address", default=None,
+                        help="attach the simulation to this Ray cluster (default: start a private local Ray, "
+                             "RAY_ADDRESS=local, ignoring any cluster recorded on this machine)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped (exit 124)")
+    parser.add_argument("--quiet", action="store_true", help="do not stream the run's log")
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--app", type=Path, default=PROJECT_ROOT, help="Flower app directory")
-    parser.add_argument("--flwr-home", type=Path, default=None, help="FLWR_HOME (default: <app>/.flwr-home)")
-    parser.add_argument("--num-supernodes", type=int, default=5)
-    parser.add_argument("--cpus-per-client", type=int, default=1)
-    parser.add_argument("--gpus-per-client", type=float, default=0.0,
-                        help="GPU fraction per ClientApp, e.g. 0.25 packs 4 clients on one GPU")
-    parser.add_argument("--run-config", default="", help='overrides, e.g. "method=\'fedprox\' num-server-rounds=3"')
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is abandoned")
-    args = parser.parse_args(argv)
-    outcome = simulate(app_dir=args.app, flwr_home=args.flwr_home, num_supernodes=args.num_supernodes,
-                       cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
-                       run_config=args.run_config, timeout=args.timeout)
-    print(f"[pollen] run {outcome.run_id}: {outcome.status} in {outcome.wall_time_s:.1f}s", flush=True)
-    return 0 if outcome.completed else 1
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    args = build_parser(catalog=wants_help).parse_args(argv)
+    try:
+        if args.num_supernodes < 1:
+            raise LaunchConfigError(f"--num-supernodes {args.num_supernodes}: expected at least 1")
+        if args.cpus_per_client < 1:
+            raise LaunchConfigError(f"--cpus-per-client {args.cpus_per_client}: expected at least 1")
+        if not 0.0 <= args.gpus_per_client:
+            raise LaunchConfigError(f"--gpus-per-client {args.gpus_per_client}: expected >= 0")
+        if not args.timeout > 0:
+            raise LaunchConfigError(f"--timeout {args.timeout}: expected seconds > 0")
+        app_dir = args.app.resolve() if args.app is not None else default_app_dir()
+        if not is_flower_app(app_dir):
+            raise LaunchConfigError(f"--app {args.app}: {app_dir} has no pyproject.toml with [tool.flwr.app]")
+        values, _ = compose_run_config(app_dir, args.run_config, out_dir=args.out_dir, data_root=args.data_root)
+    except LaunchConfigError as err:
+        print(f"[pollen] error: {err}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
 
+    started = time.monotonic()
+    outcome = None
+    with signals_raise():
+        try:
+            outcome = simulate(app_dir=app_dir, flwr_home=args.flwr_home, num_supernodes=args.num_supernodes,
+                               cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
+                               run_config=values, timeout=args.timeout, echo=not args.quiet,
+                               ray_address=args.ray_address)
+        except LaunchInterrupted as err:
+            print(f"[pollen] {err}: stopped every process of the run after {time.monotonic() - started:.1f}s",
+                  file=sys.stderr, flush=True)
+            return 128 + err.signum
+        except TimeoutError as err:
+            print(f"[pollen] timeout: {err}", file=sys.stderr, flush=True)
+            return EXIT_TIMEOUT
+        except SuperLinkDied as err:
+            print(f"[pollen] error: {err}", file=sys.stderr, flush=True)
+            return EXIT_SUPERLINK_DIED
+        except LaunchConfigError as err:
+            print(f"[pollen] error: {err}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        except (RuntimeError, OSError) as err:
+            print(f"[pollen] error: {err}", file=sys.stderr, flush=True)
+            return EXIT_NOT_COMPLETED
+    results = f"; results {outcome.results_dir}" if outcome.results_dir and outcome.results_dir.is_dir() else ""
+    print(f"[pollen] run {outcome.run_id}: {outcome.status} in {outcome.wall_time_s:.1f}s{results}", flush=True)
+    if not outcome.completed:
+        reason = outcome.failure_reason or "no reason recorded (see the log above)"
+        print(f"[pollen] run {outcome.run_id} {outcome.verdict}: {reason}", file=sys.stderr, flush=True)
+    if outcome.processes:
+        counts: dict[str, int] = {}
+        for entry in outcome.processes:
+            name = entry.rsplit("(", 1)[0]
+            counts[name] = counts.get(name, 0) + 1
+        names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items())
+        left = f"still alive: {outcome.leftover}" if outcome.leftover else "none left (checked by PID)"
+        print(f"[pollen] stopped the run's processes ({names}): {left}", flush=True)
+    if outcome.leftover:
+        return EXIT_NOT_COMPLETED
+    return EXIT_COMPLETED if outcome.completed else EXIT_NOT_COMPLETED
 
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # --- real fleets (deploy/fleet.py): SuperNodes, node registration, TLS health -----------------------
 
-def wait_healthy_tls(port: int, ca_cert: str | Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def wait_healthy_tls(port: int, ca_cert: str | Path, proc: subprocess.Popen, timeout: float = 60.0,
+                     log_path: Path | None = None) -> None:
     """Like :func:`wait_healthy` for a SuperLink serving HTTPS, trusting only ``ca_cert``.
 
     A fixed sleep is not enough on a loaded machine: the TLS SuperLink can take several seconds to
@@ -304,7 +1093,7 @@ def wait_healthy_tls(port: int, ca_cert: str | Path, proc: subprocess.Popen, tim
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited early with code {proc.returncode}")
+            raise SuperLinkDied(proc, log_path)
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=2, context=context) as resp:
                 if resp.status == 200:
@@ -334,21 +1123,25 @@ def supernode_args(superlink_address: str, *, port: int, node_config: str = "",
 def start_supernode(flwr_home: Path, superlink_address: str, log_path: Path, *, node_config: str = "",
                     port: int | None = None, root_certificates: str | Path | None = None,
                     auth_private_key: str | Path | None = None,
-                    extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+                    extra_env: dict[str, str] | None = None, tree: ProcessTree | None = None) -> subprocess.Popen:
     """Start one ``flower-supernode`` in its own process group (stop it with :func:`stop_process`).
 
-    Every ClientApp it runs is a child in that group, so stopping the group leaves nothing behind.
-    ``extra_env`` is how a SuperNode gets its GPU (``CUDA_VISIBLE_DEVICES``).
+    Every ClientApp it runs is a child in that group, so stopping the group leaves nothing behind;
+    with ``tree`` it is also a root of that launch's tree. ``extra_env`` is how a SuperNode gets its GPU
+    (``CUDA_VISIBLE_DEVICES``).
     """
     flwr_home = flwr_home.resolve()
-    env = flower_env(flwr_home)
+    env = flower_env(flwr_home, tree=tree)
     env.update(extra_env or {})
     args = supernode_args(superlink_address, port=port or free_port(), node_config=node_config,
                           root_certificates=root_certificates, auth_private_key=auth_private_key)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
-        return subprocess.Popen(args, cwd=flwr_home, env=env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(args, cwd=flwr_home, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+    if tree is not None:
+        tree.add_root(proc.pid)
+    return proc
 
 
 @contextlib.contextmanager
@@ -361,10 +1154,10 @@ def supernode(flwr_home: Path, superlink_address: str, log_path: Path, **kwargs)
         stop_process(proc)
 
 
-def list_supernodes(connection: str, flwr_home: Path) -> list[dict]:
+def list_supernodes(connection: str, flwr_home: Path, watch: Callable[[], None] | None = None) -> list[dict]:
     """``flwr supernode ls`` as dicts with ``node-id`` and ``status`` (registered/online/offline/...)."""
     env = flower_env(flwr_home.resolve())
-    out = _json_tail(_flwr(["supernode", "ls", connection, "--format", "json"], env, timeout=60))
+    out = _json_tail(_flwr(["supernode", "ls", connection, "--format", "json"], env, timeout=60, watch=watch))
     return list(out.get("nodes") or [])
 
 
@@ -379,21 +1172,30 @@ def register_supernode(connection: str, flwr_home: Path, public_key: str | Path)
 
 
 def wait_for_supernodes(connection: str, flwr_home: Path, count: int, *, timeout: float = 120.0,
-                        procs: Sequence[subprocess.Popen] = ()) -> list[str]:
+                        procs: Sequence[subprocess.Popen] = (),
+                        watch: Callable[[], None] | None = None) -> list[str]:
     """Block until ``count`` SuperNodes are online; returns their node ids.
 
     Submitting before then lets round 1 start with whichever nodes happen to be connected. Fails early
-    when one of ``procs`` (the SuperNodes being waited for) exits.
+    when one of ``procs`` (the SuperNodes being waited for) exits, or when ``watch`` raises (a dead
+    SuperLink).
     """
     deadline = time.monotonic() + timeout
     online: list[str] = []
     while time.monotonic() < deadline:
+        if watch is not None:
+            watch()
         dead = [p for p in procs if p.poll() is not None]
         if dead:
             raise RuntimeError(f"SuperNode pid {dead[0].pid} exited with code {dead[0].returncode} "
                                "before coming online (see its log)")
-        online = [str(n["node-id"]) for n in list_supernodes(connection, flwr_home) if n.get("status") == "online"]
+        online = [str(n["node-id"]) for n in list_supernodes(connection, flwr_home, watch=watch)
+                  if n.get("status") == "online"]
         if len(online) >= count:
             return online
         time.sleep(1.0)
     raise TimeoutError(f"only {len(online)} of {count} SuperNodes online after {timeout:.0f}s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,10 @@
 """Registry entries for the class-incremental family: GLFC, its ablations, FedAvg + iCaRL, Finetune.
 
-All share :class:`~pollen.strategies.glfc.IncrementalFedAvg` and
-:class:`~pollen.clients.glfc.IncrementalClient`; the method name picks the objective, the memory, the
-old model and the proxy. They run on the class-incremental tasks of :mod:`pollen.datasets.incremental`
+All share :class:`~pollen.strategies.glfc.IncrementalFedAvg` (Message API) and
+:class:`~pollen.clients.glfc.IncrementalClient`, joined by :data:`GLFC_ADAPTER`, which translates the
+named records of :mod:`pollen.protocol.glfc` to the client's arrays and back; the method name picks the
+objective, the memory, the old model and the proxy. The strategy learns each node's partition from a
+``query`` message: the ClientApp answers it with :func:`answer_query`. They run on the class-incremental tasks of :mod:`pollen.datasets.incremental`
 (``mnist-fmnist-cil``, ``cifar100-cil``). Run keys are prefixed ``glfc-`` (README, "Run configuration").
 Start the simulation with ``glfc-initial-clients + (glfc-tasks - 1) · glfc-new-clients`` SuperNodes and
 ``num-server-rounds = glfc-tasks · glfc-rounds-per-task``.
@@ -10,19 +12,22 @@ Start the simulation with ``glfc-initial-clients + (glfc-tasks - 1) · glfc-new-
 
 from __future__ import annotations
 
+import functools
 import math
-import random
-
-import numpy as np
 from typing import TYPE_CHECKING
 
-from pollen.app.config import ConfigError
-from pollen.app.registry import MethodSpec, register_method
+import numpy as np
+from flwr.app import ArrayRecord, Context, Message, RecordDict
+
+from pollen.app.adapters import ClientAdapter, evaluate_reply
+from pollen.app.config import ConfigError, parse_node_config
+from pollen.app.registry import MethodSpec, register_method, strategy_options
+from pollen.protocol import glfc as protocol
 from pollen.clients.glfc import IncrementalClient, IncrementalSettings, build_lenet, build_stream_model
 from pollen.clients.incremental_losses import LR_SCHEDULES
 from pollen.clients.training import pick_device
 from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, is_stream_task, plan_stream, stream_data
-from pollen.strategies.glfc import IncrementalFedAvg
+from pollen.strategies.glfc import IncrementalFedAvg, seeded_model
 
 if TYPE_CHECKING:
     from pollen.app.config import RunConfig
@@ -191,28 +196,98 @@ def _test_set(cfg: "RunConfig"):
     return seen
 
 
-def make_strategy(cfg: "RunConfig"):
-    random.seed(cfg.seed)  # Flower-style sampling uses the global `random`
-    s = settings_for(cfg)
+def _model_factory(cfg: "RunConfig"):
     name = cfg.model or SOURCES[cfg.task].default_model
     width = cfg.width_for(name)
+    return lambda n: build_stream_model(cfg.task, name, n, width)
+
+
+def make_strategy(cfg: "RunConfig") -> IncrementalFedAvg:
+    s = settings_for(cfg)
     src = SOURCES[cfg.task]
     e = cfg.extra
     return IncrementalFedAvg(
         plan=plan_stream(s.stream), rounds_per_task=s.rounds_per_task, clients_per_round=s.clients_per_round,
-        make_model=lambda n: build_stream_model(cfg.task, name, n, width),
-        lenet=build_lenet(cfg.task, cfg.seed) if s.old_model == "proxy" else None,
+        make_model=_model_factory(cfg), lenet=build_lenet(cfg.task, cfg.seed) if s.old_model == "proxy" else None,
         test_data=_test_set(cfg), old_model=s.old_model, proxy_iterations=int(e["glfc-proxy-iterations"]),
         proxy_keep=int(e["glfc-proxy-keep"]), proxy_lr=float(e["glfc-proxy-lr"]),
         proxy_reset_per_task=bool(e["glfc-proxy-reset-per-task"]), proxy_chunk=int(e["glfc-proxy-chunk"]),
-        image_shape=(src.fmt.channels, src.fmt.size, src.fmt.size), seed=cfg.seed,
-        device=pick_device(cfg.device), detect_all_clients=bool(e["glfc-detect-all-clients"]))
+        image_shape=(src.fmt.channels, src.fmt.size, src.fmt.size), device=pick_device(cfg.device),
+        detect_all_clients=bool(e["glfc-detect-all-clients"]), **strategy_options(cfg))
+
+
+def initial_arrays(cfg: "RunConfig") -> ArrayRecord:
+    """The initial global model (head of ``glfc-classes-per-task``), drawn from the run seed exactly as
+    the strategy draws its own."""
+    model = seeded_model(_model_factory(cfg), int(cfg.extra["glfc-classes-per-task"]), cfg.seed)
+    return ArrayRecord(model.state_dict())
 
 
 def make_client(cfg: "RunConfig", node, context):
     return IncrementalClient(cfg, node, context, settings_for(cfg))
 
 
+# -- records <-> IncrementalClient -----------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def lenet_parameter_names(task: str, seed: int) -> tuple[str, ...]:
+    """Names of the shared LeNet's parameters, in the order the client lists its gradients."""
+    return tuple(name for name, _ in build_lenet(task, seed).named_parameters())
+
+
+def _client_arrays(client, ins: protocol.TrainInstruction) -> tuple[list[np.ndarray], dict, list[str]]:
+    """The client's positional input: global state, then the old models sent (slot 1, slot 2), each in
+    the client's own state-dict order (matched by name, not by arrival order), with the counts it slices
+    by (``model-arrays``, ``old{n}-arrays``) added to the config."""
+    keys = client.state_keys()
+    if sorted(keys) != sorted(ins.model):
+        missing = sorted(set(keys) - set(ins.model))[:5]
+        extra = sorted(set(ins.model) - set(keys))[:5]
+        raise ValueError(f"server model state does not match this client's model {client.stream_model_name!r}: "
+                         f"missing {missing}, unexpected {extra}; do server and client use the same model and width?")
+    params = [ins.model[k] for k in keys]
+    config = dict(ins.config)
+    config["model-arrays"] = len(keys)
+    for slot in (1, 2):
+        old = ins.old_models.get(slot)
+        config[f"old{slot}-arrays"] = len(keys) if old is not None else 0
+        if old is not None:
+            params += [old[k] for k in keys]
+    return params, config, keys
+
+
+def _glfc_train(client, content: RecordDict) -> RecordDict:
+    ins = protocol.decode_train_content(content)
+    params, config, keys = _client_arrays(client, ins)
+    arrays, n, metrics = client.fit(params, config)
+    if len(arrays) < len(keys):
+        raise ValueError(f"client returned {len(arrays)} arrays for a {len(keys)}-entry model")
+    rest = arrays[len(keys):]
+    grads = []
+    if rest:
+        names = lenet_parameter_names(client.settings.task, client.cfg.seed)
+        if len(rest) % len(names):
+            raise ValueError(f"{len(rest)} gradient arrays are not whole sets of {len(names)}")
+        grads = [dict(zip(names, rest[i:i + len(names)])) for i in range(0, len(rest), len(names))]
+    metrics = {k: v for k, v in metrics.items() if k != "num-gradients"}  # the count travels as keys
+    return protocol.encode_train_reply(dict(zip(keys, arrays[:len(keys)])), n, grads, metrics)
+
+
+def _glfc_evaluate(client, content: RecordDict) -> RecordDict:
+    ins = protocol.decode_train_content(content)
+    params, config, _ = _client_arrays(client, ins)
+    return evaluate_reply(client, params, config)
+
+
+GLFC_ADAPTER = ClientAdapter(_glfc_train, _glfc_evaluate)
+
+
+def answer_query(msg: Message, context: Context) -> Message:
+    """ClientApp ``@app.query()`` handler: tell the server which partition this node serves."""
+    node = parse_node_config(context.node_config)
+    return Message(content=protocol.encode_identity_reply(node.partition_id), reply_to=msg)
+
+
 for _name, _desc in DESCRIPTIONS.items():
     register_method(MethodSpec(name=_name, family="glfc", description=_desc, make_strategy=make_strategy,
-                               make_client=make_client, defaults=dict(GLFC_DEFAULTS), validate=validate_glfc))
+                               make_client=make_client, adapter=GLFC_ADAPTER, initial_arrays=initial_arrays,
+                               defaults=dict(GLFC_DEFAULTS), validate=validate_glfc))

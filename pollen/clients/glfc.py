@@ -17,8 +17,11 @@ prototype gradients with the proxy). Per round it
 5. on a transition (proxy methods), for each current class perturbs the image nearest its feature
    mean and returns the LeNet gradient of ``CE(LeNet(x), c)`` after the model weights.
 
-Reply layout: the model's full state arrays, then ``8 × num-gradients`` LeNet gradient arrays.
-Everything remembered between rounds (learned classes, exemplar indices, last entropy, held classes,
+On the wire everything travels by name (:mod:`pollen.protocol.glfc`); the ClientApp adapter
+(``pollen.app.methods_glfc.GLFC_ADAPTER``) hands this client positional arrays: the global state, then
+the old models sent (``config["model-arrays"]`` / ``config["old{n}-arrays"]`` entries each), and names
+its answer — the model's full state arrays, then one LeNet gradient set (8 arrays, ``parameters()``
+order) per new class. Everything remembered between rounds (learned classes, exemplar indices, last entropy, held classes,
 cached old models) lives in ``context.state``.
 """
 
@@ -31,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from flwr.common import Context
 
-from pollen.clients.base import PollenClient
+from pollen.clients.base import PollenClient, _state_keys
 from pollen.clients.incremental_losses import (incremental_loss, is_transition, learning_rate,
                                                mean_entropy)
 from pollen.clients.memory import (memory_from_arrays, memory_to_arrays, nearest_to_mean,
@@ -130,6 +133,13 @@ class IncrementalClient(PollenClient):
     def stream_model_name(self) -> str:
         return self.node.model or self.cfg.model or SOURCES[self.settings.task].default_model
 
+    def state_keys(self) -> list[str]:
+        """Names of this client's model state in ``state_dict`` order (the head size does not change them)."""
+        src = SOURCES[self.settings.task]
+        name = self.stream_model_name
+        return list(_state_keys(name, self.settings.stream.classes_per_task, src.fmt.channels, src.fmt.size,
+                                self.cfg.width_for(name)))
+
     def _model(self, num_classes: int) -> SplitModel:
         name = self.stream_model_name
         return build_stream_model(self.settings.task, name, num_classes, self.cfg.width_for(name)).to(self.device)
@@ -207,9 +217,6 @@ class IncrementalClient(PollenClient):
         return transition, st, memory, x_cur, y_cur, classes, entropy
 
     # Flower API ---------------------------------------------------------------------------
-    def get_properties(self, config):
-        return {"partition-id": self.partition_id}
-
     def get_parameters(self, config):
         return model_arrays(self._model(self.settings.stream.classes_per_task))
 

@@ -34,22 +34,27 @@ def one_hot(labels: torch.Tensor, num_classes: int, dtype: torch.dtype = torch.f
 def gc_weights(logits: torch.Tensor, labels: torch.Tensor, learned_classes: Iterable[int]) -> torch.Tensor:
     """Per-sample L_GC weights ``w_i`` (N), detached.
 
-    ``g_i = |sigmoid(o_{i,y_i}) - 1|``; samples of learned (old) classes get ``g_i / mean_old(g)``,
-    the others ``g_i / mean_new(g)``. An empty group contributes nothing; without learned classes every
-    weight is 1 (plain BCE), as in the official code.
+    ``g_i = |sigmoid(o_{i,y_i}) - 1| = sigmoid(-o_{i,y_i})``; samples of learned (old) classes get
+    ``g_i / mean_old(g)``, the others ``g_i / mean_new(g)``. An empty group contributes nothing; without
+    learned classes every weight is 1 (plain BCE), as in the official code.
+
+    Computed as ``exp(log g_i - log mean_group(g))`` with ``log g = logsigmoid(-o)``: no ``1 - sigmoid``
+    cancellation (which made ``g`` exactly 0 in float32 once a group's true-class logits were all
+    >= ~17, and the weights 0/0 = NaN) and no underflow for any finite logit.
     """
     learned = sorted({int(c) for c in learned_classes})
     n = logits.shape[0]
     if not learned:
         return torch.ones(n, dtype=logits.dtype, device=logits.device)
     with torch.no_grad():
-        p_true = torch.sigmoid(logits.gather(1, labels.view(-1, 1)).squeeze(1))
-        g = (p_true - 1.0).abs()
+        log_g = F.logsigmoid(-logits.gather(1, labels.view(-1, 1)).squeeze(1))
         is_old = torch.isin(labels, torch.tensor(learned, device=labels.device))
-        w = torch.zeros_like(g)
+        w = torch.zeros_like(log_g)
         for mask in (is_old, ~is_old):
-            if mask.any():
-                w[mask] = g[mask] / g[mask].mean()
+            count = int(mask.sum())
+            if count:
+                group = log_g[mask]
+                w[mask] = torch.exp(group - (torch.logsumexp(group, 0) - math.log(count)))
     return w
 
 
@@ -91,21 +96,42 @@ def incremental_loss(logits: torch.Tensor, labels: torch.Tensor, *, objective: s
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if objective == "ce":
         loss = F.cross_entropy(logits, labels)
-        return loss, {"ce": float(loss.detach())}
+        parts = {"ce": float(loss.detach())}
+        _check_term("CE (cross-entropy)", parts["ce"], logits)
+        return loss, parts
     if objective == "icarl":
         if old_logits is None:
             loss = F.binary_cross_entropy_with_logits(logits, one_hot(labels, logits.shape[1], logits.dtype))
         else:
             loss = rd_loss(logits, labels, old_logits)
-        return loss, {"bce": float(loss.detach())}
+        parts = {"bce": float(loss.detach())}
+        _check_term("BCE (iCaRL distillation)" if old_logits is not None else "BCE", parts["bce"], logits,
+                    old_logits)
+        return loss, parts
     learned = list(learned_classes)
     cur = gc_loss(logits, labels, learned if use_gc else [])
     parts = {"gc": float(cur.detach())}
+    _check_term("L_GC (class-aware gradient compensation)" if use_gc and learned else "L_GC (plain BCE)",
+                parts["gc"], logits)
     if old_logits is None or not use_rd:
         return cur, parts
     rd = rd_loss(logits, labels, old_logits)
     parts["rd"] = float(rd.detach())
+    _check_term("L_RD (relation distillation)", parts["rd"], logits, old_logits)
     return 0.5 * cur + 0.5 * rd, parts
+
+
+def _check_term(name: str, value: float, logits: torch.Tensor, old_logits: torch.Tensor | None = None) -> None:
+    """Raise ``FloatingPointError`` naming the loss term that is not finite, and what fed it."""
+    if math.isfinite(value):
+        return
+    inputs = []
+    if not bool(torch.isfinite(logits.detach()).all()):
+        inputs.append("the model's logits are not finite (the local model diverged)")
+    if old_logits is not None and not bool(torch.isfinite(old_logits).all()):
+        inputs.append("the old model's logits are not finite (a corrupt old model)")
+    raise FloatingPointError(f"GLFC loss term {name} became {value}"
+                             + (f": {'; '.join(inputs)}" if inputs else " with finite logits"))
 
 
 def mean_entropy(logits: torch.Tensor) -> float:

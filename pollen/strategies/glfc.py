@@ -1,54 +1,78 @@
-"""GLFC-family server: unweighted FedAvg over a growing class-incremental population, plus the proxy.
+"""GLFC-family server on Flower's Message API: unweighted FedAvg over a growing class-incremental
+population, plus the proxy.
 
-:class:`IncrementalFedAvg` is a Flower ``Strategy`` that
+:class:`IncrementalFedAvg` is a :class:`~pollen.strategies.base.PollenStrategy` (so a
+:class:`flwr.serverapp.strategy.Strategy`; ``strategy.start(grid=..., initial_arrays=..., num_rounds=...)``
+runs it from any ``@app.main()`` ServerApp). Its wire contract is :mod:`pollen.protocol.glfc`. It
 
-* knows the stream plan (seeded, the same one clients compute) and samples, each round, only among the
-  clients that exist at the current task (``task = (round - 1) // rounds_per_task``). Flower's simulation
-  has a fixed number of SuperNodes (start it with the final population); the strategy learns which node
-  serves which partition by asking each node once (``get_properties`` → ``partition-id``);
-* grows the global head by ``s`` outputs at each task boundary (old rows kept) and averages the sampled
-  clients' full state (BatchNorm statistics included) **unweighted**, as the official code does;
-* GLFC: runs the proxy — label inference and batched gradient inversion of the clients' LeNet gradients
-  (shuffled, so no link to the sender), scoring every new global model on the reconstructed set and
-  keeping the best in two slots; baselines/ablations: slot 1 = the previous task's final global model;
-* sends an old model to a client only when its cached version (reported back in its metrics) differs;
-* evaluates the global model after every round, server-side, on the test images of all seen classes
-  (plus one accuracy per seen task, the rows of the accuracy matrix);
-* validates every reply: model arrays must match the global model, gradient arrays the LeNet's shapes,
-  and be finite; bad replies are dropped with a logged reason.
+* follows a :class:`~pollen.protocol.glfc.TaskSchedule` (task of each round, clients existing at each
+  task) and samples, each round, ``clients_per_round`` nodes among the clients that exist at the
+  current task. Flower's simulation has a fixed number of SuperNodes (start it with the final
+  population). Which node serves which partition is learned from the ``partition-id`` metric of
+  replies (bound for the run by the base class); a node whose partition is still unknown receives one
+  ``query`` message (``MessageType.QUERY``) that its ClientApp answers with its partition id;
+* grows the global head by ``classes_per_task`` outputs at each task boundary (old rows kept) and
+  averages the sampled clients' full state (BatchNorm statistics included) **unweighted**, as the
+  official code does;
+* GLFC: runs the proxy — label inference and batched gradient inversion of the clients' LeNet
+  gradients (shuffled, so no link to the sender), scoring every new global model on the
+  reconstructed set and keeping the best in two slots; baselines/ablations: slot 1 = the previous
+  task's final global model;
+* sends an old model to a node only when the version it has cached (reported in its metrics) differs;
+* evaluates the global model server-side (:meth:`evaluate_global`, which Pollen's ServerApp calls
+  after every round and for round 0) on the test images of all seen classes, plus one accuracy per
+  seen task, average incremental accuracy and forgetting at each task's end;
+* with ``detect_all_clients`` (the official code) sends the new global model to every active node that
+  was not sampled, as a detect-only ``evaluate`` message, so it runs task detection too;
+* screens every reply before use (base class + :func:`pollen.protocol.glfc.decode_train_reply`):
+  state keys/shapes/dtypes as the global model, gradient sets from their keys (at most
+  ``classes_per_task``), LeNet shapes, float32, finite — bad replies are rejected with a reason.
+
+torch is imported only inside the methods that need it (model growth, evaluation, the proxy), and
+this module is not imported by ``pollen.strategies``.
 """
 
 from __future__ import annotations
 
-import random
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+import logging
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-import torch
-from flwr.common import EvaluateIns, FitIns, FitRes, GetPropertiesIns, Parameters, Scalar, ndarrays_to_parameters
-from flwr.server.client_manager import ClientManager
-from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import Strategy
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
 
-from pollen.strategies.metrics import mean_std_metrics
-from pollen.strategies.proxy import (LBFGSSettings, ProxyState, monitor_accuracy, reconstruct_batched)
-from pollen.strategies.validation import ArraySpec, check_arrays, specs_like
-from pollen.strategies.legacy import RejectionLog
+from pollen.protocol import glfc as protocol
+from pollen.protocol.records import ARRAYS, CONFIG, array_record
+from pollen.protocol.screening import COMMON_METRICS, ArraySpec, MetricBound, check_metrics, decode_record
+from pollen.strategies.base import Accepted, NoTrainingError, PollenStrategy
 from pollen.strategies.weights import average_arrays
 
+LOGGER = logging.getLogger("pollen")
+OLD_MODEL_SOURCES = ("proxy", "previous-task", "none")
 
-def model_to_arrays(model: torch.nn.Module) -> list[np.ndarray]:
+
+def model_to_arrays(model) -> list[np.ndarray]:
     return [v.detach().cpu().numpy().copy() for v in model.state_dict().values()]
 
 
-def arrays_to_model(model: torch.nn.Module, arrays: Sequence[np.ndarray]) -> torch.nn.Module:
+def arrays_to_model(model, arrays: Sequence[np.ndarray]):
+    import torch
+
     keys = list(model.state_dict().keys())
     if len(keys) != len(arrays):
         raise ValueError(f"{len(arrays)} arrays for a model with {len(keys)} state entries")
     device = next(model.parameters()).device
     model.load_state_dict({k: torch.from_numpy(np.array(a, copy=True)).to(device) for k, a in zip(keys, arrays)})
     return model
+
+
+def seeded_model(make_model: Callable[[int], Any], num_classes: int, seed: int):
+    """``make_model(num_classes)`` with torch's global RNG seeded by ``seed`` — and restored afterwards."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return make_model(num_classes)
 
 
 def average_forgetting(acc_matrix: Sequence[Sequence[float]]) -> float:
@@ -70,26 +94,59 @@ def aia(seen_accuracy_at_task_end: Sequence[float]) -> float:
     return float(np.mean(seen_accuracy_at_task_end))
 
 
-class IncrementalFedAvg(RejectionLog, Strategy):
-    """FedAvg for a class-incremental stream, with GLFC's proxy server as an option (module docstring)."""
+class IncrementalFedAvg(PollenStrategy):
+    """FedAvg for a class-incremental stream, with GLFC's proxy server as an option (module docstring).
 
-    def __init__(self, *, plan, rounds_per_task: int, clients_per_round: int,
-                 make_model: Callable[[int], torch.nn.Module], lenet: torch.nn.Module | None,
-                 test_data: Callable[[int], tuple[torch.Tensor, torch.Tensor]], old_model: str = "proxy",
-                 proxy_iterations: int = 250, proxy_keep: int = 20, proxy_lr: float = 0.1,
-                 proxy_reset_per_task: bool = True, proxy_chunk: int = 128, image_shape: Sequence[int] = (1, 28, 28),
-                 seed: int = 0, device: torch.device | str = "cpu", partition_timeout: float | None = None,
-                 detect_all_clients: bool = False):
-        if old_model not in ("proxy", "previous-task", "none"):
+    Args:
+        schedule: the task plan (or give ``plan`` — a ``StreamPlan`` — and ``rounds_per_task``).
+        clients_per_round: nodes sampled per round among the active ones (GLFC's 10 of the paper).
+        make_model: ``num_classes -> torch.nn.Module`` with ``grow_classes``; the global model.
+        lenet: the shared, never-trained LeNet of the proxy (``None`` unless ``old_model = "proxy"``).
+        test_data: ``num_seen_classes -> (x, y)`` tensors for server-side evaluation (``None``: none).
+        old_model: ``proxy`` (GLFC), ``previous-task`` (iCaRL, w/o proxy) or ``none``.
+        proxy_*: gradient inversion settings (iterations, iterates kept, L-BFGS lr, chunk size) and
+            whether the best score resets at each task.
+        image_shape: C×H×W of the images the LeNet takes.
+        device: where the proxy and evaluation run.
+        detect_all_clients: also send unsampled active nodes the new model for task detection.
+        query_timeout: seconds to wait for query replies (default: ``start()``'s ``timeout``).
+        **kwargs: :class:`~pollen.strategies.base.PollenStrategy` options (``seed`` seeds sampling,
+            the initial model, head growth and the proxy; ``min_available_nodes``, ``max_empty_rounds``,
+            ``max_examples``, ``node_wait_s``...). ``fraction_train`` is not used: ``clients_per_round``
+            decides; ``fraction_evaluate`` is not used: evaluation is server-side.
+    """
+
+    family = "glfc"
+
+    def __init__(self, *, schedule: protocol.TaskSchedule | None = None, plan: Any = None,
+                 rounds_per_task: int | None = None, clients_per_round: int, make_model: Callable[[int], Any],
+                 lenet: Any = None, test_data: Callable[[int], tuple[Any, Any]] | None = None,
+                 old_model: str = "proxy", proxy_iterations: int = 250, proxy_keep: int = 20,
+                 proxy_lr: float = 0.1, proxy_reset_per_task: bool = True, proxy_chunk: int = 128,
+                 image_shape: Sequence[int] = (1, 28, 28), device: Any = "cpu", detect_all_clients: bool = False,
+                 query_timeout: float | None = None, **kwargs):
+        if schedule is None:
+            if plan is None or rounds_per_task is None:
+                raise ValueError("give a TaskSchedule as schedule, or plan and rounds_per_task")
+            schedule = protocol.TaskSchedule.from_plan(plan, rounds_per_task)
+        if old_model not in OLD_MODEL_SOURCES:
             raise ValueError(f"old_model must be proxy, previous-task or none, got {old_model!r}")
         if old_model == "proxy" and lenet is None:
             raise ValueError("old_model = 'proxy' needs the shared LeNet")
-        self._init_rejections()
+        if int(clients_per_round) != clients_per_round or clients_per_round < 1:
+            raise ValueError(f"clients_per_round must be an integer >= 1, got {clients_per_round}")
+        super().__init__(**kwargs)
+        import torch
+
+        from pollen.strategies.proxy import LBFGSSettings, ProxyState
+
+        seed = int(kwargs.get("seed", 0))
+        self.schedule = schedule
         self.plan = plan
-        self.rounds_per_task = rounds_per_task
-        self.clients_per_round = clients_per_round
+        self.clients_per_round = int(clients_per_round)
         self.make_model = make_model
-        self.lenet = lenet.to(device) if lenet is not None else None
+        self.device = torch.device(device)
+        self.lenet = lenet.to(self.device) if lenet is not None else None
         self.test_data = test_data
         self.old_model = old_model
         self.proxy_iterations = proxy_iterations
@@ -99,28 +156,34 @@ class IncrementalFedAvg(RejectionLog, Strategy):
         self.proxy_chunk = proxy_chunk
         self.image_shape = tuple(image_shape)
         self.seed = seed
-        self.device = torch.device(device)
-        self.partition_timeout = partition_timeout
         self.detect_all_clients = detect_all_clients
-        self._sampled: set[int] = set()
-        self.rng = np.random.default_rng([seed, 0x9A0])
+        self.query_timeout = query_timeout
+        self.timeout: float | None = None
+        self.proxy_rng = np.random.default_rng([seed, 0x9A0])  # gradient shuffling, dummy seeds
         self.task = 0
-        self.num_classes = plan.config.classes_per_task
-        torch.manual_seed(seed)
-        self._global = model_to_arrays(make_model(self.num_classes))
+        self.num_classes = schedule.classes_per_task
+        model = seeded_model(make_model, self.num_classes, seed)
+        self.keys = list(model.state_dict().keys())
+        self._record: ArrayRecord | None = None
+        self._old_records: dict[tuple[int, int], ArrayRecord] = {}
+        self._global = model_to_arrays(model)
         self.proxy = ProxyState()
-        self.partitions: dict[str, int] = {}  # Flower node id -> partition id
-        self.confirmed: dict[int, tuple[int, int]] = {}  # partition -> cached old-model versions
+        self.confirmed: dict[int, tuple[int, int]] = {}  # node id -> old-model versions it has cached
+        self._queried: set[int] = set()
+        self._sampled: set[int] = set()  # node ids trained this round
         self.acc_rows: dict[int, dict] = {}  # task -> accuracy on seen classes and per task at its end
-        self.lenet_specs = ([ArraySpec(f"lenet-grad[{i}]", tuple(p.shape)) for i, p in
-                             enumerate(self.lenet.parameters())] if self.lenet is not None else [])
+        self.lenet_shapes = ({name: tuple(p.shape) for name, p in self.lenet.named_parameters()}
+                             if self.lenet is not None else None)
 
     def __repr__(self) -> str:
-        return f"IncrementalFedAvg(old_model={self.old_model}, clients_per_round={self.clients_per_round})"
+        s = self.schedule
+        return (f"IncrementalFedAvg(old_model={self.old_model}, clients_per_round={self.clients_per_round}, "
+                f"tasks={s.num_tasks}×{s.classes_per_task} classes, rounds_per_task={s.rounds_per_task}, "
+                f"population={list(s.population)})")
 
     # helpers ------------------------------------------------------------------------------
     def task_of_round(self, server_round: int) -> int:
-        return min(self.plan.config.num_tasks - 1, max(0, server_round - 1) // self.rounds_per_task)
+        return self.schedule.task_of_round(server_round)
 
     def transition_slot(self, task: int) -> int:
         """The slot a client that detects a transition distils from.
@@ -133,142 +196,272 @@ class IncrementalFedAvg(RejectionLog, Strategy):
         """
         return 2 if self.proxy.task < task else 1
 
+    @property
+    def _global(self) -> list[np.ndarray]:
+        """The global model state, in ``self.keys`` order."""
+        return self._global_arrays
+
+    @_global.setter
+    def _global(self, arrays: list[np.ndarray]) -> None:
+        self._global_arrays = list(arrays)
+        self._record = None
+
+    def global_record(self) -> ArrayRecord:
+        """The current global model state by name (serialised once per change)."""
+        if self._record is None:
+            self._record = array_record(dict(zip(self.keys, self._global)))
+        return self._record
+
+    def model_specs(self) -> list[ArraySpec]:
+        """A reply's state must have exactly the global model's names, shapes and dtypes."""
+        return [ArraySpec(k, tuple(a.shape), str(a.dtype)) for k, a in zip(self.keys, self._global)]
+
+    def _old_record(self, slot: int, model_slot) -> ArrayRecord:
+        key = (slot, int(model_slot.version))
+        if key not in self._old_records:
+            self._old_records = {k: v for k, v in self._old_records.items() if k[0] != slot}  # keep the latest
+            self._old_records[key] = array_record(dict(zip(self.keys, model_slot.arrays)))
+        return self._old_records[key]
+
+    def _new_model(self, num_classes: int, arrays: Sequence[np.ndarray]):
+        return arrays_to_model(self.make_model(num_classes), arrays)
+
     def _grow(self, task: int) -> None:
         """Enter ``task``: grow the head to all seen classes; baselines take the last model as the old one."""
         if task <= self.task:
             return
+        import torch
+
+        from pollen.strategies.proxy import ModelSlot
+
         if self.old_model == "previous-task":
-            self.proxy.slot1 = type(self.proxy.slot1)([a.copy() for a in self._global], self.num_classes,
-                                                      self.proxy._next_version())
-        model = arrays_to_model(self.make_model(self.num_classes), self._global)
-        torch.manual_seed(self.seed * 1009 + task)  # new head rows: reproducible init
-        model.grow_classes(self.plan.seen_classes(task))
-        self.num_classes = self.plan.seen_classes(task)
+            self.proxy.slot1 = ModelSlot([a.copy() for a in self._global], self.num_classes,
+                                         self.proxy._next_version())
+        model = self._new_model(self.num_classes, self._global)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed * 1009 + task)  # new head rows: reproducible init
+            model.grow_classes(self.schedule.seen_classes(task))
+        self.num_classes = self.schedule.seen_classes(task)
         self._global = model_to_arrays(model)
         self.task = task
 
-    def _map_partitions(self, client_manager: ClientManager, server_round: int) -> None:
-        unknown = [p for cid, p in client_manager.all().items() if cid not in self.partitions]
+    def adopt_initial(self, initial: ArrayRecord | None) -> None:
+        """Start from the caller's ``initial_arrays`` (empty: the strategy's own seeded model).
+
+        They must be the state of ``make_model(classes_per_task)``: same names, shapes and dtypes.
+        """
+        if initial is None or len(initial) == 0:
+            return
+        arrays, reason = decode_record(initial, self.model_specs())
+        if reason is not None:
+            raise ValueError(f"initial_arrays do not match make_model({self.num_classes}): {reason}")
+        self._global = [arrays[k] for k in self.keys]
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None, first_round: int = 1):
+        """The base loop after adopting ``initial_arrays`` (fresh runs; empty = the strategy's own model).
+
+        A resumed run (``first_round > 1``, after :meth:`restore`) continues from the restored state and
+        ignores ``initial_arrays``.
+        """
+        if first_round == 1:
+            self.adopt_initial(initial_arrays)
+        self.timeout = timeout
+        if self.num_rounds is None:
+            self.num_rounds = num_rounds
+        if num_rounds != self.schedule.num_rounds:
+            LOGGER.warning("GLFC: num_rounds = %d but the plan has %d tasks × %d rounds = %d", num_rounds,
+                           self.schedule.num_tasks, self.schedule.rounds_per_task, self.schedule.num_rounds)
+        return super().start(grid=grid, initial_arrays=self.global_record(), num_rounds=num_rounds,
+                             timeout=timeout, train_config=train_config, evaluate_config=evaluate_config,
+                             evaluate_fn=evaluate_fn, first_round=first_round)
+
+    # checkpoint state ---------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Global model (``model.<name>``), old-model slots (``old{1,2}.<name>``), the proxy's monitor set
+        and best score, the task, the accuracy rows and both RNGs.
+
+        Which old-model version each node has cached is not kept: after a restart every node is sent
+        the old models once more.
+        """
+        arrays, values = super().state()
+        arrays.update({f"model.{k}": a for k, a in zip(self.keys, self._global)})
+        slots = {}
+        for n, slot in ((1, self.proxy.slot1), (2, self.proxy.slot2)):
+            if slot.arrays is not None:
+                arrays.update({f"old{n}.{k}": a for k, a in zip(self.keys, slot.arrays)})
+            slots[str(n)] = {"version": int(slot.version), "classes": int(slot.num_classes)}
+        if self.proxy.monitor_x is not None:
+            arrays["proxy.monitor-x"] = self.proxy.monitor_x.detach().cpu().numpy()
+            arrays["proxy.monitor-y"] = self.proxy.monitor_y.detach().cpu().numpy()
+        best = float(self.proxy.best_score)
+        values.update({"task": self.task, "num-classes": self.num_classes, "slots": slots,
+                       "proxy-task": int(self.proxy.task), "proxy-versions": int(self.proxy.versions),
+                       "proxy-best-score": best if np.isfinite(best) else None,
+                       "acc-rows": {str(t): row for t, row in self.acc_rows.items()},
+                       "proxy-rng": self.proxy_rng.bit_generator.state})
+        return arrays, values
+
+    def restore(self, arrays: dict[str, np.ndarray], values: dict[str, Any]) -> None:
+        import torch
+
+        from pollen.strategies.proxy import ModelSlot, ProxyState
+
+        super().restore(arrays, values)
+
+        def model(prefix: str) -> list[np.ndarray] | None:
+            found = [k for k in self.keys if f"{prefix}.{k}" in arrays]
+            if not found:
+                return None
+            if len(found) != len(self.keys):
+                missing = [k for k in self.keys if f"{prefix}.{k}" not in arrays][:5]
+                raise ValueError(f"checkpoint '{prefix}' lacks {missing}")
+            return [np.asarray(arrays[f"{prefix}.{k}"]) for k in self.keys]
+
+        state = model("model")
+        if state is None:
+            raise ValueError("checkpoint has no global model (model.<name> arrays)")
+        self.task = int(values["task"])
+        self.num_classes = int(values["num-classes"])
+        self._global = state
+        proxy = ProxyState()
+        for n in (1, 2):
+            meta = values["slots"][str(n)]
+            setattr(proxy, f"slot{n}", ModelSlot(model(f"old{n}"), int(meta["classes"]), int(meta["version"])))
+        if "proxy.monitor-x" in arrays:
+            proxy.monitor_x = torch.from_numpy(np.array(arrays["proxy.monitor-x"], copy=True))
+            proxy.monitor_y = torch.from_numpy(np.array(arrays["proxy.monitor-y"], copy=True))
+        best = values["proxy-best-score"]
+        proxy.best_score = float("-inf") if best is None else float(best)
+        proxy.task = int(values["proxy-task"])
+        proxy.versions = int(values["proxy-versions"])
+        self.proxy = proxy
+        self.acc_rows = {int(t): row for t, row in values["acc-rows"].items()}
+        self.proxy_rng.bit_generator.state = values["proxy-rng"]
+        self.confirmed, self._queried, self._sampled, self._old_records = {}, set(), set(), {}
+
+    # node identity --------------------------------------------------------------------------
+    def identify(self, server_round: int, grid: Grid, node_ids: Iterable[int]) -> None:
+        """Send one query to each node whose partition is unknown and bind the partitions they answer."""
+        unknown = sorted(n for n in node_ids if n not in self.partition_of and n not in self._queried)
         if not unknown:
             return
-
-        def ask(proxy: ClientProxy) -> tuple[str, int | None]:
-            try:
-                res = proxy.get_properties(GetPropertiesIns({}), timeout=self.partition_timeout,
-                                           group_id=server_round)
-                return proxy.cid, int(res.properties["partition-id"])
-            except Exception:  # a node that cannot answer is simply never sampled
-                return proxy.cid, None
-
-        with ThreadPoolExecutor(max_workers=min(16, len(unknown))) as pool:
-            for cid, pid in pool.map(ask, unknown):
-                if pid is not None:
-                    self.partitions[cid] = pid
+        self._queried.update(unknown)
+        messages = [Message(content=protocol.query_content(server_round), message_type=MessageType.QUERY,
+                            dst_node_id=n) for n in unknown]
+        timeout = self.query_timeout if self.query_timeout is not None else self.timeout
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        rep = self.report(server_round)
+        bounds = {"partition-id": COMMON_METRICS["partition-id"]}
+        for msg in replies:
+            node = int(msg.metadata.src_node_id)
+            if msg.has_error():
+                rep.failures.append({"stage": "query", "client": self.label(node), "code": int(msg.error.code),
+                                     "reason": str(msg.error.reason)[-500:]})
+                LOGGER.warning("round %d query: node %d could not say its partition (error %d); its ClientApp "
+                               "must answer QUERY messages with metrics['partition-id']: %s", server_round,
+                               node, int(msg.error.code), str(msg.error.reason).strip().splitlines()[-1:])
+                continue
+            pid, reason = protocol.decode_identity_reply(msg.content)
+            if reason is None:
+                reason = check_metrics(msg.content[protocol.METRICS], bounds)
+            if reason is None and pid >= self.schedule.num_clients:
+                reason = (f"partition-id {pid} is outside the plan's {self.schedule.num_clients} clients; "
+                          "this node is never sampled")
+            if reason is None:
+                reason = self._bind_partition(node, {"partition-id": pid})
+            if reason is not None:
+                self.reject(server_round, "query", self.label(node), reason)
 
     # Strategy API -------------------------------------------------------------------------
-    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
-        return ndarrays_to_parameters(self._global)
+    def plan_config(self, config: ConfigRecord | None, server_round: int, task: int, **extra: Any) -> ConfigRecord:
+        return self.round_config(config, server_round, task=task, **{"num-classes": self.num_classes},
+                                 **self.schedule.config(), **extra)
 
-    def configure_fit(self, server_round: int, parameters: Parameters,
-                      client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
         task = self.task_of_round(server_round)
         self._grow(task)
-        need = self.plan.num_clients
-        client_manager.wait_for(need, timeout=60)
-        self._map_partitions(client_manager, server_round)
-        active = set(self.plan.active_clients(task))
-        by_pid = {pid: cid for cid, pid in self.partitions.items() if pid in active}
-        nodes = client_manager.all()
-        candidates = sorted(pid for pid, cid in by_pid.items() if cid in nodes)
+        active = self.schedule.active_clients(task)
+        nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, len(active)))
+        self.identify(server_round, grid, nodes)
+        connected = set(nodes)
+        candidates = sorted(pid for pid in active if self.node_of.get(pid) in connected)
+        self._sampled = set()
         if not candidates:
-            raise RuntimeError(f"round {server_round}: none of the {len(active)} clients of task {task} is "
-                               f"connected; start at least {need} SuperNodes (the final population)")
-        k = min(self.clients_per_round, len(candidates))
-        chosen = sorted(random.sample(candidates, k))
-        self._sampled = set(chosen)
-        out = []
-        for pid in chosen:
-            arrays = list(self._global)
-            config: dict[str, Scalar] = {"server-round": server_round, "task": task,
-                                         "round-in-task": (server_round - 1) % self.rounds_per_task,
-                                         "num-classes": self.num_classes, "model-arrays": len(self._global),
-                                         "transition-slot": self.transition_slot(task)}
-            have = self.confirmed.get(pid, (0, 0))
-            for i, slot in enumerate((self.proxy.slot1, self.proxy.slot2)):
-                n = i + 1
-                send = slot.arrays is not None and slot.version != have[i]
-                config[f"old{n}-sent"] = bool(send)
-                config[f"old{n}-version"] = slot.version
-                config[f"old{n}-classes"] = slot.num_classes
-                config[f"old{n}-arrays"] = len(slot.arrays) if send else 0
-                if send:
-                    arrays += slot.arrays
-            out.append((nodes[by_pid[pid]], FitIns(ndarrays_to_parameters(arrays), config)))
-        return out
+            LOGGER.warning("round %d: none of the %d clients of task %d is connected and identified (%d nodes "
+                           "connected, partitions known: %s); start at least %d SuperNodes (the final population)",
+                           server_round, len(active), task, len(nodes), sorted(self.node_of),
+                           self.schedule.num_clients)
+            return []
+        chosen = sorted(self.rng.sample(candidates, min(self.clients_per_round, len(candidates))))
+        self._sampled = {self.node_of[pid] for pid in chosen}
+        model = self.global_record()
+        slots = (self.proxy.slot1, self.proxy.slot2)
 
-    def _split_reply(self, arrays: list[np.ndarray], metrics: dict) -> tuple[list[np.ndarray], list, str | None]:
-        n_model = len(self._global)
-        reason = check_arrays(arrays[:n_model], specs_like(self._global))
-        if reason is not None:
-            return [], [], reason
-        try:
-            num = int(metrics.get("num-gradients", 0))
-        except (TypeError, ValueError):
-            return [], [], f"num-gradients = {metrics.get('num-gradients')!r} is not an integer"
-        rest = arrays[n_model:]
-        if num < 0 or num > self.plan.config.classes_per_task:
-            return [], [], f"num-gradients = {num} outside 0..{self.plan.config.classes_per_task}"
-        per = len(self.lenet_specs)
-        if num and per == 0:
-            return [], [], f"{num} gradient sets sent, but this method runs no proxy"
-        if len(rest) != num * per:
-            return [], [], f"{len(rest)} gradient arrays for num-gradients = {num} (expected {num * per})"
-        grads = []
-        for g in range(num):
-            chunk = rest[g * per:(g + 1) * per]
-            reason = check_arrays(chunk, self.lenet_specs)
+        def content_for(node: int) -> RecordDict:
+            have = self.confirmed.get(node, (0, 0))
+            extra: dict[str, Any] = {"round-in-task": self.schedule.round_in_task(server_round),
+                                     "transition-slot": self.transition_slot(task)}
+            send = {}
+            for n, slot in ((1, slots[0]), (2, slots[1])):
+                sent = slot.arrays is not None and slot.version != have[n - 1]
+                extra[f"old{n}-sent"] = bool(sent)
+                extra[f"old{n}-version"] = int(slot.version)
+                extra[f"old{n}-classes"] = int(slot.num_classes)
+                if sent:
+                    send[n] = self._old_record(n, slot)
+            return protocol.encode_train_content(model, self.plan_config(config, server_round, task, **extra), send)
+
+        return self.build_messages(server_round, [self.node_of[pid] for pid in chosen], MessageType.TRAIN,
+                                   content_for)
+
+    def _train_bounds(self) -> dict[str, MetricBound]:
+        versions = float(self.proxy.versions)
+        return {"old1-version": MetricBound(0, versions, integer=True),
+                "old2-version": MetricBound(0, versions, integer=True),
+                protocol.TRANSITION: MetricBound(0, 1, integer=True)}
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        specs = self.model_specs()
+        bounds = self._train_bounds()
+        max_sets = self.schedule.classes_per_task
+
+        def decode(msg: Message, metrics: dict) -> tuple[object, str | None]:
+            node = int(msg.metadata.src_node_id)
+            if node not in self._sampled:
+                return None, "a train reply from a node that was not sampled this round"
+            reason = check_metrics(metrics, bounds)
             if reason is not None:
-                return [], [], f"gradient set {g}: {reason}"
-            grads.append(chunk)
-        return arrays[:n_model], grads, None
+                return None, reason
+            return protocol.decode_train_reply(msg.content, specs, self.lenet_shapes, max_sets)
 
-    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
-                      failures) -> tuple[Parameters | None, dict[str, Scalar]]:
-        accepted, pool = [], []
-        split: dict[int, tuple] = {}
+        accepted = self.screen(server_round, "train", replies, decode)
+        pool: list[list[np.ndarray]] = []
+        for a in accepted:
+            self.confirmed[a.node_id] = (int(a.metrics.get("old1-version", 0)), int(a.metrics.get("old2-version", 0)))
+            pool += [[g[name] for name in self.lenet_shapes] for g in a.payload[1]]
+        extra: dict[str, Any] = {"task": self.task, "num-classes": self.num_classes}
+        if accepted:
+            self._global = average_arrays([[a.payload[0][k] for k in self.keys] for a in accepted],
+                                          [1.0] * len(accepted))
+            extra["transitions"] = sum(int(a.metrics.get(protocol.TRANSITION, 0)) for a in accepted)
+            if self.old_model == "proxy":
+                extra.update(self._run_proxy(pool))
+        metrics = self.train_metrics(server_round, accepted, **extra)
+        self.close_train_round(server_round, accepted)
+        return (self.global_record() if accepted else None), metrics
 
-        def check(arrays: list[np.ndarray], res: FitRes) -> str | None:
-            model_arrays, grads, reason = self._split_reply(arrays, res.metrics or {})
-            if reason is None and res.num_examples <= 0:
-                reason = f"num_examples = {res.num_examples} (must be > 0)"
-            split[id(res)] = (model_arrays, grads)
-            return reason
+    def _run_proxy(self, pool: list[list[np.ndarray]]) -> dict[str, Any]:
+        from pollen.strategies.proxy import monitor_accuracy, reconstruct_batched
 
-        for _proxy, _arrays, res in self.screen_replies(server_round, results, check):
-            model_arrays, grads = split[id(res)]
-            accepted.append((model_arrays, res))
-            pool += grads
-            if "partition-id" in (res.metrics or {}):
-                m = res.metrics
-                self.confirmed[int(m["partition-id"])] = (int(m.get("old1-version", 0)), int(m.get("old2-version", 0)))
-        metrics: dict[str, Scalar] = {"accepted": len(accepted), "rejected": len(results) - len(accepted),
-                                      "failures": len(failures), "task": self.task,
-                                      "num-classes": self.num_classes}
-        if not accepted:
-            return None, metrics
-        self._global = average_arrays([a for a, _ in accepted], [1.0] * len(accepted))
-        metrics.update(mean_std_metrics([(r.num_examples, r.metrics) for _, r in accepted]))
-        metrics["transitions"] = sum(int((r.metrics or {}).get("transition", 0)) for _, r in accepted)
-        if self.old_model == "proxy":
-            metrics.update(self._run_proxy(server_round, pool))
-        return ndarrays_to_parameters(self._global), metrics
-
-    def _run_proxy(self, server_round: int, pool: list[list[np.ndarray]]) -> dict[str, Scalar]:
-        out: dict[str, Scalar] = {"proxy-gradients": len(pool)}
+        out: dict[str, Any] = {"proxy-gradients": len(pool)}
         if pool:
-            order = self.rng.permutation(len(pool))  # no link between a gradient and its sender
+            order = self.proxy_rng.permutation(len(pool))  # no link between a gradient and its sender
             grads = [pool[i] for i in order]
-            seeds = [int(s) for s in self.rng.integers(0, 2**31 - 1, size=len(grads))]
+            seeds = [int(s) for s in self.proxy_rng.integers(0, 2**31 - 1, size=len(grads))]
             rec = reconstruct_batched(self.lenet, grads, self.image_shape, seeds, iterations=self.proxy_iterations,
                                       keep_last=self.proxy_keep, settings=self.lbfgs, chunk=self.proxy_chunk)
             x, y = rec.samples()
@@ -276,63 +469,81 @@ class IncrementalFedAvg(RejectionLog, Strategy):
             out["proxy-seconds"] = round(rec.seconds, 3)
             out["proxy-matching-loss"] = float(rec.losses.mean())
             out["proxy-images-per-s"] = len(grads) / max(rec.seconds, 1e-9)
-        model = arrays_to_model(self.make_model(self.num_classes), self._global).to(self.device)
+        model = self._new_model(self.num_classes, self._global).to(self.device)
         score = monitor_accuracy(model, self.proxy.monitor_x, self.proxy.monitor_y, self.device)
         out["proxy-monitor-size"] = 0 if self.proxy.monitor_x is None else len(self.proxy.monitor_x)
-        out["proxy-monitor-accuracy"] = score
+        out["proxy-monitor-accuracy"] = float(score)
         out["proxy-new-best"] = int(self.proxy.consider(score, self._global, self.num_classes))
         out["old1-version"] = self.proxy.slot1.version
         out["old2-version"] = self.proxy.slot2.version
         return out
 
-    def configure_evaluate(self, server_round, parameters, client_manager):
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
         """Nothing by default: the global model is evaluated server-side, on all seen classes.
 
-        With ``detect_all_clients`` (the official code's behaviour) every existing client that was not
+        With ``detect_all_clients`` (the official code's behaviour) every active node that was not
         sampled this round receives the new global model and runs task-transition detection on it.
         """
         if not self.detect_all_clients:
             return []
         task = self.task_of_round(server_round)
-        nodes = client_manager.all()
-        by_pid = {pid: cid for cid, pid in self.partitions.items() if cid in nodes}
-        config: dict[str, Scalar] = {"server-round": server_round, "task": task, "detect-only": True,
-                                     "num-classes": self.num_classes, "model-arrays": len(self._global)}
-        ins = EvaluateIns(ndarrays_to_parameters(self._global), config)
-        return [(nodes[by_pid[pid]], ins) for pid in self.plan.active_clients(task)
-                if pid in by_pid and pid not in self._sampled]
+        connected = set(grid.get_node_ids())
+        nodes = [self.node_of[pid] for pid in self.schedule.active_clients(task)
+                 if self.node_of.get(pid) in connected and self.node_of[pid] not in self._sampled]
+        content = RecordDict({ARRAYS: self.global_record(),
+                              CONFIG: self.plan_config(config, server_round, task, **{protocol.DETECT_ONLY: True})})
+        return self.build_messages(server_round, nodes, MessageType.EVALUATE, lambda _n: content)
 
-    def aggregate_evaluate(self, server_round, results, failures):
-        if not results:
-            return None, {}
-        return None, {"detect-clients": len(results),
-                      "detect-transitions": sum(int((r.metrics or {}).get("transition", 0)) for _, r in results)}
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        bounds = {protocol.TRANSITION: MetricBound(0, 1, integer=True)}
+        accepted = self.screen(server_round, "evaluate", replies, lambda _m, x: (None, check_metrics(x, bounds)))
+        if not accepted:
+            return None
+        out = {"detect-clients": len(accepted),
+               "detect-transitions": sum(int(a.metrics.get(protocol.TRANSITION, 0)) for a in accepted)}
+        self.report(server_round).evaluate = dict(out)
+        return MetricRecord(out)
 
-    @torch.no_grad()
-    def evaluate(self, server_round: int, parameters: Parameters):
+    def evaluate_global(self, server_round: int, arrays: ArrayRecord | None = None) -> MetricRecord | None:
+        """Server-side evaluation of the current global model on the test images of all seen classes.
+
+        ``accuracy`` and ``loss`` on seen classes, ``task{j}-accuracy`` per seen task and, at the end of
+        each task, ``aia`` and ``forgetting`` over the tasks so far. ``arrays`` (what Flower passes to
+        ``evaluate_fn``) is the same state the strategy holds; the strategy's own copy is evaluated.
+        """
+        if self.test_data is None:
+            return None
+        import torch
+
         task = self.task_of_round(server_round) if server_round > 0 else 0
         if server_round > 0 and task != self.task:
-            return None  # parameters are from before this task's head growth
-        x, y = self.test_data(self.plan.seen_classes(task))
-        model = arrays_to_model(self.make_model(self.num_classes), self._global).to(self.device)
+            return None  # the model is from before this task's head growth
+        x, y = self.test_data(self.schedule.seen_classes(task))
+        model = self._new_model(self.num_classes, self._global).to(self.device)
         model.eval()
         preds, losses = [], []
-        for i in range(0, len(y), 1024):
-            out = model(x[i:i + 1024].to(self.device)).float().cpu()
-            preds.append(out.argmax(1))
-            losses.append(torch.nn.functional.cross_entropy(out, y[i:i + 1024], reduction="sum"))
+        with torch.no_grad():
+            for i in range(0, len(y), 1024):
+                out = model(x[i:i + 1024].to(self.device)).float().cpu()
+                preds.append(out.argmax(1))
+                losses.append(float(torch.nn.functional.cross_entropy(out, y[i:i + 1024], reduction="sum")))
         pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
-        loss = float(sum(losses) / max(len(y), 1))
-        metrics: dict[str, Scalar] = {"accuracy": float((pred == y).float().mean()) if len(y) else 0.0,
-                                      "task": task, "seen-classes": self.plan.seen_classes(task)}
-        s = self.plan.config.classes_per_task
+        metrics: dict[str, Any] = {"accuracy": float((pred == y).float().mean()) if len(y) else 0.0,
+                                   "loss": float(sum(losses) / max(len(y), 1)), "task": task,
+                                   "seen-classes": self.schedule.seen_classes(task)}
+        s = self.schedule.classes_per_task
         for j in range(task + 1):
             mask = (y >= j * s) & (y < (j + 1) * s)
             metrics[f"task{j}-accuracy"] = float((pred[mask] == y[mask]).float().mean()) if mask.any() else 0.0
-        if server_round > 0 and server_round % self.rounds_per_task == 0:  # the end of a task
+        if server_round > 0 and server_round % self.schedule.rounds_per_task == 0:  # the end of a task
             self.acc_rows[task] = {"seen": metrics["accuracy"],
                                    "row": [metrics[f"task{j}-accuracy"] for j in range(task + 1)]}
             done = [self.acc_rows[t] for t in sorted(self.acc_rows)]
             metrics["aia"] = aia([r["seen"] for r in done])
             metrics["forgetting"] = average_forgetting([r["row"] for r in done])
-        return loss, metrics
+        return MetricRecord(metrics)
+
+
+__all__ = ["IncrementalFedAvg", "NoTrainingError", "Accepted", "aia", "average_forgetting", "model_to_arrays",
+           "arrays_to_model", "seeded_model"]

@@ -113,12 +113,9 @@ def _dirichlet_task(source: str, fmt: ImageFormat) -> Callable[[TaskOptions, int
     def build(opts: TaskOptions, partition_id: int, num_partitions: int) -> ClientData:
         train = load_source(source, opts.data_root, "train", download=opts.download)
         test = load_source(source, opts.data_root, "test", download=opts.download)
-        try:
-            parts = dirichlet(train.labels.numpy(), num_partitions, opts.dirichlet_alpha, opts.seed)
-        except PartitionError as err:
-            raise TaskError(f"task cannot split {source} into {num_partitions} clients: {err}") from err
+        parts, test_parts = _dirichlet_splits(source, opts, num_partitions)
         mine = _cap(parts[partition_id], opts.max_train_samples, opts.seed + partition_id)
-        test_part = iid(len(test), num_partitions, opts.seed)[partition_id]
+        test_part = test_parts[partition_id]
         classes = tuple(range(train.num_classes))
         return _as_data(train.subset(mine), test.subset(test_part), fmt, classes)
 
@@ -135,6 +132,19 @@ def _shot_task(source: str, fmt: ImageFormat) -> Callable[[TaskOptions, int, int
         return _as_data(train.subset(split.train), test.subset(split.test), fmt, split.classes)
 
     return build
+
+
+@functools.lru_cache(maxsize=8)
+def _dirichlet_splits(source: str, opts: TaskOptions, num_partitions: int):
+    """All clients' train (Dirichlet) and test (IID) indices, drawn once per process and setting: a
+    client's data must not cost a redraw of the whole population (O(N) per message, O(N²) per round)."""
+    train = load_source(source, opts.data_root, "train", download=opts.download)
+    test = load_source(source, opts.data_root, "test", download=opts.download)
+    try:
+        parts = dirichlet(train.labels.numpy(), num_partitions, opts.dirichlet_alpha, opts.seed)
+    except PartitionError as err:
+        raise TaskError(f"task cannot split {source} into {num_partitions} clients: {err}") from err
+    return parts, iid(len(test), num_partitions, opts.seed)
 
 
 @functools.lru_cache(maxsize=8)

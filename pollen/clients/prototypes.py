@@ -196,17 +196,22 @@ class PrototypeClient(PollenClient):
             if glob is not None and "proto" in last.parts:
                 da_state["history"] = (list(da_state["history"]) + [[last.parts["ce"], last.parts["proto"]]])[-3:]
         self.state.save_values(self.DA_KEY, da_state)
-        with torch.no_grad():
-            metrics["mi-classifier"] = mutual_information(torch.softmax(model.head(z_train), dim=1))
-            if glob is not None:  # scale-free temperature τ·m: MSE distances are tiny next to τ alone
-                tau_mi = tau * glob.margin if glob.margin > 0 else tau
-                metrics["mi"] = mutual_information(
-                    prototype_probabilities(z_train, glob.protos, glob.present, tau_mi))
+        if bool(config.get("monitor", True)):  # only on rounds the server evaluates: a full extra pass
+            metrics.update(self.monitors(model, z_train, glob, tau))
 
         reply = [protos.cpu().numpy().astype(np.float32), counts.cpu().numpy().astype(np.int64)]
         if self.partition_id == int(self.opt("fault-partition")):
             reply = self.inject_fault(reply)
         return reply, self.data.num_train, metrics
+
+    @torch.no_grad()
+    def monitors(self, model, z_train: torch.Tensor, glob: GlobalPrototypes | None, tau: float) -> dict[str, float]:
+        """Mutual information of the classifier's and the prototypes' predictions on the training set."""
+        metrics = {"mi-classifier": mutual_information(torch.softmax(model.head(z_train), dim=1))}
+        if glob is not None:  # scale-free temperature τ·m: MSE distances are tiny next to τ alone
+            tau_mi = tau * glob.margin if glob.margin > 0 else tau
+            metrics["mi"] = mutual_information(prototype_probabilities(z_train, glob.protos, glob.present, tau_mi))
+        return metrics
 
     def inject_fault(self, reply: list[np.ndarray]) -> list[np.ndarray]:
         """Test-only misbehaviour (``proto-fault-partition``): a reply the server must reject."""

@@ -119,7 +119,7 @@ def _hostile(kind):
 def test_a_bad_train_reply_is_rejected_with_its_reason_and_the_round_goes_on(kind, reason, caplog):
     grid = InProcessGrid({11: _weights_node(0, 10, 1.0), 12: _hostile(kind)})
     strategy = WeightAveraging(min_available_nodes=2)
-    with caplog.at_level(logging.WARNING, logger="pollen"):
+    with caplog.at_level(logging.WARNING, logger="flwr.pollen"):
         result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
     np.testing.assert_allclose(result.arrays["w"].numpy(), STATE["w"] + 1.0, rtol=1e-6)  # the good one alone
     assert result.train_metrics_clientapp[1]["accepted"] == 1 and result.train_metrics_clientapp[1]["rejected"] == 1
@@ -277,3 +277,34 @@ def test_importing_the_strategies_does_not_import_torch():
     code = "import sys, pollen.strategies, pollen.protocol; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_without_an_initial_model_the_layout_most_clients_share_wins():
+    """One client answering first with an odd model must not decide the homogeneous model's shapes."""
+    def node(pid, shape):
+        def handle(msg):
+            if msg.metadata.message_type == "evaluate":
+                return RecordDict({"metrics": MetricRecord({"num-examples": 5, "partition-id": pid})})
+            return encode_logit_reply(np.ones((5, 3), np.float32), 4, {"partition-id": pid},
+                                      model=_record({"w": np.ones(shape, np.float32)}))
+        return handle
+
+    strategy = LogitAveraging(num_public=5, num_classes=3, average_weights=True, min_available_nodes=3)
+    strategy.start(grid=InProcessGrid({11: node(0, (1000,)), 12: node(1, (2, 2)), 13: node(2, (2, 2))}),
+                   initial_arrays=ArrayRecord(), num_rounds=1)
+    assert strategy.weights["w"].shape == (2, 2) and strategy.reports[1].accepted == 2
+    assert "model: 'w': shape 1000 != expected 2x2" in strategy.reports[1].rejected[0]["reason"]
+
+
+def test_metric_record_takes_numpy_numbers_and_lists_of_them():
+    from pollen.protocol.records import metric_record
+
+    rec = metric_record(3, {"a": [np.float32(1.5)], "c": [1, 2], "f": np.float32(0.25), "b": True, "s": "x"})
+    assert dict(rec) == {"a": [1.5], "c": [1, 2], "f": 0.25, "b": 1, "num-examples": 3}
+
+
+def test_fractional_class_counts_are_refused_on_the_client():
+    with pytest.raises(ValueError, match="whole numbers"):
+        encode_prototype_reply(np.zeros((2, 3), np.float32), np.array([2.9, 0.5]))
+    reply = encode_prototype_reply(np.zeros((2, 3), np.float32), np.array([2.0, 0.0]))
+    assert reply["arrays"]["class-counts"].numpy().tolist() == [2, 0]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -19,9 +18,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
-LOGGER = logging.getLogger("pollen")
+from pollen.log import LOGGER
+
 CHECKPOINT_DIR = "checkpoints"
 
 

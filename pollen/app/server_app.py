@@ -10,19 +10,16 @@ nobody ends **failed** — ``summary.json`` says why and the ServerApp raises, s
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from flwr.app import Array, ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from pollen.app.checkpoints import (CheckpointError, latest_checkpoint, save_arrays, write_checkpoint,
-                                    write_json)
+from pollen.app.checkpoints import CheckpointError, latest_checkpoint, save_arrays, write_checkpoint, write_json
 from pollen.app.config import RunConfig, parse_run_config
 from pollen.app.registry import METHODS
 from pollen.app.results import RunRecorder, run_directory
-
-LOGGER = logging.getLogger("pollen")
+from pollen.log import LOGGER
 
 # Keys that may differ between an interrupted run and its resumption.
 RESUMABLE_CHANGES = frozenset({"resume-from", "out-dir", "num-server-rounds", "data-root", "device",

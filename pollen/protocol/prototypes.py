@@ -58,8 +58,16 @@ def decode_global_prototypes(record: ArrayRecord, num_classes: int,
 
 def encode_prototype_reply(protos: np.ndarray, counts: np.ndarray, metrics: Mapping[str, Any] | None = None,
                            num_examples: int | None = None) -> RecordDict:
-    """Client side: a reply with local prototypes and class counts (``num-examples`` = Σ counts)."""
-    counts = np.asarray(counts).astype(np.int64)
+    """Client side: a reply with local prototypes and class counts (``num-examples`` = Σ counts).
+
+    Counts must be whole numbers: a fractional count would silently drop or shrink a class.
+    """
+    raw = np.asarray(counts)
+    if raw.dtype.kind == "f" and not (np.isfinite(raw).all() and (raw == np.round(raw)).all()):
+        raise ValueError(f"class counts must be whole numbers, got {raw.tolist()}")
+    if raw.dtype.kind not in "iuf":
+        raise ValueError(f"class counts must be numbers, got dtype {raw.dtype}")
+    counts = raw.astype(np.int64)
     n = int(counts.sum()) if num_examples is None else int(num_examples)
     return reply_content({PROTOTYPES: np.asarray(protos, dtype=np.float32), CLASS_COUNTS: counts}, n, metrics)
 

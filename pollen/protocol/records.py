@@ -29,22 +29,33 @@ def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({str(k): Array(np.require(v, requirements="C")) for k, v in arrays.items()})
 
 
-def metric_record(num_examples: int, metrics: Mapping[str, Any] | None = None) -> MetricRecord:
-    """A MetricRecord from plain or numpy numbers; non-numeric values (strings, None) are left out.
+def _plain_number(value: Any) -> int | float | None:
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    return None
 
-    Flower's MetricRecord refuses ``np.float32``/``np.int64`` and bools: they are cast here so a
-    client can pass what torch/numpy gave it.
+
+def metric_record(num_examples: int, metrics: Mapping[str, Any] | None = None) -> MetricRecord:
+    """A MetricRecord from plain or numpy numbers (and lists of them); other values are left out.
+
+    Flower's MetricRecord refuses ``np.float32``/``np.int64``, bools and mixed lists: numbers are
+    cast here (a list of whole numbers stays ints, a list with any float becomes floats) so a client
+    can pass what torch/numpy gave it. Strings, None and nested values are dropped.
     """
     out: dict[str, int | float | list] = {}
     for key, value in (metrics or {}).items():
-        if isinstance(value, (bool, np.bool_)):
-            out[key] = int(value)
-        elif isinstance(value, (int, np.integer)):
-            out[key] = int(value)
-        elif isinstance(value, (float, np.floating)):
-            out[key] = float(value)
-        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
-            out[key] = [float(v) for v in value]
+        if isinstance(value, (list, tuple, np.ndarray)):
+            items = [_plain_number(v) for v in value]
+            if items and all(v is not None for v in items):
+                out[key] = items if all(isinstance(v, int) for v in items) else [float(v) for v in items]
+            continue
+        number = _plain_number(value)
+        if number is not None:
+            out[key] = number
     out[NUM_EXAMPLES] = int(num_examples)
     return MetricRecord(out)
 

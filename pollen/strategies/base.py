@@ -19,7 +19,6 @@ that trains nobody never looks like a success.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -30,11 +29,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from pollen.log import LOGGER
 from pollen.protocol.records import ARRAYS, CONFIG, METRICS, record_bytes
 from pollen.protocol.screening import check_accuracy_keys, check_metrics, metric_bounds
 from pollen.strategies.metrics import mean_std_metrics
 
-LOGGER = logging.getLogger("pollen")
 REASON_CHARS = 500  # enough for a ClientApp traceback's last lines, bounded for metrics.jsonl
 
 

@@ -11,8 +11,16 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import numpy as np
-from flwr.common import (EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar,
-                         ndarrays_to_parameters, parameters_to_ndarrays)
+from flwr.common import (
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    Parameters,
+    Scalar,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAvg, Strategy
@@ -20,8 +28,7 @@ from flwr.server.strategy import FedAvg, Strategy
 from pollen.strategies.logits import mean_logits
 from pollen.strategies.metrics import mean_std_metrics
 from pollen.strategies.prototypes import PROTO_WEIGHTINGS, aggregate_prototypes, prototype_margin
-from pollen.strategies.validation import (ArraySpec, Rejection, check_arrays, client_label, log_rejection,
-                                          specs_like)
+from pollen.strategies.validation import ArraySpec, Rejection, check_arrays, client_label, log_rejection, specs_like
 from pollen.strategies.weights import WEIGHTINGS, average_arrays
 
 

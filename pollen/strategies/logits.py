@@ -17,7 +17,6 @@ from flwr.serverapp import Grid
 from pollen.protocol.logits import MODEL, decode_logit_reply, encode_consensus
 from pollen.protocol.records import ARRAYS, CONFIG, array_record
 from pollen.protocol.weights import decode_weights_reply
-from pollen.protocol.screening import ArraySpec, decode_record
 from pollen.strategies.base import PollenStrategy
 from pollen.strategies.weights import average_arrays
 
@@ -87,6 +86,8 @@ class LogitAveraging(PollenStrategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        if self.average_weights and self.weights is None and len(arrays) > 0:
+            self.weights = arrays  # the caller's initial model fixes the shapes replies must have
         nodes = self.sample(grid, self.fraction_train, self.min_train_nodes)
         consensus = self.consensus_record()
 
@@ -104,25 +105,34 @@ class LogitAveraging(PollenStrategy):
         if reason is not None or not self.average_weights:
             return (logits, None), reason
         model = msg.content.get(MODEL)
-        if reference is None:  # first weights ever: any numeric state, finite
-            if not isinstance(model, ArrayRecord) or len(model) == 0:
-                return None, f"homogeneous mode needs the model state under '{MODEL}'"
-            specs = [ArraySpec(k, tuple(a.shape), "any") for k, a in model.items()]
-            state, reason = decode_record(model, specs)
-        else:
-            state, reason = decode_weights_reply(model, reference)
+        if reference is None:
+            return None, f"homogeneous mode needs the model state under '{MODEL}'"
+        state, reason = decode_weights_reply(model, reference)
         return ((logits, state), None) if reason is None else (None, f"{MODEL}: {reason}")
+
+    def _majority_state(self, replies: list[Message]) -> ArrayRecord | None:
+        """Without an initial model, the state layout most round-1 replies share (first one on a
+        tie): one odd or hostile client answering first must not decide the model's shapes."""
+        layouts: dict[tuple, list[ArrayRecord]] = {}
+        for msg in replies:
+            model = None if msg.has_error() else msg.content.get(MODEL)
+            if isinstance(model, ArrayRecord) and len(model):
+                key = tuple((k, tuple(a.shape), a.dtype) for k, a in model.items())
+                layouts.setdefault(key, []).append(model)
+        if not layouts:
+            return None
+        best = max(layouts.values(), key=len)
+        return best[0]
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
         reference = self.weights
+        if self.average_weights and reference is None:
+            reference = self._majority_state(replies)
 
         def decode(msg: Message, _metrics: dict) -> tuple[object, str | None]:
-            nonlocal reference
-            payload, reason = self._decode(msg, reference)
-            if reason is None and self.average_weights and reference is None:
-                reference = array_record(payload[1])  # the first good reply fixes round 1's shapes
-            return payload, reason
+            return self._decode(msg, reference)
 
         accepted = self.screen(server_round, "train", replies, decode)
         metrics = self.train_metrics(server_round, accepted)

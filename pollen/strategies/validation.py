@@ -7,13 +7,12 @@ round's metrics — one broken or malicious client never poisons or stops a run.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-LOGGER = logging.getLogger("pollen")
+from pollen.log import LOGGER
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,256 @@
+"""GLFC family (GLFC, its ablations, FedAvg + iCaRL, Finetune): a growing global model, old models
+by version, and the proxy's prototype gradients — every array by name.
+
+| direction | record / key | shape | dtype | notes |
+|---|---|---|---|---|
+| server → client | ``arrays[<state-dict name>]`` | per entry | per entry | global model state; head of ``num-classes`` rows |
+| server → client | ``old-model-1[<state-dict name>]`` | per entry | per entry | slot 1's model, only when ``old1-sent`` |
+| server → client | ``old-model-2[<state-dict name>]`` | per entry | per entry | slot 2's model, only when ``old2-sent`` |
+| server → client | ``config["server-round"]``, ``["task"]``, ``["round-in-task"]`` | | int | task = (round - 1) // rounds-per-task; round-in-task 0-based |
+| server → client | ``config["num-classes"]`` | | int | head size of ``arrays`` = classes seen so far |
+| server → client | ``config["transition-slot"]`` | | int | 1 or 2: the slot a client that detects a new task distils from |
+| server → client | ``config["old{1,2}-version"]``, ``["old{1,2}-classes"]`` | | int | the slot's version (0 = empty) and head size |
+| server → client | ``config["old{1,2}-sent"]`` | | bool | the slot's model is in this message (the node's cached version differs) |
+| server → client | ``config["num-tasks"]``, ``["classes-per-task"]``, ``["rounds-per-task"]`` | | int | the task plan |
+| server → client | ``config["detect-only"]`` | | bool | evaluate messages only: run task detection on ``arrays``, train nothing |
+| server → client | query: ``config["query"]`` | | str | ``"partition-id"``, once per node whose partition is unknown |
+| client → server | ``arrays[<state-dict name>]`` | as received | as received | trained state; same keys, finite |
+| client → server | ``proto-grads["g{i}.{param}"]`` | LeNet param | float32 | gradient set i = 0..n-1 (one per new class, n <= classes-per-task); absent without a transition |
+| client → server | ``metrics["num-examples"]`` | | int | training samples (averaging is unweighted) |
+| client → server | ``metrics["partition-id"]`` | | int | the node's partition (stream client id); also the whole query reply |
+| client → server | ``metrics["old1-version"]``, ``["old2-version"]`` | | int | old-model versions the node has cached now |
+| client → server | ``metrics["transition"]`` | | int | 1 when it detected a new task this round, else 0 |
+
+Train messages carry ``arrays``, ``config`` and the old models the node lacks; evaluate messages are
+sent only with ``detect-only`` (the official code's every-client task detection) and carry ``arrays``
+and ``config``; query messages (``MessageType.QUERY``) carry only ``config``. The number of gradient
+sets is read from the ``proto-grads`` keys, never from a metric; ``{param}`` are the names of the shared
+LeNet's ``named_parameters()``. Evaluate and query replies carry only ``metrics``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from pollen.protocol.records import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    array_record,
+    metric_record,
+    reply_content,
+)
+from pollen.protocol.screening import ArraySpec, decode_record
+
+OLD_MODEL = {1: "old-model-1", 2: "old-model-2"}
+PROTO_GRADS = "proto-grads"
+QUERY = "query"
+PARTITION_ID = "partition-id"
+DETECT_ONLY = "detect-only"
+TRANSITION = "transition"
+PLAN_KEYS = ("num-tasks", "classes-per-task", "rounds-per-task")
+REPLY_RECORDS = frozenset({ARRAYS, PROTO_GRADS, METRICS})
+_GRAD_KEY = re.compile(r"^g(0|[1-9][0-9]*)\.(.+)$")
+
+
+def grad_key(index: int, param: str) -> str:
+    """The ``proto-grads`` key of parameter ``param`` in gradient set ``index``."""
+    return f"g{index}.{param}"
+
+
+@dataclass(frozen=True)
+class TaskSchedule:
+    """The class-incremental plan the server follows: which round is which task, who exists when.
+
+    ``population[t]`` clients (partitions ``0 .. population[t] - 1``) exist at task ``t``; task ``t``
+    brings classes ``t·s .. (t+1)·s - 1`` with ``s = classes_per_task``.
+    """
+
+    num_tasks: int
+    classes_per_task: int
+    rounds_per_task: int
+    population: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("num_tasks", "classes_per_task", "rounds_per_task"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        pop = tuple(int(p) for p in self.population)
+        if len(pop) != self.num_tasks or pop[0] < 1 or any(b < a for a, b in zip(pop, pop[1:])):
+            raise ValueError(f"population must give a non-decreasing client count >= 1 for each of the "
+                             f"{self.num_tasks} tasks, got {self.population}")
+        object.__setattr__(self, "population", pop)
+
+    @classmethod
+    def from_plan(cls, plan: Any, rounds_per_task: int) -> TaskSchedule:
+        """From a :class:`pollen.datasets.incremental.StreamPlan` (or anything shaped like it)."""
+        return cls(int(plan.config.num_tasks), int(plan.config.classes_per_task), int(rounds_per_task),
+                   tuple(int(p) for p in plan.population))
+
+    @property
+    def num_clients(self) -> int:
+        """The final population: how many nodes / partitions a run needs."""
+        return self.population[-1]
+
+    @property
+    def num_rounds(self) -> int:
+        return self.num_tasks * self.rounds_per_task
+
+    def task_of_round(self, server_round: int) -> int:
+        return min(self.num_tasks - 1, max(0, server_round - 1) // self.rounds_per_task)
+
+    def round_in_task(self, server_round: int) -> int:
+        return max(0, server_round - 1) % self.rounds_per_task
+
+    def active_clients(self, task: int) -> range:
+        return range(self.population[task])
+
+    def seen_classes(self, task: int) -> int:
+        return (task + 1) * self.classes_per_task
+
+    def config(self) -> dict[str, int]:
+        """The plan keys every GLFC message carries."""
+        return dict(zip(PLAN_KEYS, (self.num_tasks, self.classes_per_task, self.rounds_per_task)))
+
+
+# -- server side ------------------------------------------------------------------------------------
+def encode_train_content(model: ArrayRecord, config: ConfigRecord,
+                         old_models: Mapping[int, ArrayRecord] | None = None) -> RecordDict:
+    """A train message: the global state, the config, and the old models this node lacks."""
+    content = RecordDict({ARRAYS: model, CONFIG: config})
+    for slot, record in (old_models or {}).items():
+        content[OLD_MODEL[slot]] = record
+    return content
+
+
+def query_content(server_round: int) -> RecordDict:
+    """A query message asking a node which partition it serves."""
+    return RecordDict({CONFIG: ConfigRecord({"server-round": int(server_round), QUERY: PARTITION_ID})})
+
+
+def gradient_specs(lenet_shapes: Mapping[str, Sequence[int]], num_sets: int) -> list[ArraySpec]:
+    return [ArraySpec(grad_key(i, name), tuple(shape), "float32")
+            for i in range(num_sets) for name, shape in lenet_shapes.items()]
+
+
+def decode_gradients(record: Any, lenet_shapes: Mapping[str, Sequence[int]] | None,
+                     max_sets: int) -> tuple[list[dict[str, np.ndarray]] | None, str | None]:
+    """Server side: the gradient sets of a ``proto-grads`` record, from its keys, or a reason.
+
+    ``lenet_shapes`` is the shared LeNet's ``{name: shape}`` (``None`` when the method runs no proxy:
+    then only an absent or empty record is accepted). At most ``max_sets`` sets; keys and metadata are
+    checked before anything is decoded.
+    """
+    if record is None:
+        return [], None
+    if not isinstance(record, ArrayRecord):
+        return None, f"'{PROTO_GRADS}': expected an ArrayRecord, got {type(record).__name__}"
+    if len(record) == 0:
+        return [], None
+    if not lenet_shapes:
+        return None, f"'{PROTO_GRADS}': {len(record)} gradient arrays sent, but this method runs no proxy"
+    per = len(lenet_shapes)
+    if len(record) > max_sets * per:
+        return None, (f"'{PROTO_GRADS}': {len(record)} arrays, more than {max_sets} gradient sets "
+                      f"(classes per task) × {per} LeNet parameters")
+    for key in record.keys():
+        match = _GRAD_KEY.match(key)
+        if match is None or match.group(2) not in lenet_shapes:
+            return None, f"'{PROTO_GRADS}': unexpected key '{key[:80]}' (expected g<i>.<LeNet parameter>)"
+    if len(record) % per:
+        return None, f"'{PROTO_GRADS}': {len(record)} arrays is not a whole number of {per}-array gradient sets"
+    num_sets = len(record) // per
+    arrays, reason = decode_record(record, gradient_specs(lenet_shapes, num_sets))
+    if reason is not None:
+        return None, f"'{PROTO_GRADS}': {reason}"
+    return [{name: arrays[grad_key(i, name)] for name in lenet_shapes} for i in range(num_sets)], None
+
+
+def decode_train_reply(content: RecordDict, model_specs: Sequence[ArraySpec],
+                       lenet_shapes: Mapping[str, Sequence[int]] | None, max_sets: int,
+                       ) -> tuple[tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]] | None, str | None]:
+    """Server side: ``((state by name, gradient sets), None)`` or ``(None, reason naming the key)``."""
+    extra = [k for k in content.keys() if k not in REPLY_RECORDS]
+    if extra:
+        return None, f"unexpected record(s) {extra[:5]}"
+    state, reason = decode_record(content.get(ARRAYS), model_specs)
+    if reason is not None:
+        return None, f"'{ARRAYS}': {reason}"
+    grads, reason = decode_gradients(content.get(PROTO_GRADS), lenet_shapes, max_sets)
+    if reason is not None:
+        return None, reason
+    return (state, grads), None
+
+
+def decode_identity_reply(content: RecordDict) -> tuple[int | None, str | None]:
+    """Server side: the partition id of a query reply, or a reason."""
+    metrics = content.get(METRICS)
+    if not isinstance(metrics, MetricRecord) or PARTITION_ID not in metrics:
+        return None, f"query reply lacks metrics['{PARTITION_ID}']"
+    value = metrics[PARTITION_ID]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or int(value) != value or value < 0:
+        return None, f"metric '{PARTITION_ID}' = {value!r} is not a whole number >= 0"
+    return int(value), None
+
+
+# -- client side ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainInstruction:
+    """What a client reads from a GLFC train (or detect-only evaluate) message."""
+
+    model: dict[str, np.ndarray]  # global state by name, in the order received
+    old_models: dict[int, dict[str, np.ndarray]]  # slot -> state by name (only the slots sent)
+    config: dict[str, Any]
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.config["num-classes"])
+
+
+def decode_train_content(content: RecordDict) -> TrainInstruction:
+    """Client side: the global model, the old models sent and the config; ``ValueError`` naming the key."""
+    model = content.get(ARRAYS)
+    if not isinstance(model, ArrayRecord) or len(model) == 0:
+        raise ValueError(f"GLFC message lacks the global model under '{ARRAYS}'")
+    config = dict(content.get(CONFIG) or {})
+    if "num-classes" not in config:
+        raise ValueError("GLFC message lacks config['num-classes']")
+    keys = list(model.keys())
+    old: dict[int, dict[str, np.ndarray]] = {}
+    for slot, name in OLD_MODEL.items():
+        if not bool(config.get(f"old{slot}-sent", False)):
+            continue
+        record = content.get(name)
+        if not isinstance(record, ArrayRecord):
+            raise ValueError(f"config['old{slot}-sent'] is true but the message has no '{name}' record")
+        if sorted(record.keys()) != sorted(keys):
+            raise ValueError(f"'{name}' keys differ from the global model's")
+        old[slot] = {k: record[k].numpy() for k in keys}
+    return TrainInstruction({k: model[k].numpy() for k in keys}, old, config)
+
+
+def encode_train_reply(state: ArrayRecord | Mapping[str, np.ndarray], num_examples: int,
+                       gradients: Sequence[Mapping[str, np.ndarray]] = (),
+                       metrics: Mapping[str, Any] | None = None) -> RecordDict:
+    """Client side: the trained state by name, the gradient sets (``g{i}.{param}``) and the metrics.
+
+    ``metrics`` should carry ``partition-id``, ``old1-version``, ``old2-version`` and ``transition``.
+    """
+    grads = {grad_key(i, name): np.asarray(g, dtype=np.float32)
+             for i, gset in enumerate(gradients) for name, g in gset.items()}
+    extra = {PROTO_GRADS: array_record(grads)} if grads else {}
+    return reply_content(state, num_examples, metrics, **extra)
+
+
+def encode_identity_reply(partition_id: int) -> RecordDict:
+    """Client side: the answer to a query message."""
+    return RecordDict({METRICS: metric_record(0, {PARTITION_ID: int(partition_id)})})

@@ -1,0 +1,1 @@
+"""An external Flower app on the legacy API (server_fn, ServerAppComponents, NumPyClient)."""

@@ -1,0 +1,1 @@
+"""An external FedMD-style Flower app built on Pollen's LogitAveraging."""

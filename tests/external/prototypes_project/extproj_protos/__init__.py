@@ -1,0 +1,1 @@
+"""An external FedProto-style Flower app built on Pollen's PrototypeStrategy."""

@@ -1,0 +1,1 @@
+"""An external FedAvg Flower app (numpy logistic regression) built on Pollen's WeightAveraging."""

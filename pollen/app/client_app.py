@@ -57,7 +57,8 @@ def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Contex
         "method": cfg.method, "task": cfg.task, "model": client.model_name,
         "width": cfg.width_for(client.model_name), "num-classes": client.task.num_classes,
         "in-channels": fmt.channels, "image-size": fmt.size, "model-kwargs": kwargs,
-        "round": server_round, "partition-id": client.partition_id, "seed": cfg.seed})
+        "round": server_round, "partition-id": client.partition_id, "seed": cfg.seed,
+        "num-partitions": client.node.num_partitions, "config": cfg.to_dict()})
 
 
 @app.train()

@@ -163,6 +163,8 @@ def _shot_splits(source: str, opts: TaskOptions, num_partitions: int):
                         f"{opts.stdev}) over {num_partitions} clients: {err}") from err
 
 
+# Fashion-MNIST's own statistics (the format declared is the one its data is normalised with).
+FMNIST_FORMAT = ImageFormat(1, 28, (0.2860,), (0.3530,))
 # UCI digits are 8x8; upsampled to 28x28 so the same MNIST CNN serves both.
 UCI_FORMAT = ImageFormat(channels=1, size=28, mean=(0.305,), std=(0.32,))
 
@@ -187,8 +189,8 @@ register_task(TaskSpec(
     build=_dirichlet_task("mnist", MNIST_FORMAT)))
 register_task(TaskSpec(
     name="fmnist-dirichlet", description="Fashion-MNIST, Dirichlet label skew (needs data-root)",
-    num_classes=10, fmt=MNIST_FORMAT, default_model="cnn_mnist", needs_data_root=True,
-    build=_dirichlet_task("fashion_mnist", ImageFormat(1, 28, (0.2860,), (0.3530,)))))
+    num_classes=10, fmt=FMNIST_FORMAT, default_model="cnn_mnist", needs_data_root=True,
+    build=_dirichlet_task("fashion_mnist", FMNIST_FORMAT)))
 register_task(TaskSpec(
     name="mnist-shot", description="FedProto MNIST: N-way K-shot with stdev (needs data-root)",
     num_classes=10, fmt=MNIST_FORMAT, default_model="cnn_mnist", needs_data_root=True,

@@ -1,0 +1,323 @@
+"""``python -m pollen.predict``: saved models classify what their clients evaluated, with the same result.
+
+Real runs (Pollen's ServerApp ``main`` + ClientApp on the in-process grid, node state in the simulation
+default layout ``<run>/nodes/partition-<i>``) are made once per module; predict must then reproduce, for
+each partition, the accuracy the client reported in ``metrics.jsonl`` for the last round — the classifier
+head for local / FedAvg / FedProto, nearest-prototype for FedProto's ``proto-accuracy``. A folder of PNG
+files must give what the same images give as tensors; files that do not fit are refused with exit code 2.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+from safetensors.numpy import save_file
+
+from pollen.app.checkpoints import load_arrays
+from pollen.app.client_app import app as client_app
+from pollen.app.server_app import main as server_main
+from pollen.predict import input_format, main
+from tests.conftest import PROJECT_ROOT, real_data_root, require_real_data
+from tests.inprocess import InProcessGrid, clientapp_node
+
+PARTITIONS = 3
+ACC = re.compile(r"accuracy: ([0-9.]+) \((\d+)/(\d+)\)")
+SHOT = {"shot-shots": 12, "shot-stdev": 1, "shot-test-per-class": 5}
+
+
+def _run(run_config: dict, out_dir: Path, partitions: int = PARTITIONS) -> Path:
+    """A real run; each node's state folder is ``<run>/nodes/partition-<i>`` (the simulation default)."""
+    run_dir = out_dir / "7"
+    grid = InProcessGrid({100 + p: clientapp_node(client_app, run_config, p, partitions,
+                                                  state_dir=str(run_dir / "nodes" / f"partition-{p}"))
+                          for p in range(partitions)})
+    server_main(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(),
+                              run_config={**run_config, "out-dir": str(out_dir)}))
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    return run_dir
+
+
+def _reported(run_dir: Path, partition: int) -> dict:
+    """What the client of ``partition`` reported from its evaluate in the last round."""
+    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    return last["evaluate-clients"][f"partition {partition}"]
+
+
+def _model(run_dir: Path, partition: int) -> Path:
+    return run_dir / "nodes" / f"partition-{partition}" / "final-model.safetensors"
+
+
+def _predict(capsys, *argv) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _cli(*argv, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pollen.predict", *map(str, argv)], cwd=PROJECT_ROOT, check=False,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _accuracy(stdout: str) -> float:
+    match = ACC.search(stdout)
+    assert match, stdout
+    return float(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def uci_runs(tmp_path_factory):
+    """fedavg and local on the embedded UCI digits (no files needed), 3 partitions, 2 rounds."""
+    base = {"task": "uci-dirichlet", "seed": 5, "num-server-rounds": 2}
+    root = tmp_path_factory.mktemp("uci")
+    return {m: _run({**base, "method": m}, root / m) for m in ("fedavg", "local")}
+
+
+@pytest.fixture(scope="module")
+def proto_run(tmp_path_factory):
+    root = require_real_data()
+    return _run({"method": "fedproto", "task": "mnist-shot", "seed": 3, "num-server-rounds": 2,
+                 "data-root": root, **SHOT}, tmp_path_factory.mktemp("proto") / "out")
+
+
+# -- the task split: what the client evaluated --------------------------------------------------------
+@pytest.mark.parametrize("partition", range(PARTITIONS))
+def test_local_personal_model_reproduces_the_clients_accuracy(uci_runs, capsys, partition):
+    run_dir = uci_runs["local"]
+    rc, out, _ = _predict(capsys, "--model", _model(run_dir, partition), "--num-partitions", PARTITIONS)
+    assert rc == 0, out
+    assert f"run config: {run_dir / 'config.json'}" in out  # found from the default node layout
+    assert abs(_accuracy(out) - _reported(run_dir, partition)["accuracy"]) <= 1e-6
+
+
+@pytest.mark.parametrize("partition", range(PARTITIONS))
+def test_fedavg_global_model_reproduces_the_clients_accuracy(uci_runs, capsys, partition):
+    run_dir = uci_runs["fedavg"]
+    rc, out, _ = _predict(capsys, "--run", run_dir, "--partition", partition, "--num-partitions", PARTITIONS)
+    assert rc == 0, out
+    assert abs(_accuracy(out) - _reported(run_dir, partition)["accuracy"]) <= 1e-6
+
+
+def test_cli_writes_csv_and_the_console_script_is_declared(uci_runs, tmp_path):
+    import tomllib
+
+    scripts = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["pollen-predict"] == "pollen.predict:main"
+    run_dir = uci_runs["fedavg"]
+    out_csv = tmp_path / "preds.csv"
+    done = _cli("--run", run_dir, "--partition", 1, "--num-partitions", PARTITIONS, "--out", out_csv)
+    assert done.returncode == 0, done.stderr
+    acc = _accuracy(done.stdout)
+    assert abs(acc - _reported(run_dir, 1)["accuracy"]) <= 1e-6
+    rows = list(csv.DictReader(out_csv.open()))
+    assert list(rows[0]) == ["file", "label", "prediction", "score"]
+    assert len(rows) == _reported(run_dir, 1)["num-examples"]
+    assert rows[0]["file"] == "uci-dirichlet/partition-1/test/0"
+    assert all(0.0 < float(r["score"]) <= 1.0 for r in rows)
+    assert np.mean([r["label"] == r["prediction"] for r in rows]) == pytest.approx(acc, abs=1e-6)
+
+
+def test_fedproto_classifier_and_nearest_prototype_reproduce_the_clients_metrics(proto_run, capsys):
+    protos = proto_run / "final" / "global.safetensors"
+    for partition in range(PARTITIONS):
+        reported = _reported(proto_run, partition)
+        rc, out, _ = _predict(capsys, "--model", _model(proto_run, partition), "--num-partitions", PARTITIONS)
+        assert rc == 0 and abs(_accuracy(out) - reported["accuracy"]) <= 1e-6, out
+        rc, out, _ = _predict(capsys, "--model", _model(proto_run, partition), "--num-partitions", PARTITIONS,
+                              "--prototypes", protos)
+        assert rc == 0 and "(partition)" in out, out
+        own = _accuracy(out)
+        assert abs(own - reported["proto-accuracy"]) <= 1e-6
+        # Over every present class the task is no easier: a sample right among all is right among its own.
+        rc, out, _ = _predict(capsys, "--model", _model(proto_run, partition), "--num-partitions", PARTITIONS,
+                              "--prototypes", protos, "--proto-classes", "present")
+        assert rc == 0 and "(present)" in out and _accuracy(out) <= own + 1e-9
+
+
+def test_fedproto_nearest_prototype_through_the_cli(proto_run, tmp_path):
+    """The CLI end to end in a fresh process, with --config naming the run folder and --data-root."""
+    out_csv = tmp_path / "p.csv"
+    done = _cli("--model", _model(proto_run, 2), "--config", proto_run, "--partition", 2,
+                "--num-partitions", PARTITIONS, "--prototypes", proto_run, "--data-root", real_data_root(),
+                "--out", out_csv)
+    assert done.returncode == 0, done.stderr
+    assert abs(_accuracy(done.stdout) - _reported(proto_run, 2)["proto-accuracy"]) <= 1e-6
+    rows = list(csv.DictReader(out_csv.open()))
+    assert len(rows) == _reported(proto_run, 2)["num-examples"] and all(float(r["score"]) >= 0 for r in rows)
+
+
+def test_fccl_heterogeneous_personal_models_reproduce_intra_accuracy(capsys, tmp_path):
+    """Four architectures (resnet10/12, efficientnet_b0, mobilenet_v2; channels-last) on a domain task:
+    the split comes from the FCCL client itself (its train/test sizes), so intra-accuracy is reproduced."""
+    root = require_real_data()
+    run_dir = _run({"method": "fccl", "task": "digits-offline", "num-server-rounds": 1, "model-width": 0.125,
+                    "fccl-public": "photo_patches", "fccl-public-size": 40, "fccl-public-batch-size": 20,
+                    "fccl-train-sizes": "24,24,24,24", "fccl-solo-epochs": 1, "fccl-local-epochs": "1",
+                    "fccl-test-size": 20, "fccl-batch-size": 12, "data-root": root}, tmp_path, partitions=4)
+    for partition in range(4):
+        rc, out, err = _predict(capsys, "--model", _model(run_dir, partition))  # 4 = the task's fixed count
+        assert rc == 0, err
+        assert abs(_accuracy(out) - _reported(run_dir, partition)["intra-accuracy"]) <= 1e-6
+
+
+# -- a folder of images --------------------------------------------------------------------------------
+def _load_model(path: Path):
+    from pollen.models import build_model
+
+    info = json.loads(path.with_suffix(".json").read_text())
+    model = build_model(info["model"], info["num-classes"], in_channels=info["in-channels"],
+                        image_size=info["image-size"], width=info["width"], **info["model-kwargs"])
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in load_arrays(path).items()})
+    return model.eval()
+
+
+def test_png_folder_equals_the_same_images_as_tensors(proto_run, capsys, tmp_path):
+    from PIL import Image
+
+    from pollen.clients.prototype_losses import squared_distances
+    from pollen.datasets.sources import load_source
+    from pollen.datasets.tasks import TaskOptions, build_client_data
+    from pollen.datasets.transforms import to_model_input
+
+    test = load_source("mnist", real_data_root(), "test")
+    idx = np.arange(0, 400, 10)  # 40 test images, every digit
+    raw, labels = test.images[idx], test.labels[idx]
+    folder = tmp_path / "digits"
+    for i, (img, label) in enumerate(zip(raw, labels.tolist())):
+        (folder / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img[0].numpy(), mode="L").save(folder / str(label) / f"{i:03d}.png")
+
+    # the tensor path: the task's own conversion (the format its clients' data carries)
+    fmt = build_client_data("mnist-shot", TaskOptions(data_root=real_data_root(), seed=3, shots=12, stdev=1,
+                                                      test_per_class=5), 0, PARTITIONS).fmt
+    assert input_format("mnist-shot") == fmt
+    x = to_model_input(raw, fmt)
+    path = _model(proto_run, 0)
+    model = _load_model(path)
+    with torch.no_grad():
+        head = model(x).argmax(1)
+        glob = load_arrays(proto_run / "final" / "global.safetensors")
+        present = np.flatnonzero(glob["present"])
+        dist = squared_distances(model.features(x), torch.from_numpy(glob["prototypes"][present]))
+        nearest = torch.from_numpy(present)[dist.argmin(1)]
+
+    for argv, pred in ((), head), (("--prototypes", proto_run), nearest):
+        out_csv = tmp_path / "preds.csv"
+        rc, out, err = _predict(capsys, "--model", path, "--images", folder, "--out", out_csv, *argv)
+        assert rc == 0, err
+        assert "40 images, 40 labelled" in out
+        assert abs(_accuracy(out) - float((pred == labels).float().mean())) <= 1e-6
+        rows = list(csv.DictReader(out_csv.open()))
+        order = [int(Path(r["file"]).stem) for r in rows]  # files are listed by class folder
+        assert [int(r["prediction"]) for r in rows] == pred[order].tolist()
+        assert [int(r["label"]) for r in rows] == labels[order].tolist()
+
+
+def test_unlabelled_and_rgb_images_on_a_grey_model(uci_runs, capsys, tmp_path):
+    """Flat folder: no labels, no accuracy; an RGB file with R=G=B predicts as its grey twin."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    grey = rng.integers(0, 256, size=(8, 8), dtype=np.uint8)  # UCI digits are 8×8, resized to 28 like the task
+    Image.fromarray(grey, mode="L").save(tmp_path / "a-grey.png")
+    Image.fromarray(np.repeat(grey[..., None], 3, axis=2), mode="RGB").save(tmp_path / "b-rgb.png")
+    out_csv = tmp_path / "out" / "p.csv"
+    rc, out, err = _predict(capsys, "--run", uci_runs["fedavg"], "--images", tmp_path, "--out", out_csv)
+    assert rc == 0, err
+    assert "accuracy: n/a (no labels)" in out
+    rows = list(csv.DictReader(out_csv.open()))
+    assert [r["label"] for r in rows] == ["", ""] and rows[0]["prediction"] == rows[1]["prediction"]
+    assert float(rows[0]["score"]) == pytest.approx(float(rows[1]["score"]), abs=1e-5)
+
+
+def test_input_format_is_the_one_the_task_data_is_normalised_with():
+    """fmnist-dirichlet normalises with Fashion-MNIST's statistics, not MNIST's."""
+    from pollen.datasets.tasks import get_task
+
+    assert input_format("fmnist-dirichlet").mean == (0.2860,) == get_task("fmnist-dirichlet").fmt.mean
+    assert input_format("mnist-shot") == get_task("mnist-shot").fmt
+    assert input_format("digits").channels == 3 and input_format("uci-digits-cil").size == 28
+
+
+# -- refusals ------------------------------------------------------------------------------------------
+def _copy_model(run_dir: Path, tmp_path: Path) -> Path:
+    src = _model(run_dir, 0)
+    dst = tmp_path / "node" / "final-model.safetensors"
+    dst.parent.mkdir(parents=True)
+    dst.write_bytes(src.read_bytes())
+    dst.with_suffix(".json").write_text(src.with_suffix(".json").read_text())
+    return dst
+
+
+def test_a_safetensors_with_other_keys_is_refused_naming_them(uci_runs, tmp_path):
+    path = _copy_model(uci_runs["local"], tmp_path)
+    arrays = load_arrays(path)
+    arrays["classifier.weight"] = arrays.pop("head.weight")
+    save_file(arrays, str(path))
+    done = _cli("--model", path, "--config", uci_runs["local"], "--num-partitions", PARTITIONS)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert str(path) in done.stderr
+    assert "missing keys ['head.weight']" in done.stderr and "unexpected keys ['classifier.weight']" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_model_of_another_shape_or_without_its_json_is_refused(uci_runs, capsys, tmp_path):
+    path = _copy_model(uci_runs["local"], tmp_path)
+    meta = path.with_suffix(".json")
+    info = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**info, "model-kwargs": {"channels": 22}}))
+    rc, _, err = _predict(capsys, "--model", path, "--num-partitions", PARTITIONS)
+    assert rc == 2 and str(path) in err
+    assert "shape mismatch 'conv2.weight': file (20, 10, 5, 5) vs model (22, 10, 5, 5)" in err
+    meta.unlink()
+    rc, _, err = _predict(capsys, "--model", path, "--num-partitions", PARTITIONS)
+    assert rc == 2 and f"{meta}: the model's JSON not found" in err
+
+
+def test_prototypes_of_another_size_are_refused(uci_runs, capsys, tmp_path):
+    """d must equal the model's feature_dim (cnn_mnist: 50); a weights file is not prototypes."""
+    run_dir = uci_runs["local"]
+    bad = tmp_path / "global.safetensors"
+    save_file({"prototypes": np.zeros((10, 49), np.float32), "present": np.ones(10, np.int64)}, str(bad))
+    bad.with_suffix(".json").write_text(json.dumps({"family": "prototypes", "method": "fedproto",
+                                                    "task": "uci-dirichlet", "round": 1,
+                                                    "values": {"margin": 0.1}}))
+    rc, _, err = _predict(capsys, "--model", _model(run_dir, 0), "--num-partitions", PARTITIONS,
+                          "--prototypes", bad)
+    assert rc == 2 and f"{bad}: prototypes have d = 49 but the model's features have feature_dim = 50" in err
+    rc, _, err = _predict(capsys, "--model", _model(run_dir, 0), "--num-partitions", PARTITIONS,
+                          "--prototypes", uci_runs["fedavg"])
+    assert rc == 2 and "not prototypes" in err
+
+
+def test_usage_errors_exit_2_with_a_message(uci_runs, capsys, tmp_path):
+    rc, _, err = _predict(capsys, "--run", uci_runs["local"], "--partition", 0, "--num-partitions", PARTITIONS)
+    assert rc == 2 and "local-family run (method 'local') has no global model" in err
+    assert "partition-0/final-model.safetensors" in err  # points at the models it does have
+    rc, _, err = _predict(capsys, "--run", uci_runs["fedavg"], "--partition", 5, "--num-partitions", PARTITIONS)
+    assert rc == 2 and "--partition 5 is outside 0..2" in err
+    rc, _, err = _predict(capsys, "--run", uci_runs["fedavg"], "--partition", 0)
+    assert rc == 2 and "--num-partitions is needed" in err
+    (tmp_path / "seven").mkdir()
+    rc, _, err = _predict(capsys, "--run", uci_runs["fedavg"], "--images", tmp_path)
+    assert rc == 2 and "class folder 'seven' is neither a class index nor a class name" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["--partition", "0"])  # neither --model nor --run: argparse's usage error
+    assert exc.value.code == 2
+
+
+def test_help_explains_models_modes_inputs_and_refusals():
+    done = _cli("--help", timeout=120)
+    assert done.returncode == 0
+    for text in ("--model PATH", "--run RUN_DIR", "--prototypes PATH", "--images DIR", "--partition I",
+                 "--num-partitions N", "--out FILE", "nearest-prototype", "file,label,prediction,score",
+                 "exit code 2", "final-model.json"):
+        assert text in done.stdout, text

@@ -9,8 +9,8 @@
 
 Runs are CPU-sized (tiny ResNet-18 width, few rounds per task, small shards; see ``--help``). Method
 runs go through the real strategy and clients; ``--engine flwr`` runs each through ``flwr run``
-(simulation), ``--engine inprocess`` (default, ~1 min less per method on 2 cores) drives the same
-Strategy and NumPyClient objects in one process with Flower's own message types.
+(simulation), ``--engine inprocess`` (default, ~1 min less per method on 2 cores) runs the same
+Message-API strategy (``strategy.start``) and ClientApp handlers in one process over an in-process grid.
 
     python bench/glfc.py proxy --data-root ../shared/data
     python bench/glfc.py methods --data-root ../shared/data [--methods glfc fedavg-icarl finetune]
@@ -54,63 +54,60 @@ def method_config(method: str, args) -> dict:
 
 
 def run_inprocess(run_config: dict) -> list[dict]:
-    """Drive the method's Strategy and NumPyClients round by round in this process."""
-    from flwr.app import RecordDict
-    from flwr.common import (Code, Context, FitRes, GetPropertiesRes, Status, ndarrays_to_parameters,
-                             parameters_to_ndarrays)
-    from flwr.server.client_manager import SimpleClientManager
-    from flwr.server.client_proxy import ClientProxy
+    """Drive the method's Message-API strategy through ``strategy.start`` in this process, each node a real
+    ClientApp (Pollen's ``train``/``evaluate`` handlers, ``answer_query``) with its own ``Context``, over an
+    in-process grid: the same messages ``flwr run`` carries, without Ray."""
+    from flwr.app import Context, Error, Message, MessageType, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
 
-    from pollen.app.config import parse_node_config, parse_run_config
+    from pollen.app.client_app import app as client_app
+    from pollen.app.config import parse_run_config
+    from pollen.app.methods_glfc import answer_query
     from pollen.app.registry import METHODS
 
-    ok = Status(Code.OK, "")
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # Messages need a run identity
     cfg = parse_run_config(run_config)
     spec = METHODS[cfg.method]
     strategy = spec.make_strategy(cfg)
-    num_nodes = strategy.plan.num_clients
+    num_nodes = strategy.schedule.num_clients
+    tmp = tempfile.TemporaryDirectory(prefix="glfc-bench-nodes-")  # the nodes' on-disk state, removed at the end
+    state_root = Path(tmp.name)
+    contexts = {1000 + pid: Context(run_id=1, node_id=1000 + pid, node_config={
+        "partition-id": pid, "num-partitions": num_nodes, "state-dir": str(state_root / f"partition-{pid}")},
+        state=RecordDict(), run_config=dict(run_config)) for pid in range(num_nodes)}
 
-    class InProcessNode(ClientProxy):
-        def __init__(self, pid: int):
-            super().__init__(f"node-{pid}")
-            self.ctx = Context(run_id=1, node_id=1000 + pid, node_config={"partition-id": pid,
-                               "num-partitions": num_nodes}, state=RecordDict(), run_config=dict(run_config))
-            self.node = parse_node_config(self.ctx.node_config)
+    class InProcessGrid:
+        def get_node_ids(self):
+            return list(contexts)
 
-        def client(self):
-            return spec.make_client(cfg, self.node, self.ctx)  # rebuilt per message, as Flower does
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = []
+            for msg in messages:
+                ctx = contexts[msg.metadata.dst_node_id]
+                try:
+                    replies.append(answer_query(msg, ctx) if msg.metadata.message_type == MessageType.QUERY
+                                   else client_app(msg, ctx))
+                except Exception as err:  # as Flower does: an error reply, not a crash
+                    replies.append(Message(Error(2, f"{type(err).__name__}: {err}"), reply_to=msg))
+            return replies
 
-        def get_properties(self, ins, timeout, group_id):
-            return GetPropertiesRes(ok, self.client().get_properties({}))
-
-        def fit(self, ins, timeout, group_id):
-            arrays, n, metrics = self.client().fit(parameters_to_ndarrays(ins.parameters), ins.config)
-            return FitRes(ok, ndarrays_to_parameters(arrays), n, metrics)
-
-        def get_parameters(self, ins, timeout, group_id):
-            raise NotImplementedError
-
-        def evaluate(self, ins, timeout, group_id):
-            raise NotImplementedError
-
-        def reconnect(self, ins, timeout, group_id):
-            raise NotImplementedError
-
-    manager = SimpleClientManager()
-    for pid in range(num_nodes):
-        manager.register(InProcessNode(pid))
-    params = strategy.initialize_parameters(manager)
     rounds = []
-    for rnd in range(1, cfg.num_server_rounds + 1):
-        started = time.perf_counter()
-        instructions = strategy.configure_fit(rnd, params, manager)
-        results = [(proxy, proxy.fit(ins, None, rnd)) for proxy, ins in instructions]
-        new_params, fit_metrics = strategy.aggregate_fit(rnd, results, [])
-        params = new_params or params
-        _, ev = strategy.evaluate(rnd, params)
-        rounds.append({"round": rnd, "fit": fit_metrics, "server-evaluate": ev,
-                       "wall-time-s": time.perf_counter() - started})
-        print(f"  round {rnd}: acc {ev['accuracy']:.4f} ({time.perf_counter() - started:.1f}s)", flush=True)
+    clock = {"t": time.perf_counter()}
+
+    def end_of_round(rnd: int, arrays):
+        ev = strategy.evaluate_global(rnd, arrays)
+        if rnd > 0:
+            rep = strategy.take_round_report(rnd)
+            rounds.append({"round": rnd, "fit": dict(rep.fit), "server-evaluate": dict(ev),
+                           "rejected": rep.rejected, "failures": len(rep.failures),
+                           "wall-time-s": time.perf_counter() - clock["t"]})
+            print(f"  round {rnd}: acc {ev['accuracy']:.4f} ({time.perf_counter() - clock['t']:.1f}s)", flush=True)
+        clock["t"] = time.perf_counter()
+        return ev
+
+    with tmp:
+        strategy.start(grid=InProcessGrid(), initial_arrays=spec.initial_arrays(cfg),
+                       num_rounds=cfg.num_server_rounds, evaluate_fn=end_of_round)
     return rounds
 
 

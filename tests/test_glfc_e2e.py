@@ -1,5 +1,6 @@
-"""End to end: GLFC through `flwr run` (simulation): 2 tasks, clients joining at task 2, the proxy
-running, and one client sending NaN gradients that the server rejects while the run completes."""
+"""End to end: GLFC through `flwr run` (simulation, Message API): nodes identified by one query each,
+2 tasks, clients joining at task 2, the proxy running, and one client sending NaN gradients that the
+server rejects (by key) while the run completes."""
 
 import json
 
@@ -34,7 +35,11 @@ def test_glfc_simulation_two_tasks_with_joining_clients_and_a_bad_gradient(tmp_p
     # The proxy received and inverted gradients; partition 1's NaN gradients were rejected with a reason.
     assert sum(r["fit"].get("proxy-gradients", 0) for r in rounds) > 0
     rejected = [rej for r in rounds for rej in r["rejected"]]
-    assert rejected and all(rej["client"] == "partition 1" for rej in rejected)
-    assert any("NaN" in rej["reason"] for rej in rejected)
+    assert rejected and all(rej["client"] == "partition 1" and rej["stage"] == "train" for rej in rejected)
+    assert any("NaN" in rej["reason"] and "'proto-grads': 'g" in rej["reason"] for rej in rejected)
+    # every node answered its query: no failures anywhere, 3 trained per round, task 1 evaluated with AIA
+    assert all(r["failures"] == 0 and r["sampled"] == 3 for r in rounds)
+    assert "aia" in rounds[3]["server-evaluate"] and "forgetting" in rounds[3]["server-evaluate"]
     summary = json.loads((out / str(outcome.run_id) / "summary.json").read_text())
     assert summary["rounds"] == 4 and summary["rejected-total"] == len(rejected)
+    assert (out / str(outcome.run_id) / "final" / "global.safetensors").is_file()  # the final global model

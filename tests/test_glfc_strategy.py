@@ -10,8 +10,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from pollen.app.config import ConfigError, parse_node_config, parse_run_config
-from pollen.app.methods_glfc import (GLFC_ADAPTER, answer_query, initial_arrays, make_client, make_strategy,
-                                     settings_for)
+from pollen.app.methods_glfc import (
+    GLFC_ADAPTER,
+    answer_query,
+    initial_arrays,
+    make_client,
+    make_strategy,
+    settings_for,
+)
 from pollen.clients.glfc import build_lenet, build_stream_model
 from pollen.datasets.incremental import StreamConfig, plan_stream
 from pollen.protocol import glfc as protocol
@@ -52,7 +58,7 @@ def identity_grid(n: int, overrides=None) -> InProcessGrid:
 
 
 def _strategy(old_model="proxy", clients_per_round=3, schedule=None, **kwargs):
-    make = lambda n: build_stream_model("mnist-fmnist-cil", "cnn_mnist", n, 1.0)  # noqa: E731
+    make = lambda n: build_stream_model("mnist-fmnist-cil", "cnn_mnist", n, 1.0)
     test_x = torch.randn(20, 1, 28, 28)
     test_y = torch.arange(20) % 10
     if schedule is None:
@@ -270,7 +276,7 @@ def test_config_validation():
 
 def test_task_schedule_checks_and_plan():
     s = protocol.TaskSchedule(3, 4, 2, (2, 3, 3))
-    assert [s.task_of_round(r) for r in range(0, 8)] == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert [s.task_of_round(r) for r in range(8)] == [0, 0, 0, 1, 1, 2, 2, 2]
     assert s.round_in_task(4) == 1 and s.num_clients == 3 and s.seen_classes(2) == 12 and s.num_rounds == 6
     for bad in [dict(population=(2, 1, 3)), dict(population=(2, 3)), dict(rounds_per_task=0)]:
         with pytest.raises(ValueError):
@@ -406,7 +412,7 @@ def test_the_strategy_module_does_not_import_torch():
 
 
 def test_a_run_resumed_from_its_state_ends_where_an_uninterrupted_one_does(tmp_path):
-    import json
+    from pollen.app.checkpoints import latest_checkpoint, write_checkpoint
 
     rc = {**UCI_RC, "out-dir": str(tmp_path / "runs")}
     cfg = parse_run_config(rc)
@@ -418,8 +424,10 @@ def test_a_run_resumed_from_its_state_ends_where_an_uninterrupted_one_does(tmp_p
     first.start(grid=grid, initial_arrays=initial_arrays(cfg), num_rounds=2, evaluate_fn=first.evaluate_global)
     arrays, values = first.state()
     assert {"model.head.weight", "old2.head.weight", "proxy.monitor-x"} <= set(arrays)
+    write_checkpoint(tmp_path / "ckpt", 2, arrays, values, {}, keep=1)  # safetensors + JSON, as the ServerApp does
+    ckpt = latest_checkpoint(tmp_path / "ckpt")
     second = make_strategy(cfg)
-    second.restore({k: a.copy() for k, a in arrays.items()}, json.loads(json.dumps(values)))  # as a checkpoint does
+    second.restore(ckpt.arrays, ckpt.values)
     rest = second.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=4, evaluate_fn=second.evaluate_global,
                         first_round=3)
     for key in full.arrays.keys():

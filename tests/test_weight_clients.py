@@ -42,6 +42,54 @@ def test_fedprox_term_keeps_weights_closer_to_the_global_model():
     assert dist(prox) < dist(free)
 
 
+def test_fedprox_term_matches_a_hand_computation():
+    """FedProx's objective is CE + mu/2·||w - w_global||² over the trainable parameters.
+
+    With one full batch per epoch (batch-size >= samples), momentum 0 and no weight decay, each
+    epoch is one plain SGD step, and the same round seed gives the same batch order and dropout masks
+    whatever mu is. Step 1 starts at w_global, where the proximal gradient is exactly 0, so w1 is the
+    same for every mu. Step 2 then differs only by the proximal gradient mu·(w1 - w_global):
+        w2(mu) = w2(0) - lr·mu·(w1 - w_global),
+    and its loss, the reported train-loss, only by the term's value:
+        train-loss(mu) - train-loss(0) = mu/2·||w1 - w_global||².
+    """
+    lr, mu = 0.1, 2.0
+    ctx = make_context(partition_id=0, num_partitions=3)
+    opts = {"lr": lr, "momentum": 0.0, "weight-decay": 0.0, "batch-size": 1_000_000}
+    one, cfg = _client("fedprox", ctx, **opts, **{"local-epochs": 1})
+    two, _ = _client("fedprox", ctx, **opts, **{"local-epochs": 2})
+    assert one.data.num_train <= 1_000_000  # one batch per epoch: an epoch is one SGD step
+    init = initial_model_arrays(cfg).to_numpy_ndarrays()
+    model = one.new_model()
+    keys = list(model.state_dict())
+    params = {name for name, _ in model.named_parameters()}
+    assert params and all(a.dtype == np.float32 for k, a in zip(keys, init) if k in params)
+
+    def fit(client, proximal_mu):
+        arrays, n, metrics = client.fit(init, {"server-round": 1, "proximal-mu": proximal_mu})
+        assert n == client.data.num_train
+        return [a.astype(np.float64) for a in arrays], metrics
+
+    w1, _ = fit(one, 0.0)
+    w1_prox, _ = fit(one, mu)
+    w2, m2 = fit(two, 0.0)
+    w2_prox, m2_prox = fit(two, mu)
+
+    # step 1: no proximal pull at the anchor — bit for bit
+    for k, a, b in zip(keys, w1, w1_prox):
+        np.testing.assert_array_equal(a, b, err_msg=k)
+    # step 2: exactly the proximal gradient's extra step, on every parameter
+    moved = [w - g for k, w, g in zip(keys, w1, init) if k in params]
+    assert max(float(np.abs(lr * mu * d).max()) for d in moved) > 1e-4  # far above float32 rounding
+    for k, a, b, w, g in zip(keys, w2_prox, w2, w1, init):
+        want = b - lr * mu * (w - g) if k in params else b
+        np.testing.assert_allclose(a, want, rtol=0, atol=1e-6, err_msg=k)
+    # the reported loss of step 2 carries the term's value, mu/2·||w1 - w_global||²
+    term = 0.5 * mu * sum(float((d ** 2).sum()) for d in moved)
+    assert term > 1e-4
+    assert m2_prox["train-loss"] - m2["train-loss"] == pytest.approx(term, rel=1e-4, abs=1e-6)
+
+
 def test_fit_is_deterministic_for_a_round_seed():
     ctx = make_context(partition_id=2, num_partitions=3)
     client, cfg = _client("fedavg", ctx)

@@ -350,7 +350,8 @@ class ProcessTree:
             live[pid] = (start, _display_name(pid, name))
         with self._lock:
             for pid, info in live.items():
-                if not self.seen.get(pid, (0, ""))[1]:
+                known = self.seen.get(pid)
+                if known is None or not known[1] or known[0] != info[0]:  # new, unnamed, or a reused PID
                     self.seen[pid] = info
         return live
 
@@ -379,17 +380,16 @@ class ProcessTree:
         """
         with signals_held():
             before = self.members()
-            for pid in self.roots:
-                _signal_group(pid, signal.SIGTERM)
-            self._wait_gone(self.roots, grace)
+            roots = self.alive(self.roots)  # a root already gone: its PID may belong to someone else now
+            for pid in roots:
+                _signal_group(pid, signal.SIGTERM)  # the SuperLink first: it stops its own children
+            self._wait_gone(roots, grace)
             for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
                 live = set(self.members()) | set(self.alive(list(before)))
                 if not live:
                     break
                 for pid in live:
                     self._signal(pid, sig)
-                for pid in self.roots:
-                    _signal_group(pid, sig)
                 self._wait_gone(sorted(live), wait)
             return sorted(set(self.members()) | set(self.alive()))
 
@@ -580,6 +580,33 @@ def write_connection(flwr_home: Path, name: str, address: str, *, root_certifica
     path.write_text("\n".join(f"{key}\n" + "\n".join(sections[key]) + "\n" for key in ordered))
 
 
+def _listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds the listening TCP socket on ``port`` (None: cannot tell, not Linux).
+
+    A /health answer alone is not proof: after losing the race for a free port, the answer may come from
+    another SuperLink (another launch) that owns it.
+    """
+    inodes = set()
+    for net in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(net).read_text().splitlines()[1:]:
+                cols = row.split()
+                if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(cols[9])
+    if not inodes:
+        return None if not Path("/proc/net/tcp").exists() else False
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return None
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(fd) in wanted:
+                return True
+    return False
+
+
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0, log_path: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -587,7 +614,7 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0, log_p
             raise SuperLinkDied(proc, log_path)
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and _listens_on(proc.pid, port) is not False:
                     return
         time.sleep(0.3)
     raise TimeoutError(f"SuperLink on port {port} not healthy after {timeout:.0f}s")
@@ -707,6 +734,7 @@ class RunOutcome:
     results_dir: Path | None = None
     processes: list[str] = field(default_factory=list)  # "name(pid)" of every process the launch saw
     leftover: list[int] = field(default_factory=list)  # PIDs still alive after teardown (should be empty)
+    teardown_s: float | None = None  # stopping the SuperLink and the rest of the tree
 
     @property
     def completed(self) -> bool:
@@ -929,18 +957,29 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
     if echo:
         print(ray_line(ray_address), flush=True)
         print(f"[pollen] FLWR_HOME {home}" + (" (private, removed at the end)" if private_home else ""), flush=True)
+    teardown_from: float | None = None
     try:
         try:
             with superlink(home, simulation=True, tree=tree, ray_address=ray_address) as (conn, port, proc):
                 log_path = home / f"superlink-{port}.log"
+                kept_log = None if private_home else log_path  # a private home is removed: no pointer to it
                 outcome = submit_and_wait(app_dir, conn, home, run_config=format_run_config(values),
                                           federation_config=fed, timeout=timeout, echo=echo,
-                                          out_dir=results_root, watch=_tree_watch(tree, proc, log_path), tree=tree)
+                                          out_dir=results_root, watch=_tree_watch(tree, proc, kept_log), tree=tree)
                 if not outcome.completed and outcome.failure_reason is None:
                     outcome.failure_reason = failure_reason(None, "", log_path.read_text(errors="replace"))
+                teardown_from = time.monotonic()
+        except SuperLinkDied:
+            if private_home:  # its log goes with the private home: show its end now
+                for log_file in home.glob("superlink-*.log"):
+                    tail = log_file.read_text(errors="replace").splitlines()[-15:]
+                    print("[pollen] last lines of the SuperLink's log:\n" + "\n".join(tail), file=sys.stderr,
+                          flush=True)
+            raise
         finally:
             left = tree.terminate()
             if outcome is not None:
+                outcome.teardown_s = round(time.monotonic() - teardown_from, 2) if teardown_from else None
                 outcome.processes = [f"{name or '?'}({pid})" for pid, (_s, name) in sorted(tree.seen.items())]
                 outcome.leftover = left
             if left:
@@ -1071,7 +1110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             counts[name] = counts.get(name, 0) + 1
         names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items())
         left = f"still alive: {outcome.leftover}" if outcome.leftover else "none left (checked by PID)"
-        print(f"[pollen] stopped the run's processes ({names}): {left}", flush=True)
+        took = f" in {outcome.teardown_s:.1f}s" if outcome.teardown_s is not None else ""
+        print(f"[pollen] stopped the run's processes ({names}){took}: {left}", flush=True)
     if outcome.leftover:
         return EXIT_NOT_COMPLETED
     return EXIT_COMPLETED if outcome.completed else EXIT_NOT_COMPLETED
@@ -1096,7 +1136,7 @@ def wait_healthy_tls(port: int, ca_cert: str | Path, proc: subprocess.Popen, tim
             raise SuperLinkDied(proc, log_path)
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=2, context=context) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and _listens_on(proc.pid, port) is not False:
                     return
         time.sleep(0.3)
     raise TimeoutError(f"TLS SuperLink on port {port} not healthy after {timeout:.0f}s")

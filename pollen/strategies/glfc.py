@@ -35,15 +35,29 @@ this module is not imported by ``pollen.strategies``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp import Grid
 
 from pollen.protocol import glfc as protocol
 from pollen.protocol.records import ARRAYS, CONFIG, array_record
-from pollen.protocol.screening import COMMON_METRICS, ArraySpec, MetricBound, check_metrics, decode_record
+from pollen.protocol.screening import (
+    COMMON_METRICS,
+    ArraySpec,
+    MetricBound,
+    check_metrics,
+    decode_record,
+)
 from pollen.strategies.base import Accepted, NoTrainingError, PollenStrategy
 from pollen.strategies.weights import average_arrays
 
@@ -203,7 +217,7 @@ class IncrementalFedAvg(PollenStrategy):
 
     @_global.setter
     def _global(self, arrays: list[np.ndarray]) -> None:
-        self._global_arrays = list(arrays)
+        self._global_arrays = [np.asarray(a) for a in arrays]  # numpy scalars (0-d averages) become 0-d arrays
         self._record = None
 
     def global_record(self) -> ArrayRecord:
@@ -545,5 +559,13 @@ class IncrementalFedAvg(PollenStrategy):
         return MetricRecord(metrics)
 
 
-__all__ = ["IncrementalFedAvg", "NoTrainingError", "Accepted", "aia", "average_forgetting", "model_to_arrays",
-           "arrays_to_model", "seeded_model"]
+__all__ = [
+    "Accepted",
+    "IncrementalFedAvg",
+    "NoTrainingError",
+    "aia",
+    "arrays_to_model",
+    "average_forgetting",
+    "model_to_arrays",
+    "seeded_model",
+]

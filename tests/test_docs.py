@@ -10,6 +10,6 @@ GEN = runpy.run_path(str(PROJECT_ROOT / "docs" / "gen_contracts.py"))
 def test_contract_tables_in_docs_match_the_protocol_modules():
     page = (PROJECT_ROOT / "docs" / "strategies.md").read_text()
     assert GEN["render"](page) == page, "run `python docs/gen_contracts.py` to refresh docs/strategies.md"
-    for family in ("weights", "prototypes", "logits"):
+    for family in ("weights", "prototypes", "logits", "glfc"):
         table = GEN["contract_table"](family)
         assert table.count("\n") >= 4 and table in page

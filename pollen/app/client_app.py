@@ -72,6 +72,14 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Answer a strategy's identity query (GLFC): which partition this node serves."""
+    from pollen.app.methods_glfc import answer_query
+
+    return answer_query(msg, context)
+
+
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     _, spec, _, client = _prepare(context)

@@ -34,7 +34,6 @@ this module is not imported by ``pollen.strategies``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -49,6 +48,7 @@ from flwr.app import (
 )
 from flwr.serverapp import Grid
 
+from pollen.log import LOGGER
 from pollen.protocol import glfc as protocol
 from pollen.protocol.records import ARRAYS, CONFIG, array_record
 from pollen.protocol.screening import (
@@ -61,7 +61,6 @@ from pollen.protocol.screening import (
 from pollen.strategies.base import Accepted, NoTrainingError, PollenStrategy
 from pollen.strategies.weights import average_arrays
 
-LOGGER = logging.getLogger("pollen")
 OLD_MODEL_SOURCES = ("proxy", "previous-task", "none")
 
 

@@ -33,7 +33,7 @@ PIL_DECODED_TASKS = frozenset({"office-home"})
 CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 FASHION_NAMES = ("t-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
                  "ankle boot")
-KNOWN_CLASS_NAMES = {"cifar10-shot": CIFAR10_NAMES, "fmnist-dirichlet": FASHION_NAMES}
+KNOWN_CLASS_NAMES = {"cifar10-shot": CIFAR10_NAMES, "fmnist-dirichlet": FASHION_NAMES, "fmnist-shot": FASHION_NAMES}
 
 
 class PredictError(Exception):

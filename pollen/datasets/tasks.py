@@ -201,6 +201,12 @@ register_task(TaskSpec(
     build=_shot_task("cifar10", CIFAR10_FORMAT)))
 
 
+register_task(TaskSpec(
+    name="fmnist-shot", description="Fashion-MNIST: FedProto's N-way K-shot with stdev (needs data-root)",
+    num_classes=10, fmt=FMNIST_FORMAT, default_model="cnn_mnist", needs_data_root=True,
+    build=_shot_task("fashion_mnist", FMNIST_FORMAT)))
+
+
 def get_task(name: str) -> TaskSpec:
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}; available tasks: {', '.join(sorted(TASKS))}")

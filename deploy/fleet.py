@@ -40,9 +40,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 if __package__ in (None, ""):  # run as `python deploy/fleet.py`: make `deploy` and `pollen` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -273,7 +274,7 @@ class Fleet:
         self._stack = contextlib.ExitStack()
 
     # lifecycle ---------------------------------------------------------------------------------------
-    def __enter__(self) -> "Fleet":
+    def __enter__(self) -> Fleet:
         try:
             self.start()
         except BaseException:
@@ -312,6 +313,13 @@ class Fleet:
                   f"log {self.superlink_log}")
 
     @property
+    def conn(self) -> str:
+        """The ``flwr`` connection name of this fleet's SuperLink (once started)."""
+        if self.connection is None:
+            raise RuntimeError("the SuperLink is not running: use the Fleet as a context manager")
+        return self.connection
+
+    @property
     def superlink_log(self) -> Path:
         return self.flwr_home / f"superlink-{self.port}.log"
 
@@ -337,7 +345,7 @@ class Fleet:
             root = self.credentials.ca_cert
             key = certs.write_node_key(self.cert_dir / "keys", spec.name, force=True)
             if register:
-                registered = launch.register_supernode(self.connection, self.flwr_home, key.public_key)
+                registered = launch.register_supernode(self.conn, self.flwr_home, key.public_key)
         log_path = self.log_dir / f"{spec.name}.log"
         proc = launch.start_supernode(self.flwr_home, self.address, log_path, node_config=spec.node_config,
                                       root_certificates=root, auth_private_key=key.private_key if key else None,
@@ -352,7 +360,7 @@ class Fleet:
     def wait_for_nodes(self, count: int | None = None, timeout: float = 180.0) -> list[str]:
         """Wait until ``count`` (default: all started) SuperNodes are online."""
         count = len(self.supernodes) if count is None else count
-        ids = launch.wait_for_supernodes(self.connection, self.flwr_home, count, timeout=timeout,
+        ids = launch.wait_for_supernodes(self.conn, self.flwr_home, count, timeout=timeout,
                                          procs=[n.proc for n in self.supernodes], watch=self.check)
         self._say(f"{len(ids)} SuperNodes online")
         return ids
@@ -364,7 +372,7 @@ class Fleet:
         second of the SuperLink dying."""
         app_dir = Path(app_dir) if app_dir is not None else launch.default_app_dir()
         out_dir = str(run_config.get("out-dir") or "").strip()
-        return launch.submit_and_wait(app_dir, self.connection, self.flwr_home, run_config=format_config(run_config),
+        return launch.submit_and_wait(app_dir, self.conn, self.flwr_home, run_config=format_config(run_config),
                                       timeout=timeout, echo=self.echo if echo is None else echo,
                                       out_dir=Path(out_dir) if out_dir else None, watch=self.check, tree=self.tree)
 
@@ -493,9 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m deploy.fleet",
         description="Run a Pollen method on a local SuperLink + N SuperNodes fleet (insecure or TLS + node auth).",
-        epilog="Registered methods (family: method): " + ", ".join(sorted({f"{s.family}: {s.name}" for s in METHODS.values()})))
+        epilog="Registered methods (family: method): "
+               + ", ".join(sorted({f"{s.family}: {s.name}" for s in METHODS.values()})))
     parser.add_argument("--method", default=None,
-                        help=f"method to run (default: the run config's, else fedavg); one of {', '.join(sorted(METHODS))}")
+                        help="method to run (default: the run config's, else fedavg); "
+                             f"one of {', '.join(sorted(METHODS))}")
     parser.add_argument("--num-supernodes", type=int, default=2, help="SuperNodes to start (partition i of N each)")
     parser.add_argument("--rounds", type=int, default=None, help="num-server-rounds (default: the run config's)")
     parser.add_argument("--run-config", default="", help="extra run config pairs, e.g. \"local-epochs=1 lr=0.1\"")

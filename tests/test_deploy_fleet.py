@@ -21,12 +21,21 @@ from pathlib import Path
 
 import pytest
 
-from deploy.fleet import (EXIT_USAGE, Fleet, NodeSpec, SuperNode, compose_run_config, format_config, groups_alive, main,
-                          parse_config_string, plan_nodes)
+from deploy.fleet import (
+    EXIT_USAGE,
+    Fleet,
+    NodeSpec,
+    SuperNode,
+    compose_run_config,
+    format_config,
+    groups_alive,
+    main,
+    parse_config_string,
+    plan_nodes,
+)
 from pollen.app import launch
 from pollen.app.config import ConfigError
 from tests.conftest import PROJECT_ROOT, require_real_data
-
 
 # --- config plumbing (no processes) -------------------------------------------------------------------
 

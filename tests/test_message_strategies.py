@@ -71,8 +71,10 @@ def _hostile(kind):
             return RecordDict({"metrics": MetricRecord({"num-examples": 10, "loss": 1.0, **bad_eval})})
         arrays = {k: a.numpy() for k, a in msg.content["arrays"].items()}
         metrics = {"num-examples": 10}
-        if kind == "nan-array":
+        if kind.startswith("nan-array"):
             arrays["w"] = np.full_like(arrays["w"], np.nan)
+            if kind.endswith("partition-0"):
+                metrics["partition-id"] = 0
         elif kind == "wrong-shape":
             arrays["w"] = np.zeros((3, 3), np.float32)
         elif kind == "float64":
@@ -145,6 +147,14 @@ def test_an_error_reply_is_a_failure_with_its_reason():
     strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
     report = strategy.take_round_report(1)
     assert report.accepted == 1 and report.failures[0]["reason"] == "RuntimeError: client crashed"
+
+
+def test_a_rejected_reply_claims_no_partition():
+    """A bad reply that names partition 0 first must not lock the genuine node of partition 0 out."""
+    grid = InProcessGrid({11: _hostile("nan-array-as-partition-0"), 12: _weights_node(0, 10, 1.0)})
+    strategy = WeightAveraging(min_available_nodes=2)
+    strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
+    assert strategy.reports[1].accepted == 1 and strategy.node_of == {0: 12}
 
 
 def test_a_second_node_claiming_a_partition_is_rejected():
@@ -230,8 +240,8 @@ def test_prototype_reply_with_nan_for_a_held_class_or_huge_counts_is_rejected():
     strategy.start(grid=InProcessGrid({11: good, 12: bad_nan, 13: bad_count, 14: ok_nan}),
                    initial_arrays=ArrayRecord(), num_rounds=1)
     reasons = {r["client"]: r["reason"] for r in strategy.reports[1].rejected}
-    assert "held class(es) [3]" in reasons["partition 1"]
-    assert "'class-counts': value 4611686018427387904 above the plausible maximum" in reasons["partition 2"]
+    assert "held class(es) [3]" in reasons["node 12"]  # a rejected reply binds no partition: named by node
+    assert "'class-counts': value 4611686018427387904 above the plausible maximum" in reasons["node 13"]
     assert strategy.reports[1].accepted == 2
 
 

@@ -8,8 +8,9 @@ wire are exactly what an external client would send.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict

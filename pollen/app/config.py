@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 PROFILES = ("quick", "paper")
 DEVICES = ("auto", "cpu", "cuda")

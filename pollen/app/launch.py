@@ -34,10 +34,11 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 try:
     import tomllib
@@ -765,7 +766,7 @@ def _flwr(args: Sequence[str], env: dict[str, str], timeout: float, cwd: Path | 
                 if watch is not None:
                     watch()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"flwr {' '.join(args)} did not answer within {timeout:.0f}s") from None
+                    raise TimeoutError(f"`flwr {args[0]}` did not answer within {timeout:.0f}s") from None
     finally:
         if proc.poll() is None:
             stop_process(proc, grace=1.0)
@@ -826,7 +827,10 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
         args += ["--run-config", run_config]
     if federation_config:
         args += ["--federation-config", federation_config]
-    out = _json_tail(_flwr(args, env, timeout=min(300.0, timeout), watch=watch))
+    try:
+        out = _json_tail(_flwr(args, env, timeout=min(300.0, timeout), watch=watch))
+    except TimeoutError as err:
+        raise TimeoutError(f"the run was not even submitted within {min(300.0, timeout):.0f}s ({err})") from None
     if not out.get("success", True) or "run-id" not in out:
         raise RuntimeError(f"flwr run did not start a run: {out}")
     run_id = int(out["run-id"])
@@ -835,7 +839,7 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     status, details = "unknown", ""
     # A reader thread, so a run that hangs silently (e.g. waiting for clients) still hits the deadline.
-    queue: "Queue[str | None]" = Queue()
+    queue: Queue[str | None] = Queue()
     reader = threading.Thread(target=_pump_lines, args=(stream, queue), daemon=True)
     reader.start()
     try:
@@ -876,7 +880,7 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     return outcome
 
 
-def _pump_lines(proc: subprocess.Popen, queue: "Queue[str | None]") -> None:
+def _pump_lines(proc: subprocess.Popen, queue: Queue[str | None]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
         queue.put(line)
@@ -950,8 +954,7 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
            f"client-resources-num-gpus={gpus_per_client}")
     ray_address = ray_address or "local"
     private_home = flwr_home is None
-    home = Path(tempfile.mkdtemp(prefix="pollen-flwr-")) if private_home else Path(flwr_home)
-    home = home.resolve()
+    home = (Path(tempfile.mkdtemp(prefix="pollen-flwr-")) if flwr_home is None else Path(flwr_home)).resolve()
     tree = ProcessTree()
     outcome: RunOutcome | None = None
     if echo:

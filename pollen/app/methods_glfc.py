@@ -22,11 +22,11 @@ from flwr.app import ArrayRecord, Context, Message, RecordDict
 from pollen.app.adapters import ClientAdapter, evaluate_reply
 from pollen.app.config import ConfigError, parse_node_config
 from pollen.app.registry import MethodSpec, register_method, strategy_options
-from pollen.protocol import glfc as protocol
 from pollen.clients.glfc import IncrementalClient, IncrementalSettings, build_lenet, build_stream_model
 from pollen.clients.incremental_losses import LR_SCHEDULES
 from pollen.clients.training import pick_device
 from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, is_stream_task, plan_stream, stream_data
+from pollen.protocol import glfc as protocol
 from pollen.strategies.glfc import IncrementalFedAvg, seeded_model
 
 if TYPE_CHECKING:
@@ -84,14 +84,14 @@ def _bad(key: str, value, expected: str) -> ConfigError:
     return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
 
 
-def _int(cfg: "RunConfig", key: str, low: int) -> int:
+def _int(cfg: RunConfig, key: str, low: int) -> int:
     v = cfg.extra[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < low:
         raise _bad(key, v, f"an integer >= {low}")
     return int(v)
 
 
-def _float(cfg: "RunConfig", key: str, low: float, high: float | None = None, low_open=False, high_open=False) -> float:
+def _float(cfg: RunConfig, key: str, low: float, high: float | None = None, low_open=False, high_open=False) -> float:
     v = cfg.extra[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
         raise _bad(key, v, "a number")
@@ -101,14 +101,14 @@ def _float(cfg: "RunConfig", key: str, low: float, high: float | None = None, lo
     return v
 
 
-def _bool(cfg: "RunConfig", key: str) -> bool:
+def _bool(cfg: RunConfig, key: str) -> bool:
     v = cfg.extra[key]
     if not isinstance(v, bool):
         raise _bad(key, v, "true or false")
     return v
 
 
-def stream_config(cfg: "RunConfig") -> StreamConfig:
+def stream_config(cfg: RunConfig) -> StreamConfig:
     return StreamConfig(
         num_tasks=_int(cfg, "glfc-tasks", 1), classes_per_task=_int(cfg, "glfc-classes-per-task", 1),
         initial_clients=_int(cfg, "glfc-initial-clients", 1), new_clients=_int(cfg, "glfc-new-clients", 0),
@@ -118,7 +118,7 @@ def stream_config(cfg: "RunConfig") -> StreamConfig:
         seed=cfg.seed)
 
 
-def validate_glfc(cfg: "RunConfig") -> None:
+def validate_glfc(cfg: RunConfig) -> None:
     """Check every ``glfc-…`` key and the stream's sizes before any data is loaded."""
     if not is_stream_task(cfg.task):
         raise ConfigError(f"method '{cfg.method}' needs a class-incremental task: set task to one of "
@@ -163,7 +163,7 @@ def validate_glfc(cfg: "RunConfig") -> None:
     _int(cfg, "glfc-faulty-partition", -1)
 
 
-def settings_for(cfg: "RunConfig") -> IncrementalSettings:
+def settings_for(cfg: RunConfig) -> IncrementalSettings:
     objective, gc, rd, memory, old = VARIANTS[cfg.method]
     e = cfg.extra
     return IncrementalSettings(
@@ -176,7 +176,7 @@ def settings_for(cfg: "RunConfig") -> IncrementalSettings:
         faulty_partition=int(e["glfc-faulty-partition"]))
 
 
-def _test_set(cfg: "RunConfig"):
+def _test_set(cfg: RunConfig):
     per_class = int(cfg.extra["glfc-eval-per-class"])
     cache: dict[int, tuple] = {}
 
@@ -196,13 +196,13 @@ def _test_set(cfg: "RunConfig"):
     return seen
 
 
-def _model_factory(cfg: "RunConfig"):
+def _model_factory(cfg: RunConfig):
     name = cfg.model or SOURCES[cfg.task].default_model
     width = cfg.width_for(name)
     return lambda n: build_stream_model(cfg.task, name, n, width)
 
 
-def make_strategy(cfg: "RunConfig") -> IncrementalFedAvg:
+def make_strategy(cfg: RunConfig) -> IncrementalFedAvg:
     s = settings_for(cfg)
     src = SOURCES[cfg.task]
     e = cfg.extra
@@ -216,14 +216,14 @@ def make_strategy(cfg: "RunConfig") -> IncrementalFedAvg:
         detect_all_clients=bool(e["glfc-detect-all-clients"]), **strategy_options(cfg))
 
 
-def initial_arrays(cfg: "RunConfig") -> ArrayRecord:
+def initial_arrays(cfg: RunConfig) -> ArrayRecord:
     """The initial global model (head of ``glfc-classes-per-task``), drawn from the run seed exactly as
     the strategy draws its own."""
     model = seeded_model(_model_factory(cfg), int(cfg.extra["glfc-classes-per-task"]), cfg.seed)
     return ArrayRecord(model.state_dict())
 
 
-def make_client(cfg: "RunConfig", node, context):
+def make_client(cfg: RunConfig, node, context):
     return IncrementalClient(cfg, node, context, settings_for(cfg))
 
 

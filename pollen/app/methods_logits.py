@@ -11,8 +11,14 @@ from __future__ import annotations
 from pollen.app.adapters import LOGITS
 from pollen.app.config import ConfigError, RunConfig
 from pollen.app.registry import MethodSpec, register_method, strategy_options
-from pollen.clients.logits import (FCCLClient, FCCLWithoutConClient, FedDFClient, FedMDClient, SoloClient,
-                                   resolve_settings)
+from pollen.clients.logits import (
+    FCCLClient,
+    FCCLWithoutConClient,
+    FedDFClient,
+    FedMDClient,
+    SoloClient,
+    resolve_settings,
+)
 from pollen.datasets.domain_tasks import DOMAIN_TASKS, get_domain_task
 from pollen.datasets.public import PUBLIC_SETS
 from pollen.strategies.base import PollenStrategy

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pollen.app.config import ConfigError
 from pollen.app.adapters import PROTOTYPES
+from pollen.app.config import ConfigError
 from pollen.app.registry import MethodSpec, register_method, strategy_options
-from pollen.clients.prototypes import (FAULT_KINDS, LOCAL_PROTO_MODES, NEGATIVE_FORMS, BDPrototypeClient,
-                                       PrototypeClient, heterogeneous_channels)
+from pollen.clients.prototypes import (
+    FAULT_KINDS,
+    LOCAL_PROTO_MODES,
+    NEGATIVE_FORMS,
+    BDPrototypeClient,
+    PrototypeClient,
+    heterogeneous_channels,
+)
 from pollen.datasets.tasks import get_task
 from pollen.models import build_model
 from pollen.strategies.prototypes import PROTO_WEIGHTINGS, PrototypeStrategy
@@ -48,7 +54,7 @@ def _bad(key: str, value, expected: str) -> ConfigError:
     return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
 
 
-def _number(cfg: "RunConfig", key: str, low: float, high: float | None = None, low_open: bool = False) -> float:
+def _number(cfg: RunConfig, key: str, low: float, high: float | None = None, low_open: bool = False) -> float:
     value = cfg.extra[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(key, value, "a number")
@@ -60,14 +66,14 @@ def _number(cfg: "RunConfig", key: str, low: float, high: float | None = None, l
     return value
 
 
-def _integer(cfg: "RunConfig", key: str, low: int) -> int:
+def _integer(cfg: RunConfig, key: str, low: int) -> int:
     value = cfg.extra[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < low:
         raise _bad(key, value, f"an integer >= {low}")
     return int(value)
 
 
-def validate_proto(cfg: "RunConfig") -> None:
+def validate_proto(cfg: RunConfig) -> None:
     """Check every ``proto-…`` key before any data is loaded."""
     _number(cfg, "proto-lambda", 0.0, low_open=True)
     _number(cfg, "proto-beta", 0.0)
@@ -95,7 +101,7 @@ def validate_proto(cfg: "RunConfig") -> None:
     embed_dim(cfg)
 
 
-def embed_dim(cfg: "RunConfig") -> int:
+def embed_dim(cfg: RunConfig) -> int:
     """d of the task's model; every client's encoder must match it (checked on each reply)."""
     task = get_task(cfg.task)
     name = cfg.model or task.model_for(0)
@@ -105,7 +111,7 @@ def embed_dim(cfg: "RunConfig") -> int:
     return model.feature_dim
 
 
-def make_prototype_strategy(cfg: "RunConfig") -> PrototypeStrategy:
+def make_prototype_strategy(cfg: RunConfig) -> PrototypeStrategy:
     return PrototypeStrategy(
         num_classes=get_task(cfg.task).num_classes, embed_dim=embed_dim(cfg),
         weighting=cfg.extra["proto-weighting"], evaluate_every=int(cfg.extra["proto-evaluate-every"]),

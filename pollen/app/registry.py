@@ -6,8 +6,9 @@ new method is one entry, and ``method = "..."`` errors list exactly what exists.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from flwr.app import ArrayRecord, Context
@@ -30,16 +31,16 @@ class MethodSpec:
     name: str
     family: str
     description: str
-    make_strategy: Callable[["RunConfig"], PollenStrategy]
-    make_client: Callable[["RunConfig", "NodeConfig", Context], "NumPyClient"]
+    make_strategy: Callable[[RunConfig], PollenStrategy]
+    make_client: Callable[[RunConfig, NodeConfig, Context], NumPyClient]
     adapter: ClientAdapter | None = None
     # The ServerApp's initial_arrays (weights: the shared starting model); empty by default.
-    initial_arrays: Callable[["RunConfig"], ArrayRecord] = lambda cfg: ArrayRecord()
+    initial_arrays: Callable[[RunConfig], ArrayRecord] = lambda cfg: ArrayRecord()
     # The context.state key of the client's personal model, saved as the node's final-model.safetensors.
     personal_model: str | None = None
     # Method run keys (prefixed, e.g. "fccl-...") with defaults; must also be in pyproject.toml.
     defaults: dict[str, Any] = field(default_factory=dict)
-    validate: Callable[["RunConfig"], None] | None = None
+    validate: Callable[[RunConfig], None] | None = None
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -59,13 +60,13 @@ def method_defaults() -> dict[str, Any]:
     return out
 
 
-def validate_method_config(cfg: "RunConfig") -> None:
+def validate_method_config(cfg: RunConfig) -> None:
     spec = METHODS[cfg.method]
     if spec.validate is not None:
         spec.validate(cfg)
 
 
-def strategy_options(cfg: "RunConfig") -> dict[str, Any]:
+def strategy_options(cfg: RunConfig) -> dict[str, Any]:
     """The sampling and failure options every method's strategy takes from the run config."""
     return {"fraction_train": cfg.fraction_fit, "fraction_evaluate": cfg.fraction_evaluate,
             "min_available_nodes": cfg.min_available_clients, "num_rounds": cfg.num_server_rounds,
@@ -73,7 +74,7 @@ def strategy_options(cfg: "RunConfig") -> dict[str, Any]:
             "max_empty_rounds": cfg.max_empty_rounds}
 
 
-def initial_model_arrays(cfg: "RunConfig") -> ArrayRecord:
+def initial_model_arrays(cfg: RunConfig) -> ArrayRecord:
     """The shared starting model of weight-averaging methods, from the run seed (same as clients')."""
     task = get_task(cfg.task)
     torch.manual_seed(cfg.seed)
@@ -83,14 +84,14 @@ def initial_model_arrays(cfg: "RunConfig") -> ArrayRecord:
     return ArrayRecord(model.state_dict())
 
 
-def _weight_strategy(proximal: bool) -> Callable[["RunConfig"], PollenStrategy]:
-    def make(cfg: "RunConfig") -> PollenStrategy:
+def _weight_strategy(proximal: bool) -> Callable[[RunConfig], PollenStrategy]:
+    def make(cfg: RunConfig) -> PollenStrategy:
         return WeightAveraging(weighting=cfg.avg_weighting, proximal_mu=cfg.fedprox_mu if proximal else 0.0,
                                **strategy_options(cfg))
     return make
 
 
-def _local_strategy(cfg: "RunConfig") -> PollenStrategy:
+def _local_strategy(cfg: RunConfig) -> PollenStrategy:
     return LocalOnly(**strategy_options(cfg))
 
 
@@ -109,6 +110,8 @@ register_method(MethodSpec(
     personal_model=LocalClient.STATE_KEY))
 
 # Method families register themselves on import (one line each, below).
-from pollen.app import methods_prototypes  # noqa: E402,F401
-from pollen.app import methods_logits  # noqa: E402,F401
-from pollen.app import methods_glfc  # noqa: E402,F401
+from pollen.app import (
+    methods_glfc,  # noqa: E402,F401
+    methods_logits,  # noqa: E402,F401
+    methods_prototypes,  # noqa: E402,F401
+)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # the app layer builds these; clients only read them
 class PollenClient(NumPyClient):
     """Base NumPyClient: resolved config, device, seeded RNG, lazily built data, state access."""
 
-    def __init__(self, cfg: "RunConfig", node: "NodeConfig", context: Context):
+    def __init__(self, cfg: RunConfig, node: NodeConfig, context: Context):
         self.cfg = cfg
         self.node = node
         self.flower_context = context

@@ -16,7 +16,7 @@ schedules live here too, so the client adapter only wires them together.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -35,8 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from pollen.clients.base import PollenClient
-from pollen.clients.logit_losses import (cross_correlation_loss, fccl_local_loss, feddf_kl_loss, fedmd_l1_loss,
-                                         leave_one_out_target)
+from pollen.clients.logit_losses import (
+    cross_correlation_loss,
+    fccl_local_loss,
+    feddf_kl_loss,
+    fedmd_l1_loss,
+    leave_one_out_target,
+)
 from pollen.clients.training import derive_seed, predict_logits, train_epochs
 from pollen.clients.weights import load_model_arrays, model_arrays
 from pollen.datasets.domain_tasks import DomainTask, domain_client_data, get_domain_task, public_inputs

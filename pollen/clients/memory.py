@@ -9,7 +9,7 @@ shrinking keeps the first ``m``.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch

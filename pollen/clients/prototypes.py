@@ -23,9 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from pollen.clients.base import PollenClient
-from pollen.clients.prototype_losses import (dynamic_lambda, mutual_information, negative_hinge_loss,
-                                             negative_infonce_loss, negative_mask, prototype_loss,
-                                             prototype_probabilities, squared_distances)
+from pollen.clients.prototype_losses import (
+    dynamic_lambda,
+    mutual_information,
+    negative_hinge_loss,
+    negative_infonce_loss,
+    negative_mask,
+    prototype_loss,
+    prototype_probabilities,
+    squared_distances,
+)
 from pollen.clients.training import derive_seed, evaluate_classifier, make_sgd, train_epochs
 from pollen.models.pretrained import load_stage_weights
 
@@ -51,7 +58,7 @@ class GlobalPrototypes:
 
     @classmethod
     def decode(cls, arrays: list[np.ndarray], num_classes: int, embed_dim: int,
-               device: torch.device) -> "GlobalPrototypes | None":
+               device: torch.device) -> GlobalPrototypes | None:
         """``None`` for the empty first-round payload; ``ValueError`` for a malformed one."""
         if len(arrays) == 0:
             return None

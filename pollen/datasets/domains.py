@@ -257,14 +257,14 @@ def syn_fonts() -> tuple[str, ...]:
     return paths
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _font(path: str, px: int):
     from PIL import ImageFont
 
     return ImageFont.truetype(path, px)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _height_per_px(path: str) -> float:
     """Ink height of the digits per pixel of font size (font families differ a lot)."""
     font = _font(path, 100)

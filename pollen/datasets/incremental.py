@@ -27,8 +27,8 @@ family of methods, whose clients read their data through :func:`client_task_data
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -103,7 +103,7 @@ class ImageSet:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
-    def subset(self, index: Any) -> "ImageSet":
+    def subset(self, index: Any) -> ImageSet:
         """The samples at ``index`` (ints; numpy array, tensor or sequence), as new tensors."""
         idx = torch.as_tensor(np.asarray(index), dtype=torch.int64).reshape(-1)
         idx = idx.to(self.labels.device)
@@ -428,7 +428,7 @@ def _validate(name: str, root: str | None, split: str, domain: str | None) -> tu
     return os.path.abspath(os.path.expanduser(str(root))), domain
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decode_cached(name: str, root: str | None, split: str, domain: str | None) -> ImageSet:
     if name == "uci_digits":
         return _load_uci_digits(split)

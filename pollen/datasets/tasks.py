@@ -9,8 +9,8 @@ process: a client serving many rounds converts its data to model input once.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -224,5 +224,7 @@ def build_client_data(task: str, opts: TaskOptions, partition_id: int, num_parti
         raise TaskError(f"partition id {partition_id} outside 0..{num_partitions - 1}")
     return spec.build(opts, partition_id, num_partitions)
 
-from pollen.datasets import domain_tasks  # noqa: E402,F401  (registers digits-offline, digits, office-home)
-from pollen.datasets import incremental  # noqa: E402,F401  (registers mnist-fmnist-cil, uci-digits-cil, cifar100-cil)
+from pollen.datasets import (
+    domain_tasks,  # noqa: E402,F401  (registers digits-offline, digits, office-home)
+    incremental,  # noqa: E402,F401  (registers mnist-fmnist-cil, uci-digits-cil, cifar100-cil)
+)

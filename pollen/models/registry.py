@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .base import SplitModel
 from .mobile import EfficientNetB0, GoogLeNet, MobileNetV2

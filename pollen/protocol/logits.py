@@ -15,7 +15,8 @@ Round 1 the server sends an **empty** ``arrays`` record (no consensus yet).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict

@@ -6,7 +6,7 @@
 | server → client | ``arrays["present"]`` | C | int64 (0/1) | classes some client has held |
 | server → client | ``arrays["margin"]`` | 1 | float32 | CPA's margin (median distance) |
 | server → client | ``config["server-round"]`` | | int | |
-| client → server | ``arrays["prototypes"]`` | C×d | float32 | local class means; rows with count 0 ignored |
+| client → server | ``arrays["prototypes"]`` | C×d | float32 | local class means, abs <= 1e6; rows with count 0 ignored |
 | client → server | ``arrays["class-counts"]`` | C | int64 | training samples per class, >= 0 |
 | client → server | ``metrics["num-examples"]`` | | int | |
 
@@ -15,7 +15,8 @@ Round 1 (before any aggregation) the server sends an **empty** ``arrays`` record
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
@@ -72,11 +73,17 @@ def encode_prototype_reply(protos: np.ndarray, counts: np.ndarray, metrics: Mapp
     return reply_content({PROTOTYPES: np.asarray(protos, dtype=np.float32), CLASS_COUNTS: counts}, n, metrics)
 
 
+# Embeddings far beyond this make squared distances (losses, CPA's margin) overflow float32 on every
+# client once averaged in: one client could break everyone's training.
+MAX_PROTOTYPE_ABS = 1e6
+
+
 def decode_prototype_reply(record: Any, num_classes: int, embed_dim: int,
                            max_count: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
     """Server side: ``((protos, counts), None)`` or ``(None, reason)``; nothing decoded before the
-    metadata checks pass. Prototypes of held classes must be finite; counts within ``max_count``."""
-    specs = [ArraySpec(PROTOTYPES, (num_classes, embed_dim), "float32", finite=False),
+    metadata checks pass. Prototypes of held classes must be finite and within ``MAX_PROTOTYPE_ABS``;
+    counts within ``max_count``."""
+    specs = [ArraySpec(PROTOTYPES, (num_classes, embed_dim), "float32", finite=False, max_abs=MAX_PROTOTYPE_ABS),
              ArraySpec(CLASS_COUNTS, (num_classes,), "int64", nonnegative=True, max_value=max_count)]
     arrays, reason = decode_record(record, specs)
     if reason is not None:

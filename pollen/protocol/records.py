@@ -9,7 +9,8 @@ positional list.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict

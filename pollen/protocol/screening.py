@@ -12,8 +12,9 @@ the reply with that reason (logged as a WARNING and recorded), and the rest of t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
@@ -33,6 +34,7 @@ class ArraySpec:
     finite: bool = True
     nonnegative: bool = False
     max_value: float | None = None
+    max_abs: float | None = None  # for values whose products must stay finite (distances, margins)
 
 
 def _shape_text(shape: Sequence[int | None]) -> str:
@@ -72,6 +74,10 @@ def check_array_values(key: str, value: np.ndarray, spec: ArraySpec) -> str | No
         return f"'{key}': contains negative values"
     if spec.max_value is not None and value.size and value.max() > spec.max_value:
         return f"'{key}': value {value.max()} above the plausible maximum {spec.max_value:g}"
+    if spec.max_abs is not None and value.size:
+        finite = value[np.isfinite(value)] if value.dtype.kind == "f" else value
+        if finite.size and np.abs(finite).max() > spec.max_abs:
+            return f"'{key}': magnitude {np.abs(finite).max():g} above the plausible maximum {spec.max_abs:g}"
     return None
 
 
@@ -140,7 +146,7 @@ def check_metrics(metrics: Any, bounds: Mapping[str, MetricBound]) -> str | None
             continue
         if isinstance(value, list):
             return f"metric '{key}' must be a single number, got a list"
-        if bound.integer and float(value) != int(value):
+        if bound.integer and not isinstance(value, int) and float(value) != int(value):
             return f"metric '{key}' = {value!r} is not a whole number"
         if bound.low is not None and value < bound.low:
             return f"metric '{key}' = {value!r} is below {bound.low:g}"

@@ -12,7 +12,8 @@ Local-only training sends and receives an empty ``arrays`` record.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict

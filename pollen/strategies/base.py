@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -34,7 +35,7 @@ from pollen.protocol.records import ARRAYS, CONFIG, METRICS, record_bytes
 from pollen.protocol.screening import check_accuracy_keys, check_metrics, metric_bounds
 from pollen.strategies.metrics import mean_std_metrics
 
-REASON_CHARS = 500  # enough for a ClientApp traceback's last lines, bounded for metrics.jsonl
+REASON_CHARS = 2000  # a ClientApp traceback's last lines (long data paths included), bounded for metrics.jsonl
 
 
 class NoTrainingError(RuntimeError):
@@ -189,7 +190,8 @@ class PollenStrategy(Strategy):
         self.report(server_round).rejected.append(
             {"round": server_round, "stage": stage, "client": label, "reason": reason[:REASON_CHARS]})
 
-    def _bind_partition(self, node_id: int, metrics: dict[str, Any]) -> str | None:
+    def _check_partition(self, node_id: int, metrics: dict[str, Any]) -> str | None:
+        """A node keeps the partition it first served; a partition keeps the node that first served it."""
         if "partition-id" not in metrics:
             return None
         pid = int(metrics["partition-id"])
@@ -199,9 +201,14 @@ class PollenStrategy(Strategy):
         owner = self.node_of.get(pid)
         if owner is not None and owner != node_id:
             return f"partition {pid} is already served by node {owner}"
-        self.partition_of[node_id] = pid
-        self.node_of[pid] = node_id
         return None
+
+    def _bind_partition(self, node_id: int, metrics: dict[str, Any]) -> None:
+        """Bind only once a reply is accepted: a rejected reply claims nothing."""
+        if "partition-id" in metrics:
+            pid = int(metrics["partition-id"])
+            self.partition_of[node_id] = pid
+            self.node_of[pid] = node_id
 
     def screen(self, server_round: int, stage: str, replies: Iterable[Message],
                decode: Callable[[Message, dict[str, Any]], tuple[Any, str | None]]) -> list[Accepted]:
@@ -229,13 +236,14 @@ class PollenStrategy(Strategy):
                       or check_accuracy_keys(metrics_rec))
             metrics = _plain(metrics_rec)
             if reason is None:
-                reason = self._bind_partition(node, metrics)
-            label = self.label(node)
+                reason = self._check_partition(node, metrics)
             if reason is None:
                 payload, reason = decode(msg, metrics)
             if reason is not None:
                 self.reject(server_round, stage, label, reason)
                 continue
+            self._bind_partition(node, metrics)
+            label = self.label(node)
             accepted.append(Accepted(node, label, payload, metrics, int(metrics["num-examples"])))
             target = rep.fit_clients if stage == "train" else rep.evaluate_clients
             target[label] = metrics

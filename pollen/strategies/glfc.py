@@ -383,9 +383,11 @@ class IncrementalFedAvg(PollenStrategy):
                 reason = (f"partition-id {pid} is outside the plan's {self.schedule.num_clients} clients; "
                           "this node is never sampled")
             if reason is None:
-                reason = self._bind_partition(node, {"partition-id": pid})
+                reason = self._check_partition(node, {"partition-id": pid})
             if reason is not None:
                 self.reject(server_round, "query", self.label(node), reason)
+            else:
+                self._bind_partition(node, {"partition-id": pid})
 
     # Strategy API -------------------------------------------------------------------------
     def plan_config(self, config: ConfigRecord | None, server_round: int, task: int, **extra: Any) -> ConfigRecord:

@@ -8,7 +8,7 @@ the same pure functions (:func:`average_arrays`, :func:`aggregate_prototypes`, :
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from flwr.common import (

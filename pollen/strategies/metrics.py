@@ -8,7 +8,9 @@ over clients (papers report "mean ± std over clients").
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 ID_KEYS = frozenset({"partition-id", "num-partitions", "server-round", "num-examples"})
 
@@ -23,11 +25,13 @@ def mean_std_metrics(reports: Sequence[tuple[int, Mapping[str, object]]]) -> dic
     keys = sorted({k for _, m in reports for k, v in m.items() if k not in ID_KEYS and _number(v)})
     out: dict[str, float] = {}
     for key in keys:
-        pairs = [(n, float(m[key])) for n, m in reports if _number(m.get(key))]
-        total = sum(n for n, _ in pairs)
-        values = [v for _, v in pairs]
-        mean = sum(values) / len(values)
-        out[key] = sum(n * v for n, v in pairs) / total if total > 0 else mean
-        out[f"{key}-client-mean"] = mean
-        out[f"{key}-client-std"] = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        pairs = [(float(n), float(m[key])) for n, m in reports if _number(m.get(key))]
+        weights = np.array([n for n, _ in pairs], dtype=np.float64)
+        values = np.array([v for _, v in pairs], dtype=np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):  # absurd values give inf, never an exception
+            mean = float(values.mean())
+            total = float(weights.sum())
+            out[key] = float((weights * values).sum() / total) if total > 0 else mean
+            out[f"{key}-client-mean"] = mean
+            out[f"{key}-client-std"] = float(np.sqrt(((values - mean) ** 2).mean()))
     return out

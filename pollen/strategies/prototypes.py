@@ -9,7 +9,7 @@ with a presence mask and CPA's margin. The math (:func:`aggregate_prototypes`,
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict

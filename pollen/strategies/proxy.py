@@ -21,14 +21,13 @@ loop (:func:`reconstruct_one_by_one`), up to float rounding.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
-
 
 # ----------------------------------------------------------------------------------------------
 # label inference

@@ -7,8 +7,8 @@ round's metrics — one broken or malicious client never poisons or stops a run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -7,7 +7,7 @@ reply against the current global state (same names, shapes, dtypes, finite value
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -36,7 +36,14 @@ def average_arrays(client_arrays: Sequence[Sequence[np.ndarray]], weights: Seque
     for position in zip(*client_arrays):
         acc = sum(wi * a.astype(np.float64) for wi, a in zip(w, position))
         ref = position[0]
-        out.append(np.rint(acc).astype(ref.dtype) if ref.dtype.kind in "iu" else acc.astype(ref.dtype))
+        if ref.dtype.kind in "iu":  # round, and clip so the float64 mean never wraps the integer type
+            info = np.iinfo(ref.dtype)
+            with np.errstate(invalid="ignore"):
+                out.append(np.clip(np.rint(acc), float(info.min), float(info.max)).astype(ref.dtype))
+                if len(client_arrays) == 1:  # one client: its own value, exactly (float64 has 53 bits)
+                    out[-1] = position[0].copy()
+        else:
+            out.append(acc.astype(ref.dtype))
     return out
 
 

@@ -1,0 +1,377 @@
+"""The launcher (``python -m pollen.app.launch``): a bad run config is refused before anything starts, a
+failed run exits non-zero with its reason, the run gets its own local Ray whatever cluster the machine
+has recorded, and no process of the launch outlives it (checked by PID)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pollen.app import launch
+from pollen.app.launch import EXIT_TIMEOUT, EXIT_USAGE
+from tests.conftest import PROJECT_ROOT
+
+HAS_PROC = Path("/proc/self/environ").exists()
+
+# Tiny runs: the embedded UCI digits task (no data files), 2 SuperNodes, 2 rounds, 1 local epoch.
+TINY = "num-server-rounds=2 local-epochs=1"
+
+
+def _fake_app(root: Path, config: str = "lr = 0.1\nseed = 0\n") -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "pyproject.toml").write_text(
+        '[project]\nname = "fakeapp"\nversion = "1.0.0"\n\n[tool.flwr.app]\npublisher = "t"\n\n'
+        '[tool.flwr.app.components]\nserverapp = "x:app"\nclientapp = "y:app"\n\n'
+        f"[tool.flwr.app.config]\n{config}")
+    return root
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Any attempt to start a process or create the private FLWR_HOME fails the test."""
+    attempts: list = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise AssertionError(f"the launcher tried to start something: {args!r}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    return attempts
+
+
+# --- refused before anything starts (no processes) ----------------------------------------------------
+
+def test_unknown_key_is_refused_before_anything_starts(tmp_path, capsys, nothing_starts):
+    home = tmp_path / "flwr-home"
+    began = time.monotonic()
+    code = launch.main(["--flwr-home", str(home), "--run-config", "lrr=0.1 num-server-rounds=2 zzz-qqq=1"])
+    elapsed = time.monotonic() - began
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE
+    assert "unknown run config keys 'lrr' (did you mean 'lr'?), 'zzz-qqq'" in err
+    assert "'num-server-rounds'" not in err  # a valid key is not named
+    assert "[tool.flwr.app.config] of its pyproject.toml" in err
+    assert not nothing_starts and not home.exists()
+    assert elapsed < 5.0, f"refusing a key took {elapsed:.1f}s"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--run-config", "lr 0.1"], r"cannot read 'lr 0\.1'"),
+    (["--run-config", "method=fedprox"], r"values must be TOML"),
+    (["--run-config", "out-dir='/a'", "--out-dir", "/b"], r"'out-dir' given twice"),
+    (["--num-supernodes", "0"], r"--num-supernodes 0"),
+    (["--timeout", "0"], r"--timeout 0"),
+])
+def test_bad_options_are_refused_before_anything_starts(argv, message, capsys, nothing_starts):
+    assert launch.main(argv) == EXIT_USAGE
+    assert re.search(message, capsys.readouterr().err)
+    assert not nothing_starts
+
+
+def test_keys_are_checked_against_the_chosen_app(tmp_path, capsys, nothing_starts):
+    app = _fake_app(tmp_path / "app")
+    assert launch.main(["--app", str(app), "--run-config", "seed=1 method='fedavg'"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "unknown run config key 'method'" in err and str(app) in err
+    assert launch.main(["--app", str(app), "--out-dir", str(tmp_path)]) == EXIT_USAGE
+    assert "has no 'out-dir' run key" in capsys.readouterr().err
+    assert launch.main(["--app", str(tmp_path / "not-an-app")]) == EXIT_USAGE
+    assert "[tool.flwr.app]" in capsys.readouterr().err
+
+
+def test_default_app_dir_prefers_the_current_app_then_the_checkout(tmp_path):
+    app = _fake_app(tmp_path / "app")
+    assert launch.default_app_dir(cwd=app) == app.resolve()
+    assert launch.default_app_dir(cwd=tmp_path) == PROJECT_ROOT  # not an app: the checkout holding pollen
+    installed = tmp_path / "site-packages" / "pollen" / "app" / "launch.py"
+    with pytest.raises(launch.LaunchConfigError, match="pass --app DIR"):
+        launch.default_app_dir(cwd=tmp_path, module_file=installed)
+    assert launch.PROJECT_ROOT == PROJECT_ROOT
+
+
+def test_run_config_round_trips_and_out_dir_becomes_absolute(tmp_path, monkeypatch):
+    values = {"method": "fedprox", "lr": 1e-06, "seed": 3, "download": False, "data-root": "/d/it's",
+              "fccl-local-epochs": "1,2", "model": ""}
+    assert launch.parse_run_config(launch.format_run_config(values)) == values
+    monkeypatch.setenv("POLLEN_OUT_DIR", str(tmp_path / "env-out"))
+    composed, results = launch.compose_run_config(PROJECT_ROOT, "seed=1", data_root="relative/data")
+    assert composed["out-dir"] == str(tmp_path / "env-out") and results == tmp_path / "env-out"
+    assert composed["data-root"] == str(Path("relative/data").resolve())
+    composed, results = launch.compose_run_config(PROJECT_ROOT, {"out-dir": "rel"}, out_dir=None)
+    assert composed["out-dir"] == str(Path("rel").resolve())
+
+
+def test_help_shows_defaults_paths_methods_and_tasks(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
+    assert exit_info.value.code == 0
+    assert "(default: 5)" in out and "(default: 3600.0)" in out
+    for option in ("--out-dir", "--data-root", "--ray-address", "--flwr-home", "--app"):
+        assert option in out
+    assert re.search(r"methods: .*\bfedavg\b", out) and re.search(r"tasks: .*\buci-dirichlet\b", out)
+
+
+def test_ray_goes_local_unless_an_address_is_given(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")  # inherited from the shell: not followed
+    assert launch.flower_env(tmp_path)["RAY_ADDRESS"] == "local"
+    assert "RAY_ADDRESS=local" in launch.ray_line(None) and "10.0.0.9:6379 from the environment ignored" in \
+        launch.ray_line(None)
+    assert launch.flower_env(tmp_path, ray_address="10.0.0.5:6379")["RAY_ADDRESS"] == "10.0.0.5:6379"
+    assert "attaching to the cluster at 10.0.0.5:6379" in launch.ray_line("10.0.0.5:6379")
+
+
+@pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
+def test_process_tree_stops_a_process_that_left_the_session_and_its_parent(tmp_path):
+    """What ``flwr-serverapp`` and Ray daemons do: a new session, the parent gone. Found by the mark."""
+    tree = launch.ProcessTree("test")
+    env = tree.mark(dict(os.environ))
+    pid_file = tmp_path / "pid"
+    code = ("import subprocess, sys; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+            "open(sys.argv[1], 'w').write(str(p.pid))")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(pid_file)], env=env, start_new_session=True)
+    tree.add_root(parent.pid)
+    parent.wait(timeout=30)
+    orphan = int(pid_file.read_text())
+    try:
+        assert orphan in tree.members()  # not a descendant any more: found by its environment
+        assert tree.terminate(grace=2.0) == []
+        assert tree.alive([orphan]) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
+
+
+# --- real launches (Flower, Ray) -----------------------------------------------------------------------
+
+class TreeWatcher:
+    """Every process carrying ``POLLEN_TEST_MARK=<token>`` (the launcher and all it starts inherit it), seen
+    by polling /proc while the launch runs: the test's own PID record, independent of the launcher's."""
+
+    def __init__(self):
+        self.token = uuid.uuid4().hex
+        self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, comm)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ, POLLEN_TEST_MARK=self.token, **extra)
+        env.pop("RAY_ADDRESS", None)
+        return env
+
+    def __enter__(self) -> TreeWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        needle = f"POLLEN_TEST_MARK={self.token}".encode()
+        while not self._stop.is_set():
+            self.scan(needle)
+            self._stop.wait(0.3)
+
+    def scan(self, needle: bytes) -> None:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in self.seen:
+                continue
+            try:
+                if needle not in (entry / "environ").read_bytes():
+                    continue
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            self.seen[int(entry.name)] = (int(stat[stat.rindex(")") + 2:].split()[19]), comm)
+
+    def names(self) -> set[str]:
+        return {comm for _start, comm in self.seen.values()}
+
+    def alive(self) -> list[str]:
+        """``comm(pid)`` of every process seen that still runs (same start time, not a zombie)."""
+        left = []
+        for pid, (start, comm) in self.seen.items():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] not in ("Z", "X") and int(fields[19]) == start:
+                left.append(f"{comm}({pid})")
+        return left
+
+    def wait_for(self, predicate, timeout: float, proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+
+
+def _launch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", "2", *args]
+
+
+def _after(watcher: TreeWatcher, grace: float = 5.0) -> list[str]:
+    """What is still running a moment after the launcher exited (it already verified; this re-checks)."""
+    deadline = time.monotonic() + grace
+    while watcher.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return watcher.alive()
+
+
+@pytest.fixture
+def ray_tmpdir():
+    """A private, short Ray temp dir (Ray's socket paths must stay under 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="pr", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
+def test_superlink_retries_a_port_taken_by_another_superlink(tmp_path, monkeypatch):
+    """The free port was taken before the SuperLink bound it, by a server that even answers /health (as
+    another launch's SuperLink would): the launcher must not mistake it for its own, and retries."""
+    import http.server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), Health)  # bound to port 0: no race of its own
+    taken = other.server_address[1]
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    ports = iter([taken])
+    real_free_port = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real_free_port())
+    tree = launch.ProcessTree("test")
+    try:
+        with launch.superlink(tmp_path / "home", simulation=True, tree=tree) as (_conn, port, proc):
+            assert port != taken and proc.poll() is None
+            assert launch._listens_on(proc.pid, port) is True
+        assert tree.terminate() == []
+        logs = sorted(p.name for p in (tmp_path / "home").glob("superlink-*.log"))
+        assert logs == sorted([f"superlink-{taken}.log", f"superlink-{port}.log"])
+        assert "address already in use" in (tmp_path / "home" / f"superlink-{taken}.log").read_text()
+    finally:
+        other.shutdown()
+        other.server_close()
+        tree.terminate()
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
+def test_stale_ray_cluster_record_does_not_hang_the_run_and_nothing_is_left(tmp_path, ray_tmpdir):
+    """Ray's ``ray_current_cluster`` names a dead GCS (as after a crashed ``ray start``). A bare
+    ``ray.init()`` would keep retrying it; the launcher's ``RAY_ADDRESS=local`` starts a private Ray."""
+    dead = socket.socket()  # bound, never listening: connections to it are refused for the whole test
+    dead.bind(("127.0.0.1", 0))
+    record = ray_tmpdir / "ray" / "ray_current_cluster"
+    record.parent.mkdir()
+    record.write_text(f"127.0.0.1:{dead.getsockname()[1]}")
+    out = tmp_path / "runs"
+    try:
+        with TreeWatcher() as watcher:
+            began = time.monotonic()
+            proc = subprocess.run(_launch_cmd("--run-config", TINY, "--out-dir", str(out), "--timeout", "240"),
+                                  cwd=PROJECT_ROOT, env=watcher.env(RAY_TMPDIR=str(ray_tmpdir)),
+                                  capture_output=True, text=True, timeout=400)
+            elapsed = time.monotonic() - began
+            left = _after(watcher)
+    finally:
+        dead.close()
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "RAY_ADDRESS=local" in proc.stdout and "private local instance" in proc.stdout
+    assert elapsed < 240
+    assert record.read_text().startswith("127.0.0.1:")  # still recorded: Ray was told not to look
+    assert list((ray_tmpdir / "ray").glob("session_*")), "Ray did not use the private temp dir"
+    summary = json.loads(next(out.glob("*/summary.json")).read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == 2
+    assert "none left (checked by PID)" in proc.stdout
+    # the test's own record: the whole tree was seen, and none of it survives
+    assert {"raylet", "gcs_server"} <= watcher.names(), watcher.names()
+    assert any(n.startswith("flower-superl") for n in watcher.names()), watcher.names()
+    assert left == [], left
+
+
+@pytest.mark.e2e
+def test_missing_data_root_fails_with_the_datasets_message(tmp_path):
+    """Every client fails to load MNIST, so no round trains anybody: the run must end failed, the launcher
+    exit non-zero and print the reason, which carries the dataset's own message."""
+    out = tmp_path / "runs"
+    proc = subprocess.run(
+        _launch_cmd("--run-config", f"task='mnist-dirichlet' {TINY}", "--data-root", str(tmp_path / "no-data"),
+                    "--out-dir", str(out), "--timeout", "240"),
+        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=400)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-4000:]
+    reason = re.search(r"^\[pollen\] run \d+ failed: (.+)$", proc.stderr, flags=re.M)
+    assert reason, text[-4000:]
+    # The dataset's message (DatasetMissingError: "dataset 'mnist' not found under root '<root>': expected
+    # <files> (missing: ...). To get it: ..."), as the ServerApp recorded it. Its head is not asserted: the
+    # strategy keeps the last 500 characters of a client's error, which cut it here (long tmp paths).
+    assert "trained nobody" in reason.group(1)
+    assert f"{tmp_path / 'no-data'}/MNIST/raw" in reason.group(1) and "To get it:" in reason.group(1)
+    summary = json.loads(next(out.glob("*/summary.json")).read_text())
+    assert summary["status"] == "failed" and summary["failure-reason"] in reason.group(1)
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
+@pytest.mark.parametrize("stop", ["sigint", "timeout"])
+def test_interrupted_or_timed_out_launch_leaves_nothing_behind(stop, tmp_path):
+    """Ctrl-C (SIGINT) once Ray is up, or ``--timeout`` mid-run: exit 130 / 124, and every process the launch
+    started — SuperLink, superexec, flwr-simulation, Ray — is gone, checked by PID."""
+    long_run = "num-server-rounds=200 local-epochs=1"
+    timeout = "25" if stop == "timeout" else "600"
+    with TreeWatcher() as watcher:
+        proc = subprocess.Popen(_launch_cmd("--run-config", long_run, "--out-dir", str(tmp_path / "runs"),
+                                            "--timeout", timeout),
+                                cwd=PROJECT_ROOT, env=watcher.env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            if stop == "sigint":
+                watcher.wait_for(lambda: "raylet" in watcher.names(), 240, proc)
+                assert proc.poll() is None, "the launcher ended before Ray started"
+                time.sleep(2.0)  # the run is under way
+                proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        left = _after(watcher)
+    text = stdout + stderr
+    if stop == "sigint":
+        assert proc.returncode == 128 + signal.SIGINT, text[-4000:]
+        assert "interrupted by SIGINT" in stderr
+    else:
+        assert proc.returncode == EXIT_TIMEOUT, text[-4000:]
+        # mid-run ("run N did not finish within 25s") or, on a loaded machine, still submitting
+        assert re.search(r"^\[pollen\] timeout: .* within 25s", stderr, flags=re.M), stderr[-3000:]
+    assert "raylet" in watcher.names() or stop == "timeout", watcher.names()
+    assert any(n.startswith("flower-superl") for n in watcher.names()), watcher.names()
+    assert "still running after teardown" not in stderr, stderr[-3000:]
+    assert left == [], left

@@ -330,12 +330,34 @@ def test_missing_data_root_fails_with_the_datasets_message(tmp_path):
     reason = re.search(r"^\[pollen\] run \d+ failed: (.+)$", proc.stderr, flags=re.M)
     assert reason, text[-4000:]
     # The dataset's message (DatasetMissingError: "dataset 'mnist' not found under root '<root>': expected
-    # <files> (missing: ...). To get it: ..."), as the ServerApp recorded it. Its head is not asserted: the
-    # strategy keeps the last 500 characters of a client's error, which cut it here (long tmp paths).
-    assert "trained nobody" in reason.group(1)
+    # <files> (missing: ...). To get it: ..."), as the ServerApp recorded it.
+    assert "trained nobody" in reason.group(1) and "dataset 'mnist' not found under root" in reason.group(1)
     assert f"{tmp_path / 'no-data'}/MNIST/raw" in reason.group(1) and "To get it:" in reason.group(1)
     summary = json.loads(next(out.glob("*/summary.json")).read_text())
     assert summary["status"] == "failed" and summary["failure-reason"] in reason.group(1)
+
+
+@pytest.mark.e2e
+def test_resume_continues_a_finished_run_with_more_rounds(tmp_path):
+    """``--resume RUN_DIR`` reruns with the saved config, continues after the last checkpoint and appends
+    to the same run folder; a changed method is refused by the ServerApp, naming the key."""
+    out = tmp_path / "runs"
+    first = subprocess.run(_launch_cmd("--run-config", "num-server-rounds=1 local-epochs=1", "--num-supernodes", "2",
+                                       "--out-dir", str(out), "--timeout", "300"),
+                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    run_dir = next(out.glob("*/summary.json")).parent
+    again = subprocess.run(_launch_cmd("--resume", str(run_dir), "--run-config", "num-server-rounds=2",
+                                       "--num-supernodes", "2", "--timeout", "300"),
+                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    rounds = [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [1, 2]
+    assert json.loads((run_dir / "summary.json").read_text())["files"]["checkpoint"].endswith("round-0002.safetensors")
+    changed = subprocess.run(_launch_cmd("--resume", str(run_dir), "--run-config", "num-server-rounds=3 method='fedprox'",
+                                         "--num-supernodes", "2", "--timeout", "300"),
+                             cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
+    assert changed.returncode == 1 and "run config differs in ['method']" in changed.stdout + changed.stderr
 
 
 @pytest.mark.e2e

@@ -247,6 +247,23 @@ def default_out_dir() -> Path:
     return Path(os.environ.get("POLLEN_OUT_DIR") or "pollen-runs").expanduser().resolve()
 
 
+def resume_config(app_dir: Path, run_dir: Path, overrides: str) -> dict[str, Any]:
+    """The saved ``config.json`` of ``run_dir`` (keys the app knows), ``overrides`` on top, and
+    ``resume-from``; the ServerApp refuses a resumption whose config changed in any other key."""
+    config = Path(run_dir).expanduser().resolve() / "config.json"
+    if not config.is_file():
+        raise LaunchConfigError(f"--resume {run_dir}: no config.json there; is it a Pollen run folder?")
+    try:
+        saved = json.loads(config.read_text())
+    except ValueError as err:
+        raise LaunchConfigError(f"--resume {run_dir}: {config} is not valid JSON ({err})") from err
+    known = app_run_config(app_dir)
+    values = {k: v for k, v in saved.items() if k in known}
+    values.update(parse_run_config(overrides))
+    values["resume-from"] = str(config.parent)
+    return values
+
+
 def compose_run_config(app_dir: Path, run_config: str | Mapping[str, Any] = "", *,
                        out_dir: str | Path | None = None, data_root: str | Path | None = None
                        ) -> tuple[dict[str, Any], Path | None]:
@@ -1051,6 +1068,9 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--ray-address", default=None,
                         help="attach the simulation to this Ray cluster (default: start a private local Ray, "
                              "RAY_ADDRESS=local, ignoring any cluster recorded on this machine)")
+    parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its last valid checkpoint, with its config.json "
+                             "(--run-config may change only num-server-rounds, paths, device, torch-threads)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped (exit 124)")
     parser.add_argument("--quiet", action="store_true", help="do not stream the run's log")
     return parser
@@ -1072,7 +1092,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         app_dir = args.app.resolve() if args.app is not None else default_app_dir()
         if not is_flower_app(app_dir):
             raise LaunchConfigError(f"--app {args.app}: {app_dir} has no pyproject.toml with [tool.flwr.app]")
-        values, _ = compose_run_config(app_dir, args.run_config, out_dir=args.out_dir, data_root=args.data_root)
+        run_config = resume_config(app_dir, args.resume, args.run_config) if args.resume else args.run_config
+        values, _ = compose_run_config(app_dir, run_config, out_dir=args.out_dir, data_root=args.data_root)
     except LaunchConfigError as err:
         print(f"[pollen] error: {err}", file=sys.stderr, flush=True)
         return EXIT_USAGE

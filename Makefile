@@ -20,7 +20,7 @@ RUN_CONFIG ?=
 OUT_DIR ?= $(CURDIR)/runs
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast coverage bench fleet clean
+.PHONY: install run test test-fast coverage fleet clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -12,7 +12,6 @@ need no Flower context at all.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -182,9 +181,6 @@ class RunConfig:
         out["model"] = self.model or ""
         out.update(self.extra)
         return out
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
 def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:

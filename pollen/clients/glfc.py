@@ -21,8 +21,8 @@ On the wire everything travels by name (:mod:`pollen.protocol.glfc`); the Client
 (``pollen.app.methods_glfc.GLFC_ADAPTER``) hands this client positional arrays: the global state, then
 the old models sent (``config["model-arrays"]`` / ``config["old{n}-arrays"]`` entries each), and names
 its answer — the model's full state arrays, then one LeNet gradient set (8 arrays, ``parameters()``
-order) per new class. Everything remembered between rounds (learned classes, exemplar indices, last entropy, held classes,
-cached old models) lives in ``context.state``.
+order) per new class. Everything remembered between rounds (learned classes, exemplar indices, last entropy,
+held classes, cached old models) lives in ``context.state``.
 """
 
 from __future__ import annotations

@@ -248,10 +248,6 @@ class StreamData:
         t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
         return to_model_input(self.images[t], self.fmt), self.y[t]
 
-    def classes_below(self, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All samples of stream classes ``0..num_classes-1`` (the classes seen so far)."""
-        return self.select(torch.nonzero(self.y < num_classes).squeeze(1).numpy())
-
 
 @functools.lru_cache(maxsize=4)
 def stream_data(name: str, root: str | None, split: str, order: str = "label", seed: int = 0,

@@ -148,7 +148,8 @@ _TORCHVISION: dict[str, _TorchvisionSpec] = {
         {
             "train": tuple(
                 os.path.join("cifar-10-batches-py", f)
-                for f in ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "batches.meta")
+                for f in ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",
+                          "batches.meta")
             ),
             "test": tuple(os.path.join("cifar-10-batches-py", f) for f in ("test_batch", "batches.meta")),
         },
@@ -272,10 +273,6 @@ def _decode_images(paths: list[str], size: int) -> torch.Tensor:
                 rgb = rgb.resize((size, size), Image.BILINEAR)
             out[i] = np.asarray(rgb, dtype=np.uint8)
     return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()
-
-
-def _empty_images(size: int) -> torch.Tensor:
-    return torch.empty((0, 3, size, size), dtype=torch.uint8)
 
 
 def _load_syndigits(root: str, split: str) -> ImageSet:

@@ -121,7 +121,8 @@ def per_sample_gradients(lenet: torch.nn.Module, x: torch.Tensor, labels: torch.
     return per_sample_gradients_vmap(lenet, x, labels)
 
 
-def per_sample_gradients_vmap(lenet: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def per_sample_gradients_vmap(lenet: torch.nn.Module, x: torch.Tensor,
+                              labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Generic per-sample gradients with ``torch.func`` (also the reference for the closed-form path)."""
     params = {k: v.detach() for k, v in lenet.named_parameters()}
 

@@ -15,7 +15,7 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 # Full MNIST / Fashion-MNIST for the tests that need them (skipped when absent).
 export POLLEN_DATA_ROOT ?= $(if $(wildcard $(CURDIR)/../shared/data/MNIST),$(abspath $(CURDIR)/../shared/data),)
 
-NUM_SUPERNODES ?= 5
+NUM_SUPERNODES ?=
 RUN_CONFIG ?=
 OUT_DIR ?= $(CURDIR)/runs
 PYTEST_ARGS ?=
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m pollen.app.launch --num-supernodes $(NUM_SUPERNODES) \
+	$(PY) -m pollen.app.launch $(if $(NUM_SUPERNODES),--num-supernodes $(NUM_SUPERNODES)) \
 		--run-config "out-dir='$(OUT_DIR)' $(RUN_CONFIG)"
 
 # The full suite (what CI runs).
@@ -52,6 +52,6 @@ clean:
 # Local fleet: one SuperLink + NUM_SUPERNODES SuperNodes (deploy/README.md). Options: METHOD=fedprox
 # ROUNDS=2 TLS=1 RUN_CONFIG="local-epochs=1" FLEET_ARGS="--keep-logs --models ... --gpus 0,1 --timeout 900".
 fleet: $(STAMP)
-	$(PY) -m deploy.fleet --num-supernodes $(NUM_SUPERNODES) --out-dir "$(OUT_DIR)" \
+	$(PY) -m deploy.fleet --num-supernodes $(or $(NUM_SUPERNODES),5) --out-dir "$(OUT_DIR)" \
 		$(if $(METHOD),--method $(METHOD)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(TLS),--tls) \
 		--run-config "$(RUN_CONFIG)" $(FLEET_ARGS)

@@ -122,7 +122,7 @@ def test_help_shows_defaults_paths_methods_and_tasks(capsys):
         launch.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
     assert exit_info.value.code == 0
-    assert "(default: 5)" in out and "(default: 3600.0)" in out
+    assert "else 5" in out and "(default: 3600.0)" in out and "(default: 1)" in out
     for option in ("--out-dir", "--data-root", "--ray-address", "--flwr-home", "--app"):
         assert option in out
     assert re.search(r"methods: .*\bfedavg\b", out) and re.search(r"tasks: .*\buci-dirichlet\b", out)
@@ -397,3 +397,18 @@ def test_interrupted_or_timed_out_launch_leaves_nothing_behind(stop, tmp_path):
     assert any(n.startswith("flower-superl") for n in watcher.names()), watcher.names()
     assert "still running after teardown" not in stderr, stderr[-3000:]
     assert left == [], left
+
+
+def test_node_count_follows_the_task_and_a_wrong_one_is_refused_before_start(capsys, nothing_starts):
+    """FCCL's domain tasks need one SuperNode per domain, GLFC its final population: picked when not
+    given, refused by number when given wrong — never a run in which every client fails."""
+    assert launch.fitting_node_count(PROJECT_ROOT, {"method": "fccl", "task": "digits-offline"}, None) == 4
+    glfc = {"method": "glfc", "task": "mnist-fmnist-cil", "num-server-rounds": 8}
+    assert launch.fitting_node_count(PROJECT_ROOT, glfc, None) == 10
+    assert launch.fitting_node_count(PROJECT_ROOT, {"method": "fedavg"}, None) == launch.DEFAULT_SUPERNODES
+    assert launch.fitting_node_count(PROJECT_ROOT, {"method": "fedavg"}, 7) == 7
+    code = launch.main(["--run-config", "method='fccl' task='digits-offline'", "--num-supernodes", "5"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "needs exactly 4 SuperNodes, got --num-supernodes 5" in err
+    code = launch.main(["--run-config", "method='fedavg' lr=1e9"])
+    assert code == EXIT_USAGE and "'lr' = 1000000000.0 is invalid" in capsys.readouterr().err

@@ -247,6 +247,34 @@ def default_out_dir() -> Path:
     return Path(os.environ.get("POLLEN_OUT_DIR") or "pollen-runs").expanduser().resolve()
 
 
+DEFAULT_SUPERNODES = 5
+
+
+def fitting_node_count(app_dir: Path, values: Mapping[str, Any], asked: int | None) -> int:
+    """The SuperNodes to start: what Pollen's method/task needs, refused early when ``asked`` differs.
+
+    Other apps (and Pollen configs without a requirement) get ``asked`` or the default. A config Pollen
+    refuses is reported here, naming the key, before anything starts.
+    """
+    if not (app_dir / "pollen" / "app" / "registry.py").is_file():
+        return asked or DEFAULT_SUPERNODES
+    from pollen.app.config import ConfigError, parse_run_config as parse_pollen_config
+    from pollen.app.registry import METHODS
+
+    merged = {**app_run_config(app_dir), **values}
+    try:
+        cfg = parse_pollen_config(merged)
+    except ConfigError as err:
+        raise LaunchConfigError(str(err)) from err
+    needed = METHODS[cfg.method].required_nodes(cfg)
+    if needed is None:
+        return asked or DEFAULT_SUPERNODES
+    if asked is not None and asked != needed:
+        raise LaunchConfigError(f"method '{cfg.method}' on task '{cfg.task}' needs exactly {needed} SuperNodes, "
+                                f"got --num-supernodes {asked}; drop the option to use {needed}")
+    return needed
+
+
 def resume_config(app_dir: Path, run_dir: Path, overrides: str) -> dict[str, Any]:
     """The saved ``config.json`` of ``run_dir`` (keys the app knows), ``overrides`` on top, and
     ``resume-from``; the ServerApp refuses a resumption whose config changed in any other key."""
@@ -1052,7 +1080,9 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
                              "[tool.flwr.app], else the checkout holding the pollen package)")
     parser.add_argument("--flwr-home", type=Path, default=None,
                         help="FLWR_HOME to use and keep (default: a private temporary folder, removed at the end)")
-    parser.add_argument("--num-supernodes", type=int, default=5, help="simulated SuperNodes (clients)")
+    parser.add_argument("--num-supernodes", type=int, default=None,
+                        help="simulated SuperNodes (clients); default: what the task or method needs "
+                             "(FCCL's domain tasks: one per domain; GLFC: its final population), else 5")
     parser.add_argument("--cpus-per-client", type=int, default=1, help="CPUs Ray reserves per ClientApp")
     parser.add_argument("--gpus-per-client", type=float, default=0.0,
                         help="GPU fraction per ClientApp, e.g. 0.25 packs 4 clients on one GPU")
@@ -1081,7 +1111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wants_help = any(a in ("-h", "--help") for a in argv)
     args = build_parser(catalog=wants_help).parse_args(argv)
     try:
-        if args.num_supernodes < 1:
+        if args.num_supernodes is not None and args.num_supernodes < 1:
             raise LaunchConfigError(f"--num-supernodes {args.num_supernodes}: expected at least 1")
         if args.cpus_per_client < 1:
             raise LaunchConfigError(f"--cpus-per-client {args.cpus_per_client}: expected at least 1")
@@ -1094,6 +1124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise LaunchConfigError(f"--app {args.app}: {app_dir} has no pyproject.toml with [tool.flwr.app]")
         run_config = resume_config(app_dir, args.resume, args.run_config) if args.resume else args.run_config
         values, _ = compose_run_config(app_dir, run_config, out_dir=args.out_dir, data_root=args.data_root)
+        args.num_supernodes = fitting_node_count(app_dir, values, args.num_supernodes)
     except LaunchConfigError as err:
         print(f"[pollen] error: {err}", file=sys.stderr, flush=True)
         return EXIT_USAGE

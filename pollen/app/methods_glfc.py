@@ -119,6 +119,12 @@ def stream_config(cfg: RunConfig) -> StreamConfig:
         seed=cfg.seed)
 
 
+def final_population(cfg: RunConfig) -> int:
+    """SuperNodes a GLFC run needs: every client that exists by the last task."""
+    stream = stream_config(cfg)
+    return stream.initial_clients + (stream.num_tasks - 1) * stream.new_clients
+
+
 def validate_glfc(cfg: RunConfig) -> None:
     """Check every ``glfc-…`` key and the stream's sizes before any data is loaded."""
     if not is_stream_task(cfg.task):
@@ -291,4 +297,5 @@ def answer_query(msg: Message, context: Context) -> Message:
 for _name, _desc in DESCRIPTIONS.items():
     register_method(MethodSpec(name=_name, family="glfc", description=_desc, make_strategy=make_strategy,
                                make_client=make_client, adapter=GLFC_ADAPTER, initial_arrays=initial_arrays,
+                               required_nodes=final_population,
                                defaults=dict(GLFC_DEFAULTS), validate=validate_glfc))

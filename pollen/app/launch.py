@@ -258,7 +258,8 @@ def fitting_node_count(app_dir: Path, values: Mapping[str, Any], asked: int | No
     """
     if not (app_dir / "pollen" / "app" / "registry.py").is_file():
         return asked or DEFAULT_SUPERNODES
-    from pollen.app.config import ConfigError, parse_run_config as parse_pollen_config
+    from pollen.app.config import ConfigError
+    from pollen.app.config import parse_run_config as parse_pollen_config
     from pollen.app.registry import METHODS
 
     merged = {**app_run_config(app_dir), **values}

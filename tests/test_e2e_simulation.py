@@ -37,6 +37,9 @@ def test_failed_server_app_is_reported_as_failed(tmp_path):
                        run_config="method='no-such-method' num-server-rounds=1", timeout=300, echo=False)
     assert outcome.status == "finished:failed"
     assert not outcome.completed
+    # what the user sees: the key, the bad value and what exists
+    assert "run config key 'method' = 'no-such-method' is invalid: expected one of" in outcome.log
+    assert "fedavg" in outcome.log.split("no-such-method' is invalid", 1)[1][:2000]
 
 
 def test_orphaned_server_app_of_a_superlink_is_stopped():

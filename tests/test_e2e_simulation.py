@@ -66,3 +66,18 @@ def test_orphaned_server_app_of_a_superlink_is_stopped():
     finally:
         theirs.kill()
         theirs.wait()
+
+
+def test_more_min_clients_than_supernodes_fails_fast_naming_both_numbers(tmp_path):
+    """Simulation registers every node before the ServerApp starts: no waiting for nodes that never come."""
+    import time
+
+    out = tmp_path / "runs"
+    t0 = time.monotonic()
+    outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=2,
+                       run_config=f"min-available-clients=5 num-server-rounds=1 out-dir='{out}'", timeout=300,
+                       echo=False)
+    assert outcome.status == "finished:failed"
+    summary = json.loads(next(out.glob("*/summary.json")).read_text())
+    assert "only 2 node(s) connected" in summary["failure-reason"] and "needs 5" in summary["failure-reason"]
+    assert time.monotonic() - t0 < 240  # the launcher's own start-up dominates; no 120 s node wait

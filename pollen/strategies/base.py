@@ -35,6 +35,7 @@ from pollen.protocol.records import ARRAYS, CONFIG, METRICS, record_bytes
 from pollen.protocol.screening import check_accuracy_keys, check_metrics, metric_bounds
 from pollen.strategies.metrics import mean_std_metrics
 
+SIMULATION_NODE_WAIT_S = 5.0
 REASON_CHARS = 2000  # a ClientApp traceback's last lines (long data paths included), bounded for metrics.jsonl
 
 
@@ -124,8 +125,14 @@ class PollenStrategy(Strategy):
 
     # ------------------------------------------------------------------ sampling and messages
     def wait_for_nodes(self, grid: Grid, needed: int) -> list[int]:
-        """Connected node ids once ``needed`` are there; a clear error after ``node_wait_s``."""
-        deadline = time.monotonic() + self.node_wait_s
+        """Connected node ids once ``needed`` are there; a clear error after ``node_wait_s``.
+
+        Flower's simulation registers every node before the ServerApp starts, so there no node will
+        come later: the wait is cut to a few seconds.
+        """
+        wait = min(self.node_wait_s, SIMULATION_NODE_WAIT_S) if type(grid).__name__ == "InMemoryGrid" \
+            else self.node_wait_s
+        deadline = time.monotonic() + wait
         next_log = 0.0
         while True:
             nodes = sorted(grid.get_node_ids())
@@ -134,7 +141,7 @@ class PollenStrategy(Strategy):
             now = time.monotonic()
             if now >= deadline:
                 raise NoTrainingError(
-                    f"only {len(nodes)} node(s) connected after {self.node_wait_s:.0f} s, but "
+                    f"only {len(nodes)} node(s) connected after {wait:.0f} s, but "
                     f"min-available-clients / the sample needs {needed}: start more SuperNodes "
                     f"(simulation: num-supernodes) or lower the minimum")
             if now >= next_log:

@@ -77,37 +77,12 @@ class FleetInterrupted(Exception):
 # --- pure helpers: config strings and the node plan ---------------------------------------------------
 
 def format_config(values: Mapping[str, Any]) -> str:
-    """``k=v`` pairs as ``flwr run --run-config`` and ``flower-supernode --node-config`` parse them.
-
-    Flower matches ``key=(quoted string | non-space run)`` and reads each value as TOML, so strings are
-    quoted and may not contain both quote kinds; numbers and booleans are written as TOML literals.
-    """
-    parts = []
-    for key, value in values.items():
-        if not key or any(c.isspace() or c == "=" for c in key):
-            raise ConfigError(f"config key {key!r} is invalid: expected a non-empty key without spaces or '='")
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, int):
-            text = str(value)
-        elif isinstance(value, float):
-            if value != value or value in (float("inf"), float("-inf")):
-                raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected a finite number")
-            text = repr(value)
-        elif isinstance(value, str):
-            if any(c in value for c in "\n\r"):
-                raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected a single-line string")
-            if "'" not in value:
-                text = f"'{value}'"  # TOML literal string: no escapes, so paths with backslashes survive
-            elif '"' not in value and "\\" not in value:
-                text = f'"{value}"'
-            else:
-                raise ConfigError(f"config key '{key}' = {value!r} is invalid: it holds a single quote and "
-                                  "a double quote or backslash, which Flower's parser cannot carry")
-        else:
-            raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected a bool, int, float or string")
-        parts.append(f"{key}={text}")
-    return " ".join(parts)
+    """``k=v`` pairs as ``flwr run --run-config`` and ``flower-supernode --node-config`` parse them
+    (:func:`pollen.app.launch.format_run_config`, with this tool's error type)."""
+    try:
+        return launch.format_run_config(values)
+    except launch.LaunchConfigError as err:
+        raise ConfigError(str(err)) from err
 
 
 def parse_config_string(text: str) -> dict[str, Any]:

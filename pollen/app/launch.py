@@ -219,25 +219,34 @@ def check_run_config_keys(values: Mapping[str, Any], known: Mapping[str, Any], a
 
 
 def format_run_config(values: Mapping[str, Any]) -> str:
-    """``k=v`` pairs that :func:`parse_run_config` (and ``flwr run --run-config``) read back unchanged."""
+    """``k=v`` pairs that :func:`parse_run_config` (and ``flwr run --run-config``, ``flower-supernode
+    --node-config``) read back unchanged. Flower reads each value as TOML: strings are quoted and may not
+    hold both quote kinds; numbers and booleans are TOML literals; NaN and infinities are refused."""
     parts = []
     for key, value in values.items():
+        if not key or any(c.isspace() or c == "=" for c in key):
+            raise LaunchConfigError(f"config key {key!r} is invalid: expected a non-empty key without spaces or '='")
         if isinstance(value, bool):
             text = "true" if value else "false"
-        elif isinstance(value, (int, float)):
+        elif isinstance(value, int):
+            text = str(value)
+        elif isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise LaunchConfigError(f"config key '{key}' = {value!r} is invalid: expected a finite number")
             text = repr(value)
         elif isinstance(value, str):
             if any(c in value for c in "\n\r"):
-                raise LaunchConfigError(f"run config key '{key}' = {value!r}: expected a single-line string")
+                raise LaunchConfigError(f"config key '{key}' = {value!r} is invalid: expected a single-line string")
             if "'" not in value:
                 text = f"'{value}'"  # TOML literal string: no escapes, so paths with backslashes survive
             elif '"' not in value and "\\" not in value:
                 text = f'"{value}"'
             else:
-                raise LaunchConfigError(f"run config key '{key}' = {value!r} holds a single quote and a double "
-                                        "quote or backslash, which Flower's parser cannot carry")
+                raise LaunchConfigError(f"config key '{key}' = {value!r} is invalid: it holds a single quote and "
+                                        "a double quote or backslash, which Flower's parser cannot carry")
         else:
-            raise LaunchConfigError(f"run config key '{key}' = {value!r}: expected a bool, number or string")
+            raise LaunchConfigError(f"config key '{key}' = {value!r} is invalid: expected a bool, int, float or "
+                                    "string")
         parts.append(f"{key}={text}")
     return " ".join(parts)
 

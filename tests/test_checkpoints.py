@@ -144,3 +144,18 @@ def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path):
     with pytest.raises(CheckpointError, match=r"differs in \['lr', 'method'\]"):
         _run({**base, "method": "fedprox", "lr": 0.1, "num-server-rounds": 2, "resume-from": str(part)},
              tmp_path / "x", tmp_path / "nodes")
+
+
+def test_resumed_fccl_run_ends_with_the_metrics_of_an_uninterrupted_one(tmp_path):
+    """The logit family: consensus, private/teacher models and SOLO state all come back from disk."""
+    from tests.conftest import require_real_data
+    from tests.test_fccl_client import TINY
+
+    base = {**TINY, "method": "fccl", "model": "cnn_mnist", "data-root": require_real_data(), "seed": 1}
+    full = _run({**base, "num-server-rounds": 3}, tmp_path / "full", tmp_path / "full-nodes", num_partitions=4)
+    part = _run({**base, "num-server-rounds": 2}, tmp_path / "part", tmp_path / "part-nodes", num_partitions=4)
+    resumed = _run({**base, "num-server-rounds": 3, "resume-from": str(part)}, tmp_path / "unused",
+                   tmp_path / "part-nodes", num_partitions=4)
+    assert _metrics(resumed) == _metrics(full)
+    assert (resumed / "final" / "global.safetensors").exists()
+    assert json.loads((tmp_path / "part-nodes" / "p3" / "final-model.json").read_text())["round"] == 3

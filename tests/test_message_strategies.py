@@ -240,8 +240,8 @@ def test_prototype_reply_with_nan_for_a_held_class_or_huge_counts_is_rejected():
     strategy.start(grid=InProcessGrid({11: good, 12: bad_nan, 13: bad_count, 14: ok_nan}),
                    initial_arrays=ArrayRecord(), num_rounds=1)
     reasons = {r["client"]: r["reason"] for r in strategy.reports[1].rejected}
-    assert "held class(es) [3]" in reasons["node 12"]  # a rejected reply binds no partition: named by node
-    assert "'class-counts': value 4611686018427387904 above the plausible maximum" in reasons["node 13"]
+    assert "held class(es) [3]" in reasons["partition 1"]  # named by its claim, though it binds nothing
+    assert "'class-counts': value 4611686018427387904 above the plausible maximum" in reasons["partition 2"]
     assert strategy.reports[1].accepted == 2
 
 

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.e2e
 def _task_keys() -> tuple[str, bool]:
     root = real_data_root()  # the one real-data rule (tests/conftest.py); without data: embedded UCI
     if root is not None:
-        return (f"task='mnist-shot' data-root='{root}' shot-ways=3 shot-shots=10 shot-stdev=1 "
-                "shot-test-per-class=5", True)
+        return (f"task='mnist-shot' data-root='{root}' shot-ways=3 shot-shots=30 shot-stdev=1 "
+                "shot-test-per-class=5 local-epochs=2", True)
     return "task='uci-dirichlet' max-train-samples=40", False
 
 
@@ -37,7 +37,7 @@ def _run(tmp_path, method: str, extra: str):
 
 
 def test_fedproto_run_rejects_a_wrong_shaped_reply_and_completes(tmp_path):
-    rounds, summary, _ = _run(tmp_path, "fedproto", "proto-fault-partition=1 proto-fault-kind='shape'")
+    rounds, summary, shot = _run(tmp_path, "fedproto", "proto-fault-partition=1 proto-fault-kind='shape'")
     assert [r["round"] for r in rounds] == [1, 2]
     for r in rounds:
         assert [(x["client"], "shape" in x["reason"]) for x in r["rejected"]] == [("partition 1", True)]
@@ -48,7 +48,12 @@ def test_fedproto_run_rejects_a_wrong_shaped_reply_and_completes(tmp_path):
     assert rounds[0]["bytes-down"] > 0 and rounds[0]["bytes-up"] > 0
     assert summary["rejected-total"] == 2 and summary["failures-total"] == 0
     final = summary["final"]["evaluate"]
-    assert 0.3 < final["accuracy-client-mean"] <= 1.0 and "proto-accuracy-client-std" in final
+    # chance: 1/3 on each client's ~3 own classes (shot task), 1/10 on UCI; in-process runs of this
+    # setting reach 0.84-0.94 (local) and 0.85-0.92 (prototypes) over seeds 0-2
+    low = 0.65 if shot else 0.3
+    assert low < final["accuracy-client-mean"] <= 1.0 and "proto-accuracy-client-std" in final
+    if shot:
+        assert final["proto-accuracy-client-mean"] > 0.6
 
 
 def test_bd_fedproto_run_rejects_a_nan_reply_and_reports_da_and_mi(tmp_path):

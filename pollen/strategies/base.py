@@ -244,6 +244,8 @@ class PollenStrategy(Strategy):
             metrics = _plain(metrics_rec)
             if reason is None:
                 reason = self._check_partition(node, metrics)
+            if reason is None and "partition-id" in metrics:  # a consistent claim names the client
+                label = f"partition {int(metrics['partition-id'])}"
             if reason is None:
                 payload, reason = decode(msg, metrics)
             if reason is not None:

@@ -50,6 +50,11 @@ def run_config(args, method: str, out_dir: Path, cache: Path) -> str:
     return " ".join(f"{k}={v}" for k, v in keys.items())
 
 
+def _domain(metrics: dict) -> str:
+    """The client's domain: offline Digits puts domain i on partition i (metrics carry numbers only)."""
+    return metrics["domain"] if "domain" in metrics else DOMAINS[int(metrics["partition-id"])]
+
+
 def read_run(run_dir: Path) -> dict:
     """Per round: per-domain client accuracies (evaluate) and bytes; round 0 from the SOLO metrics."""
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -58,11 +63,11 @@ def read_run(run_dir: Path) -> dict:
     for rec in rounds:
         clients = {}
         for metrics in rec["evaluate-clients"].values():
-            clients[metrics["domain"]] = {k: metrics[k] for k in metrics if "accuracy" in k or k.startswith("acc-")}
+            clients[_domain(metrics)] = {k: metrics[k] for k in metrics if "accuracy" in k or k.startswith("acc-")}
         if rec["round"] == 1:
             for metrics in rec["fit-clients"].values():
                 if "solo-intra-accuracy" in metrics:
-                    solo[metrics["domain"]] = {k[5:]: v for k, v in metrics.items() if k.startswith("solo-")}
+                    solo[_domain(metrics)] = {k[5:]: v for k, v in metrics.items() if k.startswith("solo-")}
         sampled = max(rec.get("sampled", 0), 1)
         per_round.append({"round": rec["round"], "clients": clients, "wall-time-s": rec["wall-time-s"],
                           "bytes-up-per-client": rec["bytes-up"] / sampled,

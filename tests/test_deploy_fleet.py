@@ -363,7 +363,8 @@ def test_cli_timeout_stops_the_fleet(tmp_path):
         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=400)
     pids = _pids_in(proc.stdout)
     assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "timeout: the fleet run did not finish within 45s" in proc.stdout
+    # mid-run ("the fleet run did not finish within 45s") or, on a loaded machine, still bringing nodes up
+    assert re.search(r"\): run \S+: timeout: ", proc.stdout), proc.stdout[-3000:]
     assert pids and not groups_alive(pids)
 
 

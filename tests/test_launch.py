@@ -228,7 +228,7 @@ def _launch_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", "2", *args]
 
 
-def _after(watcher: TreeWatcher, grace: float = 5.0) -> list[str]:
+def _after(watcher: TreeWatcher, grace: float = 15.0) -> list[str]:
     """What is still running a moment after the launcher exited (it already verified; this re-checks)."""
     deadline = time.monotonic() + grace
     while watcher.alive() and time.monotonic() < deadline:

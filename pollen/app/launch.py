@@ -447,7 +447,23 @@ class ProcessTree:
                 for pid in live:
                     self._signal(pid, sig)
                 self._wait_gone(sorted(live), wait)
+            self._sweep_late_spawns()
             return sorted(set(self.members()) | set(self.alive()))
+
+    def _sweep_late_spawns(self, quiet: float = 2.0, limit: float = 15.0) -> None:
+        """Kill members that appear after the main pass (a process forked while its parent was being
+        stopped, e.g. a Ray worker), until no member has been seen for ``quiet`` seconds."""
+        deadline = time.monotonic() + limit
+        calm_since = time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - calm_since < quiet:
+            live = self.members()
+            if live:
+                for pid in live:
+                    self._signal(pid, signal.SIGKILL)
+                self._wait_gone(sorted(live), 1.0)
+                calm_since = time.monotonic()
+            else:
+                time.sleep(0.2)
 
     def _signal(self, pid: int, sig: int) -> None:
         info = _proc_stat(pid)

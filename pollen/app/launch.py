@@ -435,14 +435,14 @@ class ProcessTree:
         meanwhile when called from the main thread, so a second Ctrl-C cannot cut the teardown short.
         """
         with signals_held():
-            before = self.members()
+            self.members()  # records every current member (and its start time) in self.seen
             roots = self.alive(self.roots)  # a root already gone: its PID may belong to someone else now
             for pid in roots:
                 _signal_group(pid, signal.SIGTERM)  # the SuperLink first: it stops its own children
             self._wait_gone(roots, grace)
             for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-                live = set(self.members()) | set(self.alive(list(before)))
-                if not live:
+                live = set(self.members()) | set(self.alive())  # alive(): every process ever seen, even
+                if not live:                                     # one its dying parent left to PID 1
                     break
                 for pid in live:
                     self._signal(pid, sig)
@@ -456,7 +456,7 @@ class ProcessTree:
         deadline = time.monotonic() + limit
         calm_since = time.monotonic()
         while time.monotonic() < deadline and time.monotonic() - calm_since < quiet:
-            live = self.members()
+            live = sorted(set(self.members()) | set(self.alive()))
             if live:
                 for pid in live:
                     self._signal(pid, signal.SIGKILL)

@@ -147,11 +147,13 @@ def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path):
 
 
 def test_resumed_fccl_run_ends_with_the_metrics_of_an_uninterrupted_one(tmp_path):
-    """The logit family: consensus, private/teacher models and SOLO state all come back from disk."""
+    """The logit family: consensus, private/teacher models and SOLO state all come back from disk; with
+    the leave-one-out target each node also learns, by partition, that its own logits are in the mean."""
     from tests.conftest import require_real_data
     from tests.test_fccl_client import TINY
 
-    base = {**TINY, "method": "fccl", "model": "cnn_mnist", "data-root": require_real_data(), "seed": 1}
+    base = {**TINY, "method": "fccl", "model": "cnn_mnist", "data-root": require_real_data(), "seed": 1,
+            "fccl-target": "leave-one-out"}
     full = _run({**base, "num-server-rounds": 3}, tmp_path / "full", tmp_path / "full-nodes", num_partitions=4)
     part = _run({**base, "num-server-rounds": 2}, tmp_path / "part", tmp_path / "part-nodes", num_partitions=4)
     resumed = _run({**base, "num-server-rounds": 3, "resume-from": str(part)}, tmp_path / "unused",

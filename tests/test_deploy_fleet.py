@@ -237,6 +237,66 @@ def test_method_on_fleet_survives_a_lost_node_and_reports_a_misconfigured_one(ca
 
 
 @pytest.mark.e2e
+def test_supernode_killed_and_restarted_carries_on_from_its_state_dir(tmp_path, capfd):
+    """SIGKILL of a SuperNode's process after round 1 (no chance to clean up), then a new SuperNode with
+    the same node config (partition, ``state-dir``): the fleet says which node died and how, the new
+    node takes the partition over once the SuperLink has dropped the dead one, and it carries on from
+    the saved state: its round counter counts the dead process's rounds too. Nothing is left behind."""
+    out = tmp_path / "runs"
+    rounds = 4
+    values, _ = compose_run_config(method="fedproto", rounds=rounds, out_dir=out, data_root=None,
+                                   user=format_config({"local-epochs": 1, "max-train-samples": 200}),
+                                   num_supernodes=2)
+    specs = [NodeSpec(s.name, {**s.config, "state-dir": str(tmp_path / "state" / f"p{i}")})
+             for i, s in enumerate(plan_nodes(2))]
+    done: dict = {}
+
+    def run(fleet: Fleet) -> None:
+        try:
+            done["outcome"] = fleet.run(values, timeout=600, echo=False)
+        except BaseException as err:  # reported by the main thread
+            done["error"] = err
+
+    with Fleet(tmp_path / "work", echo=False) as fleet:
+        nodes = [fleet.add_supernode(spec) for spec in specs]
+        fleet.wait_for_nodes(2, timeout=180)
+        thread = threading.Thread(target=run, args=(fleet,), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 400
+        while not _rounds_written(out) and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _rounds_written(out), f"round 1 never finished: {done}\n{fleet.log_tails()}"
+        victim = nodes[1].pid
+        os.kill(victim, signal.SIGKILL)  # the SuperNode alone, as a crash would: no stop_supernode
+        nodes[1].proc.wait(timeout=30)
+        fleet.add_supernode(NodeSpec("supernode_1_restarted", specs[1].config))
+        thread.join(timeout=700)
+        assert not thread.is_alive(), fleet.log_tails()
+        groups = fleet.process_groups()
+    assert not groups_alive(groups), "a SuperLink/SuperNode outlived its fleet"
+    assert "error" not in done, done.get("error")
+    outcome = done["outcome"]
+    assert outcome.completed, outcome.log[-4000:]
+    said = capfd.readouterr().err
+    assert f"supernode_1 (pid {victim}) died with code -9 (SIGKILL); the run goes on without it" in said, said
+
+    rows = _rounds_written(out)
+    assert [r["round"] for r in rows] == list(range(1, rounds + 1))
+    served = [r["round"] for r in rows if "partition 1" in r["fit-clients"]]
+    assert served[0] == 1 and served[-1] == rounds, served  # the old node, then the new one to the end
+    assert all("partition 0" in r["fit-clients"] for r in rows)
+    assert not any("already served" in x["reason"] for r in rows for x in r.get("rejected", [])), rows
+    history = json.loads((tmp_path / "state" / "p1" / "small-state.json").read_text())["node-history"]["values"]
+    # A fresh start would have counted only the new node's rounds (at most len(served) - 1); the old
+    # process may also have trained round 2 before it died, without its reply arriving.
+    assert len(served) <= history["rounds-trained"] <= len(served) + 1, (history, served)
+    assert history["last-round"] == rounds
+    for i in (0, 1):
+        meta = json.loads((tmp_path / "state" / f"p{i}" / "final-model.json").read_text())
+        assert meta["round"] == rounds and meta["partition-id"] == i
+
+
+@pytest.mark.e2e
 def test_tls_fleet_with_node_auth_completes_through_the_cli(tmp_path):
     """`python -m deploy.fleet --tls`: certificates, key registration, HTTPS, one round, clean exit."""
     work, out = tmp_path / "work", tmp_path / "runs"

@@ -165,6 +165,26 @@ def test_a_second_node_claiming_a_partition_is_rejected():
     assert "partition 0 is already served by node 11" in strategy.reports[1].rejected[0]["reason"]
 
 
+def test_a_partition_moves_to_a_new_node_once_its_node_has_left():
+    """A restarted SuperNode comes back with a new node id: it may serve its partition once the grid no
+    longer lists the old node, and the old node id loses its claim."""
+    grid = InProcessGrid({11: _weights_node(0, 10, 1.0)})
+    first = _weights_node(1, 10, 1.0)
+
+    def dies_in_round_2(msg):
+        if msg.content["config"]["server-round"] == 2:
+            del grid.handlers[12]  # the SuperLink drops the dead node; its replacement connects
+            grid.handlers[13] = _weights_node(1, 10, 1.0)
+            return None
+        return first(msg)
+
+    grid.handlers[12] = dies_in_round_2
+    strategy = WeightAveraging(min_available_nodes=2)
+    strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=3)
+    assert strategy.node_of == {0: 11, 1: 13} and 12 not in strategy.partition_of
+    assert not any(r.rejected for r in strategy.reports.values())
+
+
 def test_a_round_that_trains_nobody_fails_the_run_with_the_reasons():
     grid = InProcessGrid({11: _hostile("nan-array"), 12: _hostile("raise")})
     with pytest.raises(NoTrainingError, match=r"round 1 trained nobody .*'w': contains NaN.*client crashed"):

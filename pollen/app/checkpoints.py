@@ -24,6 +24,7 @@ from safetensors.numpy import load_file
 from pollen.log import LOGGER
 
 CHECKPOINT_DIR = "checkpoints"
+FINAL_MODEL = "final-model"  # <state-dir>/final-model.{safetensors,json}: a node's personal model
 
 
 class CheckpointError(RuntimeError):
@@ -169,6 +170,8 @@ def load_records(folder: Path, records) -> bool:
     if not small_path.exists():
         return False
     for path in sorted(folder.glob("*.safetensors")):
+        if path.stem == FINAL_MODEL:  # the end product of a finished run, not part of the state
+            continue
         records[path.stem] = ArrayRecord({k: Array(np.asarray(v)) for k, v in load_arrays(path).items()})
     for key, entry in json.loads(small_path.read_text()).items():
         cls = ConfigRecord if entry["kind"] == "config" else MetricRecord

@@ -9,22 +9,25 @@ disk under the node's state folder — node config ``state-dir``, by default
 ``<run folder>/nodes/partition-<i>`` — written atomically after every training round and read back
 when a restarted SuperNode (or a resumed run) starts with an empty state. After the last round the
 personal model is saved there as ``final-model.safetensors`` with ``final-model.json``; it never
-leaves the node.
+leaves the node. A small ``node-history`` record counts the rounds this partition trained, across
+restarts, so a node that carried on from its folder can be told from one that started afresh.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from pollen.app.checkpoints import load_records, save_arrays, save_records, write_json
+from pollen.app.checkpoints import FINAL_MODEL, load_records, save_arrays, save_records, write_json
 from pollen.app.config import NodeConfig, RunConfig, parse_node_config, parse_run_config
 from pollen.app.registry import METHODS
 from pollen.app.results import run_directory
+from pollen.log import LOGGER
 
 app = ClientApp()
+HISTORY = "node-history"  # context.state key: rounds trained by this partition, restarts included
 
 
 def node_state_dir(cfg: RunConfig, node: NodeConfig, run_id: int) -> Path:
@@ -40,8 +43,11 @@ def _prepare(context: Context):
     if spec.adapter is None:
         raise RuntimeError(f"method {cfg.method!r} has no Message-API client adapter")
     folder = node_state_dir(cfg, node, context.run_id)
-    if len(context.state) == 0:
-        load_records(folder, context.state)
+    if len(context.state) == 0 and load_records(folder, context.state):
+        history = context.state.get(HISTORY)
+        trained = int(history["rounds-trained"]) if history is not None else 0
+        LOGGER.info("partition %d: state restored from %s (%d round(s) trained before)",
+                    node.partition_id, folder, trained)
     return cfg, spec, folder, spec.make_client(cfg, node, context)
 
 
@@ -50,10 +56,10 @@ def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Contex
     record = context.state.get(spec.personal_model)
     if record is None:
         return
-    save_arrays(folder / "final-model.safetensors", {k: a.numpy() for k, a in record.items()})
+    save_arrays(folder / f"{FINAL_MODEL}.safetensors", {k: a.numpy() for k, a in record.items()})
     kwargs = client.model_kwargs() if hasattr(client, "model_kwargs") else {}
     fmt = client.task.fmt
-    write_json(folder / "final-model.json", {
+    write_json(folder / f"{FINAL_MODEL}.json", {
         "method": cfg.method, "task": cfg.task, "model": client.model_name,
         "width": cfg.width_for(client.model_name), "num-classes": client.task.num_classes,
         "in-channels": fmt.channels, "image-size": fmt.size, "model-kwargs": kwargs,
@@ -65,8 +71,11 @@ def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Contex
 def train(msg: Message, context: Context) -> Message:
     cfg, spec, folder, client = _prepare(context)
     content = spec.adapter.train(client, msg.content)
-    save_records(folder, context.state)
     server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
+    history = context.state.get(HISTORY)
+    trained = int(history["rounds-trained"]) if history is not None else 0
+    context.state[HISTORY] = ConfigRecord({"rounds-trained": trained + 1, "last-round": server_round})
+    save_records(folder, context.state)
     if spec.personal_model and server_round >= cfg.num_server_rounds:
         save_final_model(folder, cfg, spec, client, context, server_round)
     return Message(content=content, reply_to=msg)

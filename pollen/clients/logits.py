@@ -256,6 +256,12 @@ class LogitClient(PollenClient):
         return net, solo, prev, True
 
     # the round -----------------------------------------------------------------------------
+    def contributed(self, config: dict) -> bool:
+        """Are this client's last logits in the consensus? By node (``contributed``) or, after a
+        restart under a new node id, by partition (``contributor-partitions``)."""
+        partitions = config.get("contributor-partitions", [])
+        return bool(config.get("contributed", False)) or self.partition_id in [int(p) for p in partitions]
+
     def collaborative_target(self, consensus: np.ndarray, count: int, contributed: bool) -> np.ndarray | None:
         if self.settings.target == "mean":
             return consensus
@@ -336,7 +342,7 @@ class LogitClient(PollenClient):
             load_model_arrays(net, parameters[2:])
         if self.RECIPE.collaborative and len(parameters) >= 2:
             target = self.collaborative_target(parameters[0], int(parameters[1][0]),
-                                               bool(config.get("contributed", False)))
+                                               self.contributed(config))
             if target is not None:
                 metrics["collab-loss"] = self.collaborative_update(net, target, server_round)
         metrics.update(self.local_update(net, solo, prev, server_round))

@@ -5,6 +5,7 @@
 | server → client | ``arrays["consensus"]`` | N0×C | float32 | mean of last round's accepted logits |
 | server → client | ``arrays["contributors"]`` | 1 | int64 | how many clients the mean averages |
 | server → client | ``config["contributed"]`` | | bool | this client's logits are in the mean |
+| server → client | ``config["contributor-partitions"]`` | k | int list | partitions whose logits are in the mean (when known); a node restarted under a new id finds its own here |
 | server → client | ``model`` (ArrayRecord) | state dict | any | homogeneous mode only: averaged weights |
 | client → server | ``arrays["logits"]`` | N0×C | float32 | rows in public-sample order, finite |
 | client → server | ``model`` (ArrayRecord) | state dict | any | homogeneous mode only |

@@ -8,7 +8,9 @@ this class makes sure no reply reaches that code unchecked:
 * error replies are counted as failures with their reason;
 * metrics must be finite numbers, counts within ``max_examples``, accuracies in [0, 1];
 * a node's ``partition-id`` is bound to its node id for the run: a second node claiming the same
-  partition, or a node changing its claim, is rejected;
+  partition, or a node changing its claim, is rejected. Once the serving node has left (the grid
+  no longer lists it), a new node may take the partition over: that is how a SuperNode restarted
+  on the same state folder carries on;
 * arrays are checked from their metadata before decoding (:mod:`pollen.protocol.screening`).
 
 A rejected reply is logged as a WARNING naming the client, the key and the reason, and kept in the
@@ -121,6 +123,7 @@ class PollenStrategy(Strategy):
         self.empty_rounds = 0
         self.partition_of: dict[int, int] = {}  # node id -> partition it claimed first
         self.node_of: dict[int, int] = {}  # partition -> node id serving it
+        self.grid: Grid | None = None  # the grid last sampled from: tells whether a node has left
         self.reports: dict[int, RoundReport] = {}
 
     # ------------------------------------------------------------------ sampling and messages
@@ -132,6 +135,7 @@ class PollenStrategy(Strategy):
         """
         wait = min(self.node_wait_s, SIMULATION_NODE_WAIT_S) if type(grid).__name__ == "InMemoryGrid" \
             else self.node_wait_s
+        self.grid = grid
         deadline = time.monotonic() + wait
         next_log = 0.0
         while True:
@@ -206,14 +210,22 @@ class PollenStrategy(Strategy):
         if claimed is not None and claimed != pid:
             return f"partition-id {pid} differs from partition {claimed} this node claimed before"
         owner = self.node_of.get(pid)
-        if owner is not None and owner != node_id:
+        if owner is not None and owner != node_id and not self._has_left(owner):
             return f"partition {pid} is already served by node {owner}"
         return None
+
+    def _has_left(self, node_id: int) -> bool:
+        """True once the grid no longer lists ``node_id`` (stopped, or its heartbeats expired)."""
+        return self.grid is not None and node_id not in set(self.grid.get_node_ids())
 
     def _bind_partition(self, node_id: int, metrics: dict[str, Any]) -> None:
         """Bind only once a reply is accepted: a rejected reply claims nothing."""
         if "partition-id" in metrics:
             pid = int(metrics["partition-id"])
+            owner = self.node_of.get(pid)
+            if owner is not None and owner != node_id:  # the owner has left (checked in screening)
+                LOGGER.info("partition %d moves from node %d, which has left, to node %d", pid, owner, node_id)
+                self.partition_of.pop(owner, None)
             self.partition_of[node_id] = pid
             self.node_of[pid] = node_id
 

@@ -9,6 +9,7 @@ so a client whose own reply is in the mean can take it out again (leave-one-out 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -52,7 +53,8 @@ class LogitAveraging(PollenStrategy):
         self.num_classes = num_classes
         self.average_weights = average_weights
         self.consensus: np.ndarray | None = None
-        self.contributors: set[int] = set()
+        self.contributors: set[int] = set()  # node ids whose logits are in the consensus
+        self.contributor_partitions: set[int] = set()  # the same, by partition: survives a restart
         self.weights: ArrayRecord | None = None
 
     def __repr__(self) -> str:
@@ -66,8 +68,7 @@ class LogitAveraging(PollenStrategy):
             arrays["consensus"] = self.consensus.copy()
         if self.weights is not None:
             arrays.update({f"model.{k}": a.numpy() for k, a in self.weights.items()})
-        values["contributor-partitions"] = sorted(self.partition_of[n] for n in self.contributors
-                                                  if n in self.partition_of)
+        values["contributor-partitions"] = sorted(self.contributor_partitions)
         values["contributors"] = len(self.contributors)
         return arrays, values
 
@@ -76,8 +77,10 @@ class LogitAveraging(PollenStrategy):
         self.consensus = arrays.get("consensus")
         model = {k[len("model."):]: a for k, a in arrays.items() if k.startswith("model.")}
         self.weights = array_record(model) if model else None
-        # Node ids are new after a restart: keep the count (it scales the consensus), not the ids.
+        # Node ids are new after a restart: keep the count (it scales the consensus), not the ids;
+        # the partitions tell each node whether its own logits are in the mean.
         self.contributors = set(range(-int(values["contributors"]), 0))
+        self.contributor_partitions = {int(p) for p in values.get("contributor-partitions", [])}
 
     def consensus_record(self) -> ArrayRecord:
         if self.consensus is None:
@@ -91,9 +94,14 @@ class LogitAveraging(PollenStrategy):
         nodes = self.sample(grid, self.fraction_train, self.min_train_nodes)
         consensus = self.consensus_record()
 
+        extra: dict[str, Any] = {}
+        if self.contributor_partitions:
+            extra["contributor-partitions"] = sorted(self.contributor_partitions)
+
         def content(node: int) -> RecordDict:
+            contributed = node in self.contributors or self.partition_of.get(node, -1) in self.contributor_partitions
             rd = RecordDict({ARRAYS: consensus, CONFIG: self.round_config(
-                config, server_round, contributed=node in self.contributors)})
+                config, server_round, contributed=contributed, **extra)})
             if self.average_weights and self.weights is not None:
                 rd[MODEL] = self.weights
             return rd
@@ -141,6 +149,7 @@ class LogitAveraging(PollenStrategy):
             return None, metrics
         self.consensus = mean_logits([a.payload[0] for a in accepted])
         self.contributors = {a.node_id for a in accepted}
+        self.contributor_partitions = {self.partition_of[a.node_id] for a in accepted if a.node_id in self.partition_of}
         if self.average_weights:
             keys = list(reference.keys())
             averaged = average_arrays([[a.payload[1][k] for k in keys] for a in accepted],

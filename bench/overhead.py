@@ -1,0 +1,194 @@
+"""What running through Flower costs: FedProto MNIST as a plain loop vs the same work through Pollen.
+
+A = ``bench/fedproto_reference.py``'s plain loop (one process, one thread, 20 clients in turn);
+B = Pollen's Flower app through ``python -m pollen.app.launch`` (20 SuperNodes, one CPU per client,
+evaluation only after the last round, as A does). Same task, split, sizes, optimiser and rounds.
+The pairs run **interleaved** (A B A B …) so that a shared machine's load hits both alike; each
+side's CPU-seconds cover its whole process tree (this script is a child subreaper, so orphaned Ray
+and Flower processes are reaped here and their CPU time counted). Prints and writes
+``bench/results/overhead.{json,md}``: per pair the CPU-second and wall ratios B / A, then min and
+median, and per Pollen run the round-time breakdown (round 1, steady rounds, start-up and teardown).
+
+    python bench/overhead.py --data-root ../shared/data --pairs 3 --rounds 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants (Ray workers, Flower's processes) are then reparented here, not to init."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except OSError:
+        return False
+
+
+def reap_all() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.2)  # descendants still exiting
+            continue
+
+
+def children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def measured(cmd: list[str], env: dict[str, str], log: Path) -> dict:
+    """Run ``cmd`` to the end; wall and CPU-seconds of its whole tree (reaped here)."""
+    reap_all()
+    cpu0, t0 = children_cpu(), time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # let orphans finish and be reaped
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            time.sleep(0.2)
+    return {"rc": proc.returncode, "wall-s": round(wall, 2), "cpu-s": round(children_cpu() - cpu0, 2),
+            "max-rss-mb-one-process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)}
+
+
+def plain_loop(args, env: dict[str, str], log: Path) -> dict:
+    code = ("import json, sys, torch; sys.path.insert(0, 'bench'); torch.set_num_threads(1); "
+            "from fedproto_reference import run; "
+            f"r = run({args.ways}, {args.seed}, {args.rounds}, {str(args.data_root)!r}, num_clients={args.clients}); "
+            "print('RESULT ' + json.dumps({k: r[k] for k in ('local-mean', 'proto-mean', 'wall-time-s')}))")
+    row = measured([sys.executable, "-c", code], env, log)
+    for line in log.read_text().splitlines():
+        if line.startswith("RESULT "):
+            row.update(json.loads(line[len("RESULT "):]))
+    return row
+
+
+def pollen_run(args, env: dict[str, str], log: Path, out_dir: Path) -> dict:
+    keys = {"method": "'fedproto'", "task": "'mnist-shot'", "num-server-rounds": args.rounds, "seed": args.seed,
+            "shot-split": "'official'", "shot-ways": args.ways, "shot-shots": 100, "shot-stdev": 2,
+            "shot-test-per-class": 40, "batch-size": 4, "lr": 0.01, "momentum": 0.5, "local-epochs": 1,
+            "proto-evaluate-every": args.rounds, "torch-threads": 1}
+    config = " ".join(f"{k}={v}" for k, v in keys.items())
+    cmd = [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", str(args.clients),
+           "--data-root", str(args.data_root), "--out-dir", str(out_dir), "--run-config", config]
+    row = measured(cmd, env, log)
+    runs = sorted(out_dir.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    if runs:
+        lines = [json.loads(x) for x in runs[-1].read_text().splitlines() if x.strip()]
+        times = [r["wall-time-s"] for r in lines]
+        summary = json.loads((runs[-1].parent / "summary.json").read_text())
+        final = lines[-1].get("evaluate", {})
+        row.update({"round-1-s": round(times[0], 2),
+                    "steady-round-median-s": round(statistics.median(times[1:]), 2) if len(times) > 1 else None,
+                    "rounds-s": round(sum(times), 2), "server-app-s": summary.get("wall-time-s"),
+                    "local-mean": 100 * float(final.get("accuracy", float("nan"))),
+                    "proto-mean": 100 * float(final.get("proto-accuracy", float("nan")))})
+        row["outside-rounds-s"] = round(row["wall-s"] - row["rounds-s"], 2)
+    return row
+
+
+def summarise(pairs: list[dict]) -> dict:
+    cpu = [p["pollen"]["cpu-s"] / p["plain"]["cpu-s"] for p in pairs]
+    wall = [p["pollen"]["wall-s"] / p["plain"]["wall-s"] for p in pairs]
+    return {"cpu-ratio-min": round(min(cpu), 3), "cpu-ratio-median": round(statistics.median(cpu), 3),
+            "wall-ratio-min": round(min(wall), 3), "wall-ratio-median": round(statistics.median(wall), 3),
+            "pairs": len(pairs)}
+
+
+def markdown(data: dict) -> str:
+    cfg, s = data["config"], data["summary"]
+    lines = ["# Overhead: Pollen's Flower app vs the plain loop", "",
+             f"FedProto MNIST, {cfg['clients']} clients, {cfg['ways']}-way 100-shot (official split), {cfg['rounds']} "
+             f"rounds, seed {cfg['seed']}; plain loop = `bench/fedproto_reference.py` (1 process, 1 thread); "
+             f"Pollen = `python -m pollen.app.launch --num-supernodes {cfg['clients']}` (1 CPU per client, "
+             f"{cfg['cores']} cores), evaluation after the last round only in both. Interleaved pairs, plain "
+             f"first. CPU-seconds: the whole process tree of each run. {cfg['date']}, load average at start "
+             f"{cfg['load-at-start']}.", "",
+             f"**CPU-seconds ratio Pollen / plain: min {s['cpu-ratio-min']}, median {s['cpu-ratio-median']}; "
+             f"wall ratio: min {s['wall-ratio-min']}, median {s['wall-ratio-median']}** ({s['pairs']} pairs).", "",
+             "| pair | plain CPU s | plain wall s | Pollen CPU s | Pollen wall s | CPU ratio | wall ratio | "
+             "Pollen round 1 s | steady round s (median) | outside rounds s | plain local / proto % | "
+             "Pollen local / proto % |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(data["pairs"], 1):
+        a, b = p["plain"], p["pollen"]
+        lines.append(f"| {i} | {a['cpu-s']} | {a['wall-s']} | {b['cpu-s']} | {b['wall-s']} | "
+                     f"{b['cpu-s'] / a['cpu-s']:.3f} | {b['wall-s'] / a['wall-s']:.3f} | {b.get('round-1-s')} | "
+                     f"{b.get('steady-round-median-s')} | {b.get('outside-rounds-s')} | "
+                     f"{a.get('local-mean', float('nan')):.2f} / {a.get('proto-mean', float('nan')):.2f} | "
+                     f"{b.get('local-mean', float('nan')):.2f} / {b.get('proto-mean', float('nan')):.2f} |")
+    lines += ["", "*outside rounds* = Pollen wall minus the rounds' own wall: SuperLink and Ray start-up, "
+              "loading, shutdown. The plain loop's accuracy uses its own evaluation (per-client counters); "
+              "Pollen's is the example-weighted mean over clients."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-root", type=Path, default=os.environ.get("POLLEN_DATA_ROOT"), required=False)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--ways", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for overhead.json and overhead.md")
+    args = parser.parse_args(argv)
+    if args.data_root is None or not (Path(args.data_root) / "MNIST" / "raw").is_dir():
+        parser.error("--data-root must hold MNIST/raw (or set POLLEN_DATA_ROOT)")
+    args.data_root = Path(args.data_root).resolve()
+    if not become_subreaper():
+        print("[overhead] warning: not a child subreaper: CPU of orphaned processes is not counted", flush=True)
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1"}
+    config = {"clients": args.clients, "ways": args.ways, "rounds": args.rounds, "seed": args.seed,
+              "cores": os.cpu_count(), "python": platform.python_version(),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "load-at-start": round(os.getloadavg()[0], 2)}
+    pairs = []
+    with tempfile.TemporaryDirectory(prefix="pollen-overhead-") as tmp:
+        for i in range(args.pairs):
+            print(f"[overhead] pair {i + 1}/{args.pairs}: plain loop", flush=True)
+            plain = plain_loop(args, env, Path(tmp) / f"plain-{i}.log")
+            print(f"[overhead]   plain: {plain}", flush=True)
+            print(f"[overhead] pair {i + 1}/{args.pairs}: Pollen", flush=True)
+            pollen = pollen_run(args, env, Path(tmp) / f"pollen-{i}.log", Path(tmp) / f"runs-{i}")
+            print(f"[overhead]   Pollen: {pollen}", flush=True)
+            if plain["rc"] != 0 or pollen["rc"] != 0:
+                bad = "plain" if plain["rc"] != 0 else "pollen"
+                print((Path(tmp) / f"{bad}-{i}.log").read_text()[-3000:], file=sys.stderr)
+                return 1
+            pairs.append({"plain": plain, "pollen": pollen})
+    data = {"config": config, "pairs": pairs, "summary": summarise(pairs)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overhead.json").write_text(json.dumps(data, indent=2) + "\n")
+    (args.out / "overhead.md").write_text(markdown(data))
+    print(markdown(data), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -65,6 +65,47 @@ def test_an_unwritable_folder_fails_naming_the_path_and_keeps_the_last_checkpoin
     assert latest_checkpoint(tmp_path).round == 1
 
 
+def _chattr(flag: str, path: Path) -> bool:
+    import subprocess
+
+    try:
+        return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def test_a_checkpoint_folder_made_unwritable_mid_run_fails_the_run_naming_it(tmp_path):
+    """A real fault, even for root: the checkpoint folder turns immutable (``chattr +i``) while round 2
+    trains. The run fails with a message naming the folder; round 1's checkpoint stays valid."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if not _chattr("+i", probe):
+        pytest.skip("chattr +i is not available on this file system / for this user")
+    _chattr("-i", probe)
+    run_config = {"method": "fedavg", "task": "uci-dirichlet", "seed": 3, "local-epochs": 1,
+                  "num-server-rounds": 3, "out-dir": str(tmp_path / "runs")}
+    folder = tmp_path / "runs" / "7" / "checkpoints"
+    nodes = {100 + p: clientapp_node(client_app, run_config, p, 2, state_dir=str(tmp_path / f"p{p}"))
+             for p in range(2)}
+    first = nodes[100]
+
+    def turns_folder_immutable(msg):
+        if msg.metadata.message_type == "train" and msg.content["config"]["server-round"] == 2:
+            assert _chattr("+i", folder)
+        return first(msg)
+
+    nodes[100] = turns_folder_immutable
+    try:
+        with pytest.raises(CheckpointError, match=str(folder)):
+            server_main(InProcessGrid(nodes), Context(run_id=7, node_id=0, node_config={}, state=RecordDict(),
+                                                      run_config=run_config))
+    finally:
+        _chattr("-i", folder)
+    assert latest_checkpoint(tmp_path / "runs" / "7").round == 1
+    summary = json.loads((tmp_path / "runs" / "7" / "summary.json").read_text())
+    assert summary["status"] == "failed" and str(folder) in summary["failure-reason"]
+
+
 def test_a_failing_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
     """Disk full, simulated where the bytes hit the disk: the rename never happens."""
     write_checkpoint(tmp_path, 1, _arrays(1), {}, CONFIG, keep=2)

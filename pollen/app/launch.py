@@ -1077,20 +1077,39 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def _catalog() -> str:
-    """Registered methods and tasks, for ``--help``; never fails (it imports torch, so only for help)."""
+    """Registered methods (by family) and tasks, and the main run keys' defaults, for ``--help``; never
+    fails (it imports torch, so only for help)."""
     lines = []
     try:
         from pollen.app.registry import METHODS
 
-        lines.append("methods: " + ", ".join(sorted(METHODS)))
+        families: dict[str, list[str]] = {}
+        for spec in METHODS.values():
+            families.setdefault(spec.family, []).append(spec.name)
+        lines.append("methods: (run key 'method', by family; README.md has the papers)")
+        lines += [f"  {family:<11} {', '.join(names)}" for family, names in families.items()]
     except Exception as err:  # noqa: BLE001 - help must print whatever is broken
         lines.append(f"methods: (not listed: {type(err).__name__}: {err})")
     try:
         from pollen.datasets.tasks import TASKS
 
-        lines.append("tasks: " + ", ".join(sorted(TASKS)))
+        lines.append("tasks: (run key 'task')")
+        width = max(len(name) for name in TASKS)
+        for name, spec in TASKS.items():
+            text = " ".join(str(getattr(spec, "description", "")).split())
+            lines.append(f"  {name:<{width}}  {text}")
     except Exception as err:  # noqa: BLE001
         lines.append(f"tasks: (not listed: {type(err).__name__}: {err})")
+    try:
+        from pollen.app.config import DEFAULTS
+
+        main = ("method", "task", "num-server-rounds", "seed", "local-epochs", "batch-size", "lr", "device",
+                "max-train-samples", "data-root", "out-dir")
+        pairs = format_run_config({k: DEFAULTS[k] for k in main if k in DEFAULTS})
+        lines.append("run keys (defaults of the most used; every key with its range: docs/usage.md):")
+        lines.append("  " + pairs)
+    except Exception as err:  # noqa: BLE001
+        lines.append(f"run keys: (not listed: {type(err).__name__}: {err})")
     return "\n".join(lines)
 
 

@@ -1,0 +1,293 @@
+"""Every command printed in README.md and docs/ runs, and every relative link there resolves.
+
+Commands are the lines of fenced ``bash``/``sh`` blocks (``\\`` continues a line, ``#`` lines are
+comments). A command marked with a trailing ``# needs: <what>`` comment, or in a block whose first line
+is such a comment, is skipped with that reason; so is one that names a placeholder path
+(``/path/to/...``) or needs ``$POLLEN_DATA_ROOT`` when it is unset. The rest run for real, made tiny:
+a launch (``python -m pollen.app.launch``, ``make run``, ``make fleet``) gets its run config merged
+with :data:`SMOKE` settings for its method's family (one round, a few samples), results go to a
+temporary folder (which also stands for the documented ``runs/``), ``make`` never reinstalls the
+venv, and the block, run as one ``bash -e`` script, must exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pollen.app.launch import format_run_config, parse_run_config
+from tests.conftest import PROJECT_ROOT
+
+PAGES = sorted([PROJECT_ROOT / "README.md", *(PROJECT_ROOT / "docs").rglob("*.md")])
+NEEDS = re.compile(r"#\s*needs:\s*(.+?)\s*$")
+FENCE = re.compile(r"^```(\w*)\s*$")
+
+# Tiny settings per method family, merged over a documented run config (documented values lose).
+SMOKE_COMMON = {"num-server-rounds": 1, "max-train-samples": 64}
+SMOKE = {
+    "weights": {},
+    "local": {},
+    "prototypes": {"shot-shots": 20, "shot-test-per-class": 5, "proto-evaluate-every": 1},
+    "logits": {"model-width": 0.125, "fccl-public-size": 40, "fccl-public-batch-size": 20,
+               "fccl-train-sizes": "24,24,24,24", "fccl-solo-epochs": 1, "fccl-local-epochs": "1",
+               "fccl-test-size": 20, "fccl-batch-size": 12},
+    "glfc": {"num-server-rounds": 2, "glfc-tasks": 2, "glfc-rounds-per-task": 1, "glfc-classes-per-task": 5,
+             "glfc-initial-clients": 3, "glfc-new-clients": 1, "glfc-clients-per-round": 2,
+             "glfc-max-per-class": 10, "glfc-memory-size": 10, "glfc-eval-per-class": 10,
+             "glfc-proxy-iterations": 2, "glfc-proxy-keep": 1, "glfc-perturb-steps": 2, "model-width": 0.125,
+             "local-epochs": 1},
+}
+DATA_TASKS_WITHOUT_FILES = {"uci-dirichlet", "uci-digits-cil"}
+STAMP = ".venv/.pollen-installed"
+
+
+@dataclass(frozen=True)
+class Command:
+    page: str
+    line: int
+    text: str
+    needs: str | None
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block: its commands run in order in one shell, as a reader would paste them."""
+
+    page: str
+    line: int
+    commands: tuple[Command, ...]
+    needs: str | None
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def documented_blocks(pages=PAGES) -> list[Block]:
+    out: list[Block] = []
+    for page in pages:
+        rel = str(page.relative_to(PROJECT_ROOT))
+        lang, block_needs, pending, start, first, commands, opened = None, None, "", 0, False, [], 0
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            fence = FENCE.match(line.strip())
+            if fence and lang is None:
+                lang, block_needs, first, commands, opened = fence[1] or "text", None, True, [], number
+                continue
+            if fence and lang is not None:
+                if lang in ("bash", "sh") and commands:
+                    out.append(Block(rel, opened, tuple(commands), block_needs))
+                lang = None
+                continue
+            if lang not in ("bash", "sh"):
+                continue
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                if first and NEEDS.search(stripped):
+                    block_needs = NEEDS.search(stripped)[1]
+                first = False
+                continue
+            first = False
+            if not stripped and not pending:
+                continue
+            if not pending:
+                start = number
+            if stripped.endswith("\\"):
+                pending += stripped[:-1] + " "
+                continue
+            text = pending + stripped
+            pending = ""
+            needs = NEEDS.search(text)
+            code = text[:needs.start()].rstrip() if needs else text
+            commands.append(Command(rel, start, code, needs[1] if needs else None))
+    return out
+
+
+def documented_commands(pages=PAGES) -> list[Command]:
+    return [c for block in documented_blocks(pages) for c in block.commands]
+
+
+# --- making a documented command tiny -----------------------------------------------------------------
+
+def _family(values: dict) -> str:
+    from pollen.app.registry import METHODS
+
+    spec = METHODS.get(values.get("method", "fedavg"))
+    return spec.family if spec is not None else "weights"
+
+
+def _smoke(values: dict, rounds_option: bool = False) -> dict:
+    family = _family(values)
+    merged = {**values, **SMOKE_COMMON, **SMOKE.get(family, {})}
+    if family == "glfc" and values.get("task") == "cifar100-cil":
+        merged["glfc-classes-per-task"] = 10
+    if rounds_option:  # make fleet passes ROUNDS itself
+        merged.pop("num-server-rounds", None)
+    return merged
+
+
+RUNS = re.compile(r"(?<![\w./$-])runs(?=/|\s|$)")
+RUN_CONFIG_OPTION = re.compile(r"--run-config\s+\"([^\"]*)\"")
+RUN_CONFIG_VAR = re.compile(r"RUN_CONFIG=\"([^\"]*)\"")
+
+
+def smoke_command(text: str, out_dir: Path) -> str:
+    """The documented command with a tiny run config and results under ``out_dir`` (which also replaces
+    the documented results folder ``runs/``). Rewritten as text, so shell variables stay as written."""
+    text = RUNS.sub(str(out_dir), text)
+    words = text.split()
+    if "pollen.app.launch" in words and "--help" not in words and "-h" not in words:
+        return _smoke_launch(text, out_dir)
+    if words[:2] in (["make", "run"], ["make", "fleet"]):
+        return _smoke_make(text, out_dir)
+    return text
+
+
+def _smoke_launch(text: str, out_dir: Path) -> str:
+    text = re.sub(r"\s--out-dir\s+\S+", "", text)
+    # more than a few clients only slow the smoke run down: the launcher picks what the task needs, else 5
+    text = re.sub(r"\s--num-supernodes\s+(\d+)", lambda m: m[0] if int(m[1]) <= 5 else "", text)
+    found = RUN_CONFIG_OPTION.search(text)
+    values = parse_run_config(found[1]) if found else {}
+    # a resumed run keeps its saved config (only rounds, paths and device may change)
+    smoke = values if "--resume" in text.split() else _smoke(values)
+    text = RUN_CONFIG_OPTION.sub("", text).rstrip()
+    return f"{text} --out-dir {out_dir} --run-config \"{format_run_config(smoke)}\""
+
+
+def _smoke_make(text: str, out_dir: Path) -> str:
+    fleet = text.split()[1] == "fleet"
+    found = RUN_CONFIG_VAR.search(text)
+    values = parse_run_config(found[1]) if found else {}
+    method = re.search(r"\bMETHOD=(\S+)", text)
+    if method:
+        values.setdefault("method", method[1])
+    text = RUN_CONFIG_VAR.sub("", text)
+    text = re.sub(r"\s(NUM_SUPERNODES|OUT_DIR|ROUNDS)=\S+", "", text).rstrip()
+    smoke = _smoke(values, rounds_option=fleet)
+    if (PROJECT_ROOT / STAMP).is_file():  # offline: never reinstall (make would when pyproject.toml is newer)
+        text = re.sub(r"^make\b", f"make -o {STAMP}", text)
+    if fleet:
+        smoke.pop("method", None)
+        text += " NUM_SUPERNODES=2 ROUNDS=1"
+    return f"{text} OUT_DIR={out_dir} RUN_CONFIG=\"{format_run_config(smoke)}\""
+
+
+def skip_reason(cmd: Command) -> str | None:
+    if cmd.needs:
+        return f"needs {cmd.needs}"
+    if "/path/to/" in cmd.text:
+        return "names a placeholder path (/path/to/...)"
+    if not os.environ.get("POLLEN_DATA_ROOT"):
+        words = shlex.split(cmd.text)
+        config = next((words[i + 1] for i, w in enumerate(words[:-1]) if w == "--run-config"), "")
+        task = parse_run_config(config).get("task", "uci-dirichlet") if config else "uci-dirichlet"
+        if task not in DATA_TASKS_WITHOUT_FILES:
+            return f"task {task!r} needs POLLEN_DATA_ROOT"
+    return None
+
+
+def block_script(block: Block, out_dir: Path) -> tuple[str, list[str]]:
+    """The block as one ``bash -e`` script of smoke commands, and the commands left out with why."""
+    lines, left_out = ["set -euo pipefail"], []
+    for cmd in block.commands:
+        reason = skip_reason(cmd)
+        if reason:
+            left_out.append(f"{cmd.id}: {reason}")
+        else:
+            lines.append(smoke_command(cmd.text, out_dir))
+    return "\n".join(lines), left_out
+
+
+# --- tests -----------------------------------------------------------------------------------------------
+
+BLOCKS = documented_blocks()
+COMMANDS = [c for block in BLOCKS for c in block.commands]
+
+
+def test_the_pages_print_commands_and_keep_the_skip_list_small():
+    assert len(COMMANDS) >= 5
+    skipped = [c.id for c in COMMANDS if c.needs] + [b.id for b in BLOCKS if b.needs]
+    assert len(skipped) <= len(COMMANDS) // 3, skipped
+    for cmd in COMMANDS:
+        words = shlex.split(cmd.text)  # every command is valid shell words
+        if "pollen.app.launch" in words and "--run-config" in words:
+            parse_run_config(words[words.index("--run-config") + 1])
+
+
+def test_smoke_rewriting_keeps_the_documented_keys_and_makes_the_run_tiny(tmp_path):
+    text = ("python -m pollen.app.launch --num-supernodes 20 --run-config \"method='fedproto' task='mnist-shot' "
+            "shot-ways=3 num-server-rounds=100\"")
+    words = shlex.split(smoke_command(text, tmp_path))
+    assert "--num-supernodes" not in words and words[words.index("--out-dir") + 1] == str(tmp_path)
+    values = parse_run_config(words[words.index("--run-config") + 1])
+    assert values["method"] == "fedproto" and values["shot-ways"] == 3 and values["num-server-rounds"] == 1
+    words = shlex.split(smoke_command("make fleet METHOD=fedprox ROUNDS=2 RUN_CONFIG=\"local-epochs=1\"", tmp_path))
+    assert "METHOD=fedprox" in words
+    assert "ROUNDS=1" in words and "NUM_SUPERNODES=2" in words
+    assert "num-server-rounds" not in next(w for w in words if w.startswith("RUN_CONFIG="))
+    assert smoke_command("ls runs/*/summary.json", tmp_path) == f"ls {tmp_path}/*/summary.json"
+    resumed = smoke_command('python -m pollen.app.launch --resume "$RUN" --run-config "num-server-rounds=3"', tmp_path)
+    assert '--resume "$RUN"' in resumed and resumed.endswith('--run-config "num-server-rounds=3"')
+
+
+# Identical blocks (a method page repeating README's) run once.
+UNIQUE = list({tuple(c.text for c in b.commands): b for b in BLOCKS}.values())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("block", UNIQUE, ids=[b.id for b in UNIQUE])
+def test_documented_commands_run(block, tmp_path):
+    if block.needs:
+        pytest.skip(f"needs {block.needs}")
+    script, left_out = block_script(block, tmp_path / "runs")
+    if script.count("\n") == 0:
+        pytest.skip("; ".join(left_out))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "POLLEN_OUT_DIR": str(tmp_path / "runs"), "OUT_DIR": str(tmp_path / "runs"),
+           "FLWR_HOME": str(tmp_path / "flwr-home")}
+    proc = subprocess.run(["bash", "-c", script], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+                          timeout=1700)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, f"{block.id} exited {proc.returncode}:\n{script}\n---\n{tail}"
+
+
+# --- links -----------------------------------------------------------------------------------------------
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    out = set()
+    for heading in re.findall(r"^#+\s+(.+?)\s*$", text, flags=re.M):
+        out.add(re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-"))
+    return out
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            name, _, anchor = target.partition("#")
+            path = (page.parent / name).resolve() if name else page
+            if not path.exists():
+                broken.append(f"{page.relative_to(PROJECT_ROOT)}: {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{page.relative_to(PROJECT_ROOT)}: {target} (no such heading)")
+    assert not broken, broken

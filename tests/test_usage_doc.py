@@ -1,0 +1,109 @@
+"""docs/usage.md documents every run key, generated from the code, with ranges the validators enforce."""
+
+from __future__ import annotations
+
+import re
+import runpy
+
+import pytest
+
+from pollen.app import keys_doc
+from pollen.app.config import ConfigError, parse_run_config
+from pollen.app.launch import app_run_config
+from pollen.app.registry import METHODS
+from tests.conftest import PROJECT_ROOT
+
+GEN = runpy.run_path(str(PROJECT_ROOT / "docs" / "gen_usage.py"))
+
+
+def _declared_keys() -> set[str]:
+    return set(app_run_config(PROJECT_ROOT)) | set(keys_doc.all_defaults())
+
+
+def test_every_run_key_has_help_and_a_range():
+    declared = _declared_keys()
+    missing = sorted(declared - set(keys_doc.KEYS))
+    assert not missing, f"run keys without an entry in pollen/app/keys_doc.py (then run docs/gen_usage.py): {missing}"
+    stale = sorted(set(keys_doc.KEYS) - declared)
+    assert not stale, f"pollen/app/keys_doc.py documents keys that no longer exist: {stale}"
+    for key, (kind, help_text) in keys_doc.KEYS.items():
+        assert help_text.strip() and "\n" not in help_text, key
+        if kind == "choice":
+            assert keys_doc.choices(key), key
+        else:
+            assert _parse_range(kind) is not None, f"{key}: unreadable range {kind!r}"
+
+
+def test_usage_page_is_generated_from_the_code():
+    page = (PROJECT_ROOT / "docs" / "usage.md").read_text()
+    assert GEN["render"]() == page, "run `python docs/gen_usage.py` to refresh docs/usage.md"
+    for key in _declared_keys():
+        assert f"| `{key}` |" in page, key
+
+
+def test_pyproject_and_code_defaults_agree_for_documented_keys():
+    toml = app_run_config(PROJECT_ROOT)
+    code = keys_doc.all_defaults()
+    assert {k: toml[k] for k in code if k in toml} == {k: code[k] for k in code if k in toml}
+
+
+# --- documented ranges are the validators' ranges -------------------------------------------------------
+
+_NUM = r"-?\d+(?:\.\d+)?"
+
+
+def _parse_range(kind: str):
+    """``int >= 1`` -> ("int", low, low_open, high, high_open); bool/string/path -> (kind,)."""
+    if kind in ("bool", "string", "path"):
+        return (kind,)
+    m = re.fullmatch(rf"(int|float) (>=|>) ({_NUM})", kind)
+    if m:
+        return m[1], float(m[3]), m[2] == ">", None, False
+    m = re.fullmatch(rf"(int|float) in ([\[(])({_NUM}), ({_NUM})([\])])", kind)
+    if m:
+        return m[1], float(m[3]), m[2] == "(", float(m[4]), m[5] == ")"
+    return None
+
+
+def _context(key: str) -> dict:
+    """A valid configuration in which ``key`` is one of the method's own keys."""
+    for spec in METHODS.values():
+        if key in spec.defaults:
+            if spec.family == "prototypes":
+                return {"method": spec.name, "task": "mnist-shot"}
+            if spec.family == "logits":
+                return {"method": spec.name, "task": "digits-offline"}
+            if spec.family == "glfc":
+                return {"method": "glfc", "task": "mnist-fmnist-cil", "num-server-rounds": 8}
+            return {"method": spec.name}
+    return {}
+
+
+def _outside(spec) -> list:
+    if spec[0] in ("bool", "string", "path"):
+        return [12345] if spec[0] != "bool" else ["yes", 1]
+    kind, low, low_open, high, high_open = spec
+    step = 1 if kind == "int" else 1e-3
+    bad = [low if low_open else low - step]
+    if high is not None:
+        bad.append(high if high_open else high + step)
+    if kind == "int":
+        bad.append(low + 0.5 if not low_open else low + 1.5)
+    return [int(v) if kind == "int" and float(v).is_integer() else v for v in bad]
+
+
+CASES = [(key, value) for key, (kind, _h) in keys_doc.KEYS.items() if kind != "choice"
+         for value in _outside(_parse_range(kind) or ("string",))]
+
+
+@pytest.mark.parametrize(("key", "value"), CASES, ids=[f"{k}={v!r}" for k, v in CASES])
+def test_a_value_outside_the_documented_range_is_refused_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
+        parse_run_config({**_context(key), key: value})
+
+
+@pytest.mark.parametrize("key", [k for k, (kind, _h) in keys_doc.KEYS.items() if kind == "choice"])
+def test_choice_keys_refuse_other_values_and_accept_the_documented_ones(key):
+    with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
+        parse_run_config({**_context(key), key: "no-such-value"})
+    assert keys_doc.choices(key)

@@ -21,13 +21,14 @@ loop (:func:`reconstruct_one_by_one`), up to float rounding.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
+from torch.nn.grad import conv2d_input
 
 # ----------------------------------------------------------------------------------------------
 # label inference
@@ -55,22 +56,44 @@ def lenet_gradient(lenet: torch.nn.Module, x: torch.Tensor, label: int) -> list[
     return [g.detach() for g in torch.autograd.grad(loss, params)]
 
 
+def _sum_tensors(terms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``sum(terms)`` of at least one tensor, typed as a tensor (the builtin's start 0 is absorbed)."""
+    total = sum(terms)
+    if not isinstance(total, torch.Tensor):
+        raise ValueError("nothing to sum")
+    return total
+
+
 def _conv_sigmoid_stack(lenet: torch.nn.Module) -> list[torch.nn.Conv2d] | None:
     """The convs of a ``body`` made of (Conv2d, Sigmoid) pairs followed by a linear ``head``, else None."""
     body, head = getattr(lenet, "body", None), getattr(lenet, "head", None)
     if not isinstance(body, torch.nn.Sequential) or not isinstance(head, torch.nn.Linear):
         return None
     mods = list(body)
-    if len(mods) % 2 or not all(isinstance(a, torch.nn.Conv2d) and isinstance(b, torch.nn.Sigmoid)
-                                for a, b in zip(mods[::2], mods[1::2])):
+    convs = [m for m in mods[::2] if isinstance(m, torch.nn.Conv2d)]
+    if len(mods) % 2 or len(convs) != len(mods) // 2 or not all(isinstance(b, torch.nn.Sigmoid) for b in mods[1::2]):
         return None
-    convs = mods[::2]
-    if any(c.groups != 1 or c.dilation != (1, 1) or c.padding_mode != "zeros" or c.bias is None for c in convs):
+    if any(c.groups != 1 or c.dilation != (1, 1) or c.padding_mode != "zeros" or c.bias is None
+           or isinstance(c.padding, str) for c in convs):
         return None
     return convs
 
 
-def _lenet_backprop(convs: list[torch.nn.Conv2d], head: torch.nn.Linear, x: torch.Tensor, labels: torch.Tensor):
+def _head(lenet: torch.nn.Module) -> torch.nn.Linear:
+    """The linear ``head`` of a LeNet that :func:`_conv_sigmoid_stack` accepted."""
+    head = lenet.head
+    assert isinstance(head, torch.nn.Linear)
+    return head
+
+
+def _numeric_padding(conv: torch.nn.Conv2d) -> tuple[int, ...]:
+    """A conv's padding as numbers (:func:`_conv_sigmoid_stack` rejects ``"same"``/``"valid"``)."""
+    assert not isinstance(conv.padding, str)
+    return conv.padding
+
+
+def _lenet_backprop(convs: list[torch.nn.Conv2d], head: torch.nn.Linear, x: torch.Tensor, labels: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Closed-form per-sample backprop through sigmoid convs + linear head (differentiable in ``x``).
 
     Returns ``(feat, delta, layers)``: the head's input (B×d), the error at the logits (B×C) — so the
@@ -83,6 +106,7 @@ def _lenet_backprop(convs: list[torch.nn.Conv2d], head: torch.nn.Linear, x: torc
     weights = [c.weight.detach() for c in convs]
     acts = [x]
     for conv, w in zip(convs, weights):
+        assert conv.bias is not None  # _conv_sigmoid_stack admits only convs with a bias
         acts.append(torch.sigmoid(F.conv2d(acts[-1], w, conv.bias.detach(), conv.stride, conv.padding)))
     feat = acts[-1].flatten(1)
     head_w = head.weight.detach()
@@ -93,9 +117,10 @@ def _lenet_backprop(convs: list[torch.nn.Conv2d], head: torch.nn.Linear, x: torc
     for i in range(len(convs) - 1, -1, -1):
         conv, inp, out = convs[i], acts[i], acts[i + 1]
         d_z = d_act * out * (1.0 - out)
-        layers.insert(0, (d_z, F.unfold(inp, conv.kernel_size, padding=conv.padding, stride=conv.stride)))
+        padding = _numeric_padding(conv)
+        layers.insert(0, (d_z, F.unfold(inp, conv.kernel_size, padding=padding, stride=conv.stride)))
         if i:
-            d_act = torch.nn.grad.conv2d_input(inp.shape, weights[i], d_z, conv.stride, conv.padding)
+            d_act = conv2d_input(inp.shape, weights[i], d_z, conv.stride, padding)
     return feat, delta, layers
 
 
@@ -117,7 +142,7 @@ def per_sample_gradients(lenet: torch.nn.Module, x: torch.Tensor, labels: torch.
     """
     convs = _conv_sigmoid_stack(lenet)
     if convs is not None:
-        return _lenet_per_sample_gradients(convs, lenet.head, x, labels)
+        return _lenet_per_sample_gradients(convs, _head(lenet), x, labels)
     return per_sample_gradients_vmap(lenet, x, labels)
 
 
@@ -162,8 +187,8 @@ class MatchingObjective:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.convs is None:
             grads = per_sample_gradients(self.lenet, x, self.labels)
-            return sum(((g - t) ** 2).flatten(1).sum(1) for g, t in zip(grads, self.targets))
-        feat, delta, layers = _lenet_backprop(self.convs, self.lenet.head, x, self.labels)
+            return _sum_tensors(((g - t) ** 2).flatten(1).sum(1) for g, t in zip(grads, self.targets))
+        feat, delta, layers = _lenet_backprop(self.convs, _head(self.lenet), x, self.labels)
         t_f = torch.bmm(self.head_w, feat.unsqueeze(2)).squeeze(2)
         loss = ((delta * delta).sum(1) * (feat * feat).sum(1) - 2.0 * (delta * t_f).sum(1) + self.head_w_sq
                 + ((delta - self.head_b) ** 2).sum(1))
@@ -185,7 +210,7 @@ def single_matching_loss(lenet: torch.nn.Module, dummy: torch.Tensor, label: tor
     params = list(lenet.parameters())
     loss = F.cross_entropy(lenet(dummy), label.view(1))
     dy_dx = torch.autograd.grad(loss, params, create_graph=True)
-    return sum(((gx - gy) ** 2).sum() for gx, gy in zip(dy_dx, target))
+    return _sum_tensors(((gx - gy) ** 2).sum() for gx, gy in zip(dy_dx, target))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,22 +248,21 @@ class BatchedLBFGS:
         self.s = settings
         b, d = self.x.shape
         h = settings.history_size
-        like = dict(dtype=self.x.dtype, device=self.x.device)
-        self.Y = torch.zeros(b, h, d, **like)
-        self.S = torch.zeros(b, h, d, **like)
+        self.Y = self.x.new_zeros((b, h, d))
+        self.S = self.x.new_zeros((b, h, d))
         # 1/(y·s) and Gram matrices (rows scaled by ro where the triangular solves want them) in *age*
         # order (0 = oldest pair), zero beyond each row's history
-        self.ro = torch.zeros(b, h, **like)
-        self.RSY = torch.zeros(b, h, h, **like)  # RSY[i, k] = ro_i s_i · y_k
-        self.RYS = torch.zeros(b, h, h, **like)  # RYS[i, k] = ro_i s_k · y_i
-        self.YY = torch.zeros(b, h, h, **like)  # YY[i, k] = y_i · y_k
+        self.ro = self.x.new_zeros((b, h))
+        self.RSY = self.x.new_zeros((b, h, h))  # RSY[i, k] = ro_i s_i · y_k
+        self.RYS = self.x.new_zeros((b, h, h))  # RYS[i, k] = ro_i s_k · y_i
+        self.YY = self.x.new_zeros((b, h, h))  # YY[i, k] = y_i · y_k
         self.used = 0  # slots 0..used-1 have ever been written; until the ring wraps every start is 0
         self.hist_len = torch.zeros(b, dtype=torch.long, device=self.x.device)
         self.start = torch.zeros(b, dtype=torch.long, device=self.x.device)
-        self.H_diag = torch.ones(b, **like)
-        self.d = torch.zeros(b, d, **like)
-        self.t = torch.zeros(b, **like)
-        self.prev_g = torch.zeros(b, d, **like)
+        self.H_diag = self.x.new_ones((b,))
+        self.d = self.x.new_zeros((b, d))
+        self.t = self.x.new_zeros((b,))
+        self.prev_g = self.x.new_zeros((b, d))
         self.prev_loss = torch.zeros(b, dtype=torch.float64, device=self.x.device)
         self.n_iter = torch.zeros(b, dtype=torch.long, device=self.x.device)
         self.evaluations = 0
@@ -566,6 +590,7 @@ class ProxyState:
             rotated = True
         else:
             self.monitor_x = torch.cat([self.monitor_x, images]) if self.monitor_x is not None else images
+            assert labels is not None  # labels come with their images
             self.monitor_y = torch.cat([self.monitor_y, labels]) if self.monitor_y is not None else labels
         return rotated
 
@@ -584,6 +609,7 @@ def monitor_accuracy(model: torch.nn.Module, x: torch.Tensor | None, y: torch.Te
     """Top-1 accuracy of ``model`` on the reconstructed set (0 when empty)."""
     if x is None or len(x) == 0:
         return 0.0
+    assert y is not None  # labels come with their images
     model.eval()
     correct = 0
     for i in range(0, len(x), batch_size):

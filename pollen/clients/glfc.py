@@ -159,6 +159,7 @@ class IncrementalClient(PollenClient):
         if not meta["version"]:
             return None
         arrays = self.state.load_arrays(f"old{slot}")
+        assert arrays is not None  # _cache_old_models saves the arrays with their meta
         model = self._model(int(meta["classes"]))
         load_model_arrays(model, [arrays[str(i)] for i in range(len(arrays))])
         model.eval()

@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 import torch
@@ -47,13 +47,16 @@ from pollen.clients.weights import load_model_arrays, model_arrays
 from pollen.datasets.domain_tasks import DomainTask, domain_client_data, get_domain_task, public_inputs
 from pollen.datasets.tasks import ClientData, TaskOptions
 from pollen.datasets.transforms import augment, batches
+from pollen.models import SplitModel
 
 COLLABORATIVE = ("col", "l1", "kl")
 
 # Profile defaults for the keys whose value 0 / "" means "let the profile decide".
-QUICK = {"public-size": 1000, "public-batch-size": 250, "solo-epochs": 30, "train-cap": 500, "test-size": 300,
+Profile = TypedDict("Profile", {"public-size": int, "public-batch-size": int, "solo-epochs": int, "train-cap": int,
+                                "test-size": int, "local-epochs": NotRequired[tuple[int, ...]]})
+QUICK: Profile = {"public-size": 1000, "public-batch-size": 250, "solo-epochs": 30, "train-cap": 500, "test-size": 300,
          "local-epochs": (10, 10, 2, 2)}
-PAPER = {"public-size": 5000, "public-batch-size": 512, "solo-epochs": 40, "train-cap": 0, "test-size": 0}
+PAPER: Profile = {"public-size": 5000, "public-batch-size": 512, "solo-epochs": 40, "train-cap": 0, "test-size": 0}
 # Per-domain local epochs of the paper profile: Digits [FCCL code]; Office-Home [ours] (not in the spec).
 PAPER_LOCAL_EPOCHS = {"digits": (40, 35, 3, 4), "digits-offline": (40, 35, 3, 4), "office-home": (20, 20, 20, 20)}
 PAPER_PUBLIC_EPOCHS = {"digits": 1, "digits-offline": 1, "office-home": 2}
@@ -222,7 +225,7 @@ class LogitClient(PollenClient):
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         return os.path.join(os.path.expanduser(s.solo_cache), f"solo-{self.cfg.task}-p{self.partition_id}-{digest}.pt")
 
-    def pretrain_solo(self) -> torch.nn.Module:
+    def pretrain_solo(self) -> SplitModel:
         """CE-only training on private data from a seeded init (Adam, ``fccl-solo-epochs``) [FCCL code]."""
         model = self.new_model(init_seed=self.cfg.seed)
         path = self._solo_cache_path()

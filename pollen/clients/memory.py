@@ -15,9 +15,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pollen.models import SplitModel
+
 
 @torch.no_grad()
-def normalised_features(model: torch.nn.Module, x: torch.Tensor, device: torch.device,
+def normalised_features(model: SplitModel, x: torch.Tensor, device: torch.device,
                         batch_size: int = 512) -> torch.Tensor:
     """L2-normalised ``model.features(x)`` in eval mode (N×d, CPU float32)."""
     model.eval()

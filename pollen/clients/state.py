@@ -36,11 +36,17 @@ class ClientState:
         """Load a stored state dict into ``module``; False when nothing is stored under ``key``."""
         if key not in self.records:
             return False
-        record = self.records[key]
+        record = self._array_record(key)
         device = next(module.parameters()).device
         state = {k: torch.from_numpy(np.array(record[k].numpy(), copy=True)).to(device) for k in record}
         module.load_state_dict(state)
         return True
+
+    def _array_record(self, key: str) -> ArrayRecord:
+        record = self.records[key]
+        if not isinstance(record, ArrayRecord):
+            raise TypeError(f"client state {key!r} holds a {type(record).__name__}, not an ArrayRecord")
+        return record
 
     # arrays -------------------------------------------------------------------------------
     def save_arrays(self, key: str, arrays: Mapping[str, np.ndarray]) -> None:
@@ -49,7 +55,7 @@ class ClientState:
     def load_arrays(self, key: str) -> dict[str, np.ndarray] | None:
         if key not in self.records:
             return None
-        record = self.records[key]
+        record = self._array_record(key)
         return {k: np.array(record[k].numpy(), copy=True) for k in record}
 
     # small values -------------------------------------------------------------------------

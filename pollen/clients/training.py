@@ -53,7 +53,10 @@ def cross_entropy_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor)
 
 def proximal_term(model: torch.nn.Module, anchor: Iterable[torch.Tensor]) -> torch.Tensor:
     """FedProx's ``||w - w_global||^2`` over trainable parameters (times mu/2 by the caller)."""
-    return sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+    total = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+    if not isinstance(total, torch.Tensor):
+        raise ValueError("proximal_term of a model without parameters")
+    return total
 
 
 @dataclass
@@ -71,7 +74,8 @@ def train_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, ep
     model.train()
     history: list[EpochStats] = []
     for _ in range(epochs):
-        total, count, parts_sum = 0.0, 0, {}
+        total, count = 0.0, 0
+        parts_sum: dict[str, float] = {}
         for idx in batches(len(y), batch_size, generator, drop_last=drop_last):
             xb = x[idx].to(device, non_blocking=True)
             yb = y[idx].to(device, non_blocking=True)

@@ -7,11 +7,15 @@ every backbone here is a :class:`SplitModel`.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 MIN_CHANNELS = 4
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 def scale_channels(channels: int, width: float) -> int:
@@ -95,7 +99,7 @@ class SplitModel(nn.Module):
         self.head = new
 
 
-def to_channels_last(model: nn.Module) -> nn.Module:
+def to_channels_last(model: ModuleT) -> ModuleT:
     """Store the model's 4-D weights in NHWC (channels-last) layout, in place; returns ``model``.
 
     Worth it for the convolutional backbones (ResNets, MobileNetV2, EfficientNet, GoogLeNet) on

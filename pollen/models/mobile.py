@@ -275,7 +275,7 @@ class GoogLeNet(SplitModel):
         _check_in_channels(in_channels)
         stem = scale_channels(self.STEM, width)
         self.pre_layers = nn.Sequential(*_conv_bn_relu(in_channels, stem, 3))
-        modules = []
+        modules: list[nn.Module] = []
         cin = stem
         for _name, sizes in self.CFG:
             if sizes is None:

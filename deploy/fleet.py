@@ -118,11 +118,13 @@ class NodeSpec:
 
 
 def plan_nodes(num_supernodes: int, *, data_root: str | None = None, models: Sequence[str] = (),
-               gpus: Sequence[str] = ()) -> list[NodeSpec]:
+               gpus: Sequence[str] = (), data_dirs: Sequence[str] = ()) -> list[NodeSpec]:
     """Node configs for a fleet: partition ``i`` of ``num_supernodes`` on SuperNode ``i``.
 
     ``models`` is empty (the task decides), one name for every node, or one per node (heterogeneous
     methods); ``gpus`` is assigned round-robin, so 4 nodes on ``0,1`` put two SuperNodes per GPU.
+    ``data_dirs`` is empty or one folder per node: node config ``data-dir``, that node's own data
+    (tasks image-folder, array; docs/data.md).
     """
     if isinstance(num_supernodes, bool) or not isinstance(num_supernodes, int) or num_supernodes < 1:
         raise ConfigError(f"--num-supernodes = {num_supernodes!r} is invalid: expected an integer >= 1")
@@ -137,6 +139,15 @@ def plan_nodes(num_supernodes: int, *, data_root: str | None = None, models: Seq
             raise ConfigError(f"--models lists {len(models)} names for {num_supernodes} SuperNodes: "
                               "give one name for all, or exactly one per SuperNode")
     gpus = [g.strip() for g in gpus if g.strip()]
+    data_dirs = [d.strip() for d in data_dirs if d.strip()]
+    if data_dirs:
+        if len(data_dirs) != num_supernodes:
+            raise ConfigError(f"--data-dirs lists {len(data_dirs)} folders for {num_supernodes} SuperNodes: "
+                              "give exactly one per SuperNode")
+        data_dirs = [str(Path(d).expanduser().resolve()) for d in data_dirs]
+        missing = [d for d in data_dirs if not Path(d).exists()]
+        if missing:
+            raise ConfigError(f"--data-dirs: no such file or folder: {', '.join(missing)}")
     nodes = []
     for i in range(num_supernodes):
         config: dict[str, Any] = {"partition-id": i, "num-partitions": num_supernodes}
@@ -144,6 +155,8 @@ def plan_nodes(num_supernodes: int, *, data_root: str | None = None, models: Seq
             config["data-root"] = str(Path(data_root).expanduser().resolve())
         if models:
             config["model"] = models[i] if len(models) > 1 else models[0]
+        if data_dirs:
+            config["data-dir"] = data_dirs[i]
         nodes.append(NodeSpec(name=f"supernode_{i}", config=config, gpu=gpus[i % len(gpus)] if gpus else None))
     return nodes
 
@@ -489,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", action="append", default=[],
                         help="with --tls: extra DNS name/IP for the server certificate (repeatable)")
     parser.add_argument("--data-root", default=None, help="dataset root given to every SuperNode (node config)")
+    parser.add_argument("--data-dirs", default="",
+                        help="comma-separated data folders, one per SuperNode: node config data-dir, each node's own "
+                             "data (tasks image-folder, array; see docs/data.md)")
     parser.add_argument("--models", default="",
                         help="comma-separated model names: one for all SuperNodes or one per SuperNode")
     parser.add_argument("--gpus", default="",
@@ -508,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         nodes = plan_nodes(args.num_supernodes, data_root=args.data_root, models=args.models.split(","),
-                           gpus=args.gpus.split(","))
+                           gpus=args.gpus.split(","), data_dirs=args.data_dirs.split(","))
         values, cfg = compose_run_config(method=args.method, rounds=args.rounds, out_dir=args.out_dir,
                                          data_root=args.data_root, user=args.run_config,
                                          num_supernodes=args.num_supernodes)

@@ -173,6 +173,19 @@ def _config_path(path: Path) -> Path:
     return path / "config.json" if path.is_dir() else path
 
 
+def _user_task_config(info: dict[str, Any]) -> dict[str, Any]:
+    """The run config a user-data node recorded, with its agreed classes and input format spelled out:
+    the run's ``data-dir`` (where they may have been detected) need not exist where predict runs."""
+    raw = dict(info["config"])
+    names = [str(n) for n in info["class-names"]]
+    if not any("," in n for n in names):
+        raw["classes"] = ",".join(names)
+    raw["image-size"], raw["image-channels"] = int(info["image-size"]), int(info["in-channels"])
+    if raw.get("data-dir") and not Path(str(raw["data-dir"])).exists():
+        raw["data-dir"] = ""
+    return raw
+
+
 def load_personal_model(path: Path, config: Path | None, overrides: dict[str, Any]) -> LoadedModel:
     """A node's ``final-model.safetensors`` + ``final-model.json`` (+ the run config, when found)."""
     from pollen.models import build_model
@@ -206,6 +219,9 @@ def load_personal_model(path: Path, config: Path | None, overrides: dict[str, An
             detail = ", ".join(f"{k}: model {info.get(k)!r} vs config {getattr(cfg, k)!r}" for k in differ)
             raise PredictError(f"{config}: is not the run config of {path} ({detail})")
         notes.append(f"run config: {config}")
+    elif "class-names" in info and isinstance(info.get("config"), dict):
+        cfg = _run_config(_user_task_config(info), overrides, f"{meta_path} (its 'config', + --set)")
+        notes.append(f"run config: the one recorded in {meta_path.name}")
     else:
         cfg = _run_config({"method": info["method"], "task": info["task"], "seed": info.get("seed", 0)},
                           overrides, f"{meta_path} (+ --set)")
@@ -228,7 +244,7 @@ def load_personal_model(path: Path, config: Path | None, overrides: dict[str, An
 def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | None = None) -> LoadedModel:
     """A weights-family run's final global model, rebuilt from the run's ``config.json`` (as the
     ServerApp built its initial model: the task's default model unless ``model`` is set)."""
-    from pollen.datasets.tasks import get_task
+    from pollen.datasets.tasks import resolve_task
     from pollen.models import build_model
 
     run_dir = Path(run_dir)
@@ -259,7 +275,7 @@ def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | 
     differ = [k for k in ("method", "task") if meta.get(k) != getattr(cfg, k)]
     if differ:
         raise PredictError(f"{meta_path}: {differ} differ from {config}")
-    task = get_task(cfg.task)
+    task = resolve_task(cfg.task, cfg.task_options())
     name = cfg.model or task.default_model
     width = cfg.width_for(name)
     model = build_model(name, task.num_classes, in_channels=task.fmt.channels, image_size=task.fmt.size,
@@ -270,7 +286,12 @@ def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | 
                 f"model {name!r} (width {width}, {task.num_classes} classes) built from {config}")
     _load_into(model, arrays)
     info = {"method": cfg.method, "task": cfg.task, "model": name, "width": width,
-            "num-classes": task.num_classes, "round": meta.get("round"), "seed": cfg.seed}
+            "num-classes": task.num_classes, "round": meta.get("round"), "seed": cfg.seed,
+            "in-channels": task.fmt.channels, "image-size": task.fmt.size}
+    if task.class_names:
+        info["class-names"] = list(task.class_names)
+        if cfg.image_mean and cfg.image_std:
+            info["image-mean"], info["image-std"] = list(task.fmt.mean), list(task.fmt.std)
     return LoadedModel(_prepare(model, name), name, info, weights, cfg, [f"run config: {config}"])
 
 
@@ -336,7 +357,7 @@ class Inputs:
 
 
 def task_split(loaded: LoadedModel, task_name: str, partition: int, num_partitions: int, split: str,
-               data_root: str | None) -> Inputs:
+               data_root: str | None, data_dir: str | None = None) -> Inputs:
     """The partition's split as its client builds it (same method client, run config, seed and options)."""
     import torch
     from flwr.app import Context, RecordDict
@@ -350,7 +371,8 @@ def task_split(loaded: LoadedModel, task_name: str, partition: int, num_partitio
     threads = torch.get_num_threads()
     try:
         if task_name == cfg.task:
-            node = NodeConfig(partition_id=partition, num_partitions=num_partitions, data_root=data_root)
+            node = NodeConfig(partition_id=partition, num_partitions=num_partitions, data_root=data_root,
+                              data_dir=data_dir)
             context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
             data = METHODS[cfg.method].make_client(cfg, node, context).data
         else:
@@ -362,9 +384,13 @@ def task_split(loaded: LoadedModel, task_name: str, partition: int, num_partitio
     finally:
         torch.set_num_threads(threads)  # a client sets the run's torch-threads
     x, y = (data.x_test, data.y_test) if split == "test" else (data.x_train, data.y_train)
-    names = [f"{task_name}/partition-{partition}/{split}/{i}" for i in range(len(y))]
-    return Inputs(x, y.clone(), names, f"task {task_name} partition {partition}/{num_partitions}, {split} split",
-                  tuple(int(c) for c in data.classes))
+    if data_dir:
+        names = [f"{data_dir}/{split}/{i}" for i in range(len(y))]
+        where = f"data folder {data_dir} (task {task_name}, as a node with node config data-dir reads it)"
+    else:
+        names = [f"{task_name}/partition-{partition}/{split}/{i}" for i in range(len(y))]
+        where = f"task {task_name} partition {partition}/{num_partitions}"
+    return Inputs(x, y.clone(), names, f"{where}, {split} split", tuple(int(c) for c in data.classes))
 
 
 def _decode_one(path: Path):
@@ -402,6 +428,19 @@ def _class_index(folder: str, names: Sequence[str] | None, num_classes: int, whe
     raise PredictError(f"{where}: class folder {folder!r} is neither a class index nor a class name{known}")
 
 
+def _user_format(info: dict[str, Any], folder: Path):
+    """A user-data model's input format: its agreed side and channels, and the normalisation its node
+    trained with (recorded in final-model.json, or the run's image-mean/image-std)."""
+    from pollen.datasets.transforms import ImageFormat
+
+    if "image-mean" not in info or "image-std" not in info:
+        raise PredictError(f"{folder}: the model's run normalised each node's data with that node's own statistics, "
+                           "which a global model does not carry: classify a node's folder with --data-dir DIR "
+                           "(its training images give the statistics), or a node's personal model")
+    return ImageFormat(int(info["in-channels"]), int(info["image-size"]), tuple(info["image-mean"]),
+                       tuple(info["image-std"]))
+
+
 def image_folder(folder: Path, task_name: str, loaded: LoadedModel, class_names: Sequence[str] | None) -> Inputs:
     """Every image file in ``folder`` (unlabelled) and in its subfolders (labelled by the folder's name)."""
     import torch
@@ -412,12 +451,12 @@ def image_folder(folder: Path, task_name: str, loaded: LoadedModel, class_names:
     folder = Path(folder)
     if not folder.is_dir():
         raise PredictError(f"{folder}: image folder not found")
-    fmt = input_format(task_name)
     info = loaded.info
+    fmt = _user_format(info, folder) if "class-names" in info and task_name == info["task"] else input_format(task_name)
     if (fmt.channels, fmt.size) != (int(info.get("in-channels", fmt.channels)), int(info.get("image-size", fmt.size))):
         raise PredictError(f"task {task_name!r} feeds {fmt.channels}×{fmt.size}² input but {loaded.source} was "
                            f"built for {info.get('in-channels')}×{info.get('image-size')}²")
-    names = class_names or KNOWN_CLASS_NAMES.get(task_name)
+    names = class_names or info.get("class-names") or KNOWN_CLASS_NAMES.get(task_name)
     files: list[tuple[Path, int]] = []
     for entry in sorted(folder.iterdir()):
         if entry.is_file() and entry.suffix.lower() in IMAGE_EXTENSIONS:
@@ -530,6 +569,9 @@ input (one of):
                    partition I's split of the task (default: the model's task), built exactly as its
                    client builds it, from the run's seed and options; --partition defaults to the
                    personal model's partition-id, --num-partitions to the task's fixed count.
+  --data-dir DIR   a node's own data folder (tasks image-folder, array; docs/data.md): its test split
+                   (or --split train), read and normalised exactly as a node with node config
+                   data-dir=DIR reads it.
   --images DIR     image files (png, jpg, bmp, gif, tif, webp) in DIR (unlabelled) and in DIR/<class>/
                    (labelled; <class> is a class index 0..C-1 or a name from --class-names / the task's
                    known names). Images are converted to the model's channels (grey->RGB repeats,
@@ -578,6 +620,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--images", type=Path, metavar="DIR", help="a folder of images, optionally in class subfolders")
     src.add_argument("--partition", type=int, metavar="I", help="classify partition I's split of the task")
+    src.add_argument("--data-dir", metavar="DIR",
+                     help="a node's own data folder (tasks image-folder, array): classify its split exactly as a "
+                          "node with node config data-dir=DIR builds it (whole folder, its own normalisation)")
     p.add_argument("--task", metavar="NAME", help="task of the split / of the images' normalisation "
                                                   "(default: the model's task)")
     p.add_argument("--num-partitions", type=int, metavar="N", help="partitions the run's task was split into")
@@ -651,6 +696,15 @@ def run(args: argparse.Namespace) -> int:
         raise PredictError("--top-k counts the classifier's k largest logits; it has no meaning with --prototypes")
     if args.images is not None:
         inputs = image_folder(args.images, task_name, loaded, _class_names(args.class_names))
+    elif args.data_dir is not None:
+        data_dir = str(Path(args.data_dir).expanduser().resolve())
+        if not Path(data_dir).exists():
+            raise PredictError(f"--data-dir {args.data_dir}: no such file or folder")
+        if "class-names" not in loaded.info or task_name != loaded.info["task"]:
+            raise PredictError(f"--data-dir is for models of the user-data tasks (image-folder, array); this one "
+                               f"was trained on {loaded.info['task']!r}")
+        partition = int(loaded.info.get("partition-id") or 0)
+        inputs = task_split(loaded, task_name, partition, partition + 1, args.split, args.data_root, data_dir)
     else:
         partition = args.partition
         if partition is None:
@@ -715,12 +769,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pollen.datasets.partition import PartitionError
     from pollen.datasets.sources import DatasetMissingError
     from pollen.datasets.tasks import TaskError
+    from pollen.datasets.user_data import UserDataError
 
     try:
         return run(args)
     except PredictError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
-    except (TaskError, ConfigError, PartitionError, DatasetMissingError) as err:
+    except (TaskError, ConfigError, PartitionError, DatasetMissingError, UserDataError) as err:
         print(f"{PROG}: error: {type(err).__name__}: {err}", file=sys.stderr)
     return EXIT_USAGE
 

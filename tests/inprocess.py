@@ -49,16 +49,17 @@ class InProcessGrid:
 
 
 def clientapp_node(app, run_config: dict, partition_id: int, num_partitions: int,
-                   node_id: int | None = None, state_dir: str | None = None) -> Handler:
+                   node_id: int | None = None, state_dir: str | None = None,
+                   node_config: dict | None = None) -> Handler:
     """A node that answers with a real ``ClientApp`` and keeps its ``Context`` (state) across messages.
 
     Its on-disk state folder is a fresh temporary one unless ``state_dir`` is given, so no test ever
-    reads another run's saved models.
+    reads another run's saved models. ``node_config`` adds keys (e.g. ``data-dir``) to the node config.
     """
     state_dir = state_dir or tempfile.mkdtemp(prefix=f"pollen-node-{partition_id}-")
     context = Context(run_id=1, node_id=node_id if node_id is not None else 100 + partition_id,
                       node_config={"partition-id": partition_id, "num-partitions": num_partitions,
-                                   "state-dir": state_dir},
+                                   "state-dir": state_dir, **(node_config or {})},
                       state=RecordDict(), run_config=dict(run_config))
 
     def handle(msg: Message) -> Message:

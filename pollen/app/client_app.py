@@ -21,7 +21,7 @@ from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from pollen.app.checkpoints import FINAL_MODEL, load_records, save_arrays, save_records, write_json
-from pollen.app.config import NodeConfig, RunConfig, parse_node_config, parse_run_config
+from pollen.app.config import ConfigError, NodeConfig, RunConfig, parse_node_config, parse_run_config
 from pollen.app.registry import METHODS
 from pollen.app.results import run_directory
 from pollen.log import LOGGER
@@ -40,6 +40,12 @@ def _prepare(context: Context):
     cfg = parse_run_config(context.run_config)
     node = parse_node_config(context.node_config)
     spec = METHODS[cfg.method]
+    if node.data_dir is not None:
+        from pollen.datasets.user_tasks import USER_TASKS
+
+        if cfg.task not in USER_TASKS:
+            raise ConfigError(f"node config 'data-dir' = {node.data_dir!r} is read only by tasks "
+                              f"{', '.join(USER_TASKS)}; the run's task is {cfg.task!r}")
     if spec.adapter is None:
         raise RuntimeError(f"method {cfg.method!r} has no Message-API client adapter")
     folder = node_state_dir(cfg, node, context.run_id)
@@ -59,12 +65,18 @@ def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Contex
     save_arrays(folder / f"{FINAL_MODEL}.safetensors", {k: a.numpy() for k, a in record.items()})
     kwargs = client.model_kwargs() if hasattr(client, "model_kwargs") else {}
     fmt = client.task.fmt
-    write_json(folder / f"{FINAL_MODEL}.json", {
+    meta = {
         "method": cfg.method, "task": cfg.task, "model": client.model_name,
         "width": cfg.width_for(client.model_name), "num-classes": client.task.num_classes,
         "in-channels": fmt.channels, "image-size": fmt.size, "model-kwargs": kwargs,
         "round": server_round, "partition-id": client.partition_id, "seed": cfg.seed,
-        "num-partitions": client.node.num_partitions, "config": cfg.to_dict()})
+        "num-partitions": client.node.num_partitions, "config": cfg.to_dict()}
+    if client.task.class_names:  # user data: what pollen.predict needs to read this node's own files
+        data = client.data
+        meta.update({"class-names": list(client.task.class_names), "image-mean": list(data.fmt.mean),
+                     "image-std": list(data.fmt.std), "data-dir": client.node.data_dir or cfg.data_dir,
+                     "num-train": data.num_train, "num-test": int(len(data.y_test))})
+    write_json(folder / f"{FINAL_MODEL}.json", meta)
 
 
 @app.train()

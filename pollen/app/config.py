@@ -54,6 +54,15 @@ DEFAULTS: dict[str, Any] = {
     "shot-stdev": 2,
     "shot-test-per-class": 40,
     "shot-split": "pollen",
+    # your own data (tasks image-folder, array; docs/data.md)
+    "data-dir": "",
+    "classes": "",
+    "test-fraction": 0.2,
+    "image-size": 0,
+    "image-channels": 0,
+    "image-mean": "",
+    "image-std": "",
+    "data-split": "iid",
     # weight averaging (FedAvg / FedProx)
     "avg-weighting": "samples",
     "fedprox-mu": 0.01,
@@ -164,6 +173,16 @@ class RunConfig:
     checkpoint_every: int = 1
     checkpoint_keep: int = 2
     resume_from: str = ""
+    # Your own data (tasks image-folder, array): the folder, agreed classes and input format.
+    data_dir: str = ""
+    classes: str = ""  # as given: "a,b,c" or a file path (class_names holds the parsed names)
+    test_fraction: float = 0.2
+    image_size: int = 0
+    image_channels: int = 0
+    image_mean: str = ""
+    image_std: str = ""
+    data_split: str = "iid"
+    class_names: tuple[str, ...] = ()
     # Method-specific keys (prefixed in the run config) that a method module validates itself.
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -173,14 +192,97 @@ class RunConfig:
             return self.model_width
         return 1.0 if model_name in FULL_WIDTH_MODELS else PROFILE_WIDTH[self.profile]
 
+    def task_options(self, node: NodeConfig | None = None):
+        """The :class:`~pollen.datasets.tasks.TaskOptions` of this run, as seen by ``node`` (its data
+        root and own data folder, when it has them)."""
+        from pollen.datasets.tasks import TaskOptions
+
+        return TaskOptions(
+            data_root=(node.data_root if node is not None else None) or self.data_root, download=self.download,
+            seed=self.seed, dirichlet_alpha=self.dirichlet_alpha, ways=self.shot_ways, shots=self.shot_shots,
+            stdev=self.shot_stdev, test_per_class=self.shot_test_per_class, shot_split=self.shot_split,
+            max_train_samples=self.max_train_samples, data_dir=self.data_dir or None,
+            node_data_dir=node.data_dir if node is not None else None, classes=self.class_names,
+            test_fraction=self.test_fraction, image_size=self.image_size, image_channels=self.image_channels,
+            image_mean=_floats(self.image_mean), image_std=_floats(self.image_std), data_split=self.data_split)
+
     def to_dict(self) -> dict[str, Any]:
         """The run config with Flower's key spelling, as written to ``config.json``."""
         out = {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "extra"}
+               if f.name not in ("extra", "class_names")}
         out["data-root"] = self.data_root or ""
         out["model"] = self.model or ""
         out.update(self.extra)
         return out
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",")) if text.strip() else ()
+
+
+def _as_float_list(raw: Mapping[str, Any], key: str, positive: bool) -> str:
+    """A comma-separated list of finite numbers (``"0.5"`` or ``"0.49,0.48,0.45"``), kept as given."""
+    value = _as_str(raw, key).strip()
+    if not value:
+        return ""
+    try:
+        numbers = _floats(value)
+    except ValueError:
+        raise _key_error(key, value, "comma-separated numbers, one per channel") from None
+    if len(numbers) not in (1, 3) or not all(n == n and abs(n) != float("inf") for n in numbers):
+        raise _key_error(key, value, "1 or 3 finite comma-separated numbers, one per channel")
+    if positive and min(numbers) <= 0:
+        raise _key_error(key, value, "numbers > 0")
+    return value
+
+
+def _path(raw: Mapping[str, Any], key: str) -> str:
+    value = _as_str(raw, key).strip()
+    return str(Path(value).expanduser().resolve()) if value else ""
+
+
+def _user_data(merged: Mapping[str, Any]) -> dict[str, Any]:
+    """The user-data keys (tasks image-folder, array), typed; class names parsed (a file is read here)."""
+    from pollen.datasets.user_data import UserDataError, parse_classes
+    from pollen.datasets.user_tasks import DATA_SPLITS
+
+    classes = _as_str(merged, "classes").strip()
+    try:
+        names = parse_classes(classes)
+    except UserDataError as err:
+        raise ConfigError(f"run config key 'classes': {err}") from err
+    return {"data_dir": _path(merged, "data-dir"), "classes": classes, "class_names": names,
+            "test_fraction": _as_float(merged, "test-fraction", 0.0, 0.9),
+            "image_size": _as_int(merged, "image-size", 0, 4096),
+            "image_channels": _check_channels(_as_int(merged, "image-channels", 0, 3)),
+            "image_mean": _as_float_list(merged, "image-mean", positive=False),
+            "image_std": _as_float_list(merged, "image-std", positive=True),
+            "data_split": _as_choice(merged, "data-split", DATA_SPLITS)}
+
+
+def _check_channels(value: int) -> int:
+    if value not in (0, 1, 3):
+        raise _key_error("image-channels", value, "0 (detect), 1 (grey) or 3 (RGB)")
+    return value
+
+
+def _check_user_task(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
+    """User-data keys with another task are a mistake; with a user-data task, resolve classes and input
+    format now (from the keys or the run's data-dir), so a bad folder fails before any round."""
+    from pollen.datasets.tasks import TaskError, resolve_task
+    from pollen.datasets.user_data import UserDataError
+    from pollen.datasets.user_tasks import USER_KEYS, USER_TASKS
+
+    if cfg.task not in USER_TASKS:
+        foreign = sorted(k for k in USER_KEYS if merged[k] != DEFAULTS[k])
+        if foreign:
+            raise ConfigError(f"run config key(s) {foreign} are read only by tasks {', '.join(USER_TASKS)}; "
+                              f"task is '{cfg.task}': remove them")
+        return
+    try:
+        resolve_task(cfg.task, cfg.task_options())
+    except (TaskError, UserDataError) as err:
+        raise ConfigError(str(err)) from err
 
 
 def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
@@ -238,6 +340,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
         checkpoint_every=_as_int(merged, "checkpoint-every", 0),
         checkpoint_keep=_as_int(merged, "checkpoint-keep", 1),
         resume_from=_as_str(merged, "resume-from").strip(),
+        **_user_data(merged),
         extra={k: merged[k] for k in extra_defaults},
     )
     if cfg.model is not None:
@@ -249,6 +352,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
         raise ConfigError(
             f"run config keys 'shot-shots' = {cfg.shot_shots} and 'shot-stdev' = {cfg.shot_stdev} "
             "allow clients with fewer than 1 sample per class: need shot-shots - shot-stdev >= 1")
+    _check_user_task(cfg, merged)
     from pollen.app.registry import validate_method_config
 
     _refuse_other_methods_keys(method, merged, extra_defaults)
@@ -282,6 +386,7 @@ class NodeConfig:
     data_root: str | None = None
     model: str | None = None
     state_dir: str | None = None
+    data_dir: str | None = None  # this node's own data folder (tasks image-folder, array), used whole
 
 
 def parse_node_config(raw: Mapping[str, Any]) -> NodeConfig:
@@ -308,5 +413,11 @@ def parse_node_config(raw: Mapping[str, Any]) -> NodeConfig:
     state_dir = raw.get("state-dir", "")
     if not isinstance(state_dir, str):
         raise ConfigError(f"node config 'state-dir' must be a path (string), got {state_dir!r}")
+    data_dir = raw.get("data-dir", "")
+    if not isinstance(data_dir, str):
+        raise ConfigError(f"node config 'data-dir' must be a path (string), got {data_dir!r}")
+    data_dir = str(Path(data_dir.strip()).expanduser().resolve()) if data_dir.strip() else None
+    if data_dir is not None and not os.path.exists(data_dir):
+        raise ConfigError(f"node config 'data-dir' = {data_dir!r}: no such file or folder on this node")
     return NodeConfig(partition_id=pid, num_partitions=num, data_root=data_root, model=model,
-                      state_dir=state_dir.strip() or None)
+                      state_dir=state_dir.strip() or None, data_dir=data_dir)

@@ -19,7 +19,7 @@ from pollen.clients.prototypes import (
     PrototypeClient,
     heterogeneous_channels,
 )
-from pollen.datasets.tasks import get_task
+from pollen.datasets.tasks import get_task, resolve_task
 from pollen.models import build_model
 from pollen.strategies.prototypes import PROTO_WEIGHTINGS, PrototypeStrategy
 
@@ -103,7 +103,7 @@ def validate_proto(cfg: RunConfig) -> None:
 
 def embed_dim(cfg: RunConfig) -> int:
     """d of the task's model; every client's encoder must match it (checked on each reply)."""
-    task = get_task(cfg.task)
+    task = resolve_task(cfg.task, cfg.task_options())
     name = cfg.model or task.model_for(0)
     kwargs = {"channels": heterogeneous_channels(0)} if cfg.extra["proto-model-heter"] and name == "cnn_mnist" else {}
     model = build_model(name, task.num_classes, in_channels=task.fmt.channels, image_size=task.fmt.size,
@@ -113,7 +113,7 @@ def embed_dim(cfg: RunConfig) -> int:
 
 def make_prototype_strategy(cfg: RunConfig) -> PrototypeStrategy:
     return PrototypeStrategy(
-        num_classes=get_task(cfg.task).num_classes, embed_dim=embed_dim(cfg),
+        num_classes=resolve_task(cfg.task, cfg.task_options()).num_classes, embed_dim=embed_dim(cfg),
         weighting=cfg.extra["proto-weighting"], evaluate_every=int(cfg.extra["proto-evaluate-every"]),
         **strategy_options(cfg))
 

@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, Context
 
 from pollen.app.adapters import LOCAL, WEIGHTS, ClientAdapter
 from pollen.clients.weights import LocalClient, WeightClient
-from pollen.datasets.tasks import get_task
+from pollen.datasets.tasks import get_task, resolve_task
 from pollen.models import build_model
 from pollen.strategies.base import PollenStrategy
 from pollen.strategies.weights import LocalOnly, WeightAveraging
@@ -78,7 +78,7 @@ def strategy_options(cfg: RunConfig) -> dict[str, Any]:
 
 def initial_model_arrays(cfg: RunConfig) -> ArrayRecord:
     """The shared starting model of weight-averaging methods, from the run seed (same as clients')."""
-    task = get_task(cfg.task)
+    task = resolve_task(cfg.task, cfg.task_options())
     torch.manual_seed(cfg.seed)
     name = cfg.model or task.default_model
     model = build_model(name, task.num_classes, in_channels=task.fmt.channels, image_size=task.fmt.size,

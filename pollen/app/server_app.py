@@ -53,6 +53,22 @@ def write_final(run_dir: Path, cfg: RunConfig, strategy, last_round: int) -> dic
     return {"global": str(folder / "global.safetensors")}
 
 
+def record_task(run_dir: Path, cfg: RunConfig) -> None:
+    """``task.json`` for user-data tasks: the classes and input format the run agreed on (given or
+    detected from ``data-dir``), so a result says what it was trained on."""
+    from pollen.datasets.tasks import resolve_task
+
+    task = resolve_task(cfg.task, cfg.task_options())
+    if not task.class_names:
+        return
+    detected = "each data folder's training images"
+    write_json(run_dir / "task.json", {
+        "task": cfg.task, "classes": list(task.class_names), "image-size": task.fmt.size,
+        "image-channels": task.fmt.channels, "data-dir": cfg.data_dir,
+        "image-mean": list(task.fmt.mean) if cfg.image_mean else detected,
+        "image-std": list(task.fmt.std) if cfg.image_std else detected})
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = parse_run_config(context.run_config)
@@ -71,6 +87,7 @@ def main(grid: Grid, context: Context) -> None:
         first_round = ckpt.round + 1
         LOGGER.info("resuming %s after round %d (%s)", run_dir, ckpt.round, ckpt.path.name)
     recorder = RunRecorder(run_dir, cfg.to_dict(), cfg.num_server_rounds, resume_after=first_round - 1)
+    record_task(run_dir, cfg)
     server_evaluate = getattr(strategy, "evaluate_global", None)  # GLFC evaluates on the server
     written: dict[str, str] = {}
 

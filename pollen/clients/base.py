@@ -16,7 +16,7 @@ from flwr.common import Context
 
 from pollen.clients.state import ClientState
 from pollen.clients.training import derive_seed, pick_device, seed_everything
-from pollen.datasets.tasks import ClientData, TaskOptions, build_client_data, get_task
+from pollen.datasets.tasks import ClientData, build_client_data, resolve_task
 from pollen.models import SplitModel, build_model, to_channels_last
 
 # Conv backbones are stored channels-last (NHWC): faster training on CPU as well as CUDA, see
@@ -42,7 +42,7 @@ class PollenClient(NumPyClient):
         self.node = node
         self.flower_context = context
         self.state = ClientState(context.state)
-        self.task = get_task(cfg.task)
+        self.task = resolve_task(cfg.task, cfg.task_options(node))
         torch.set_num_threads(cfg.torch_threads)
         self.device = pick_device(cfg.device)
 
@@ -61,12 +61,7 @@ class PollenClient(NumPyClient):
     # data and model ------------------------------------------------------------------------
     @functools.cached_property
     def data(self) -> ClientData:
-        opts = TaskOptions(
-            data_root=self.node.data_root or self.cfg.data_root, download=self.cfg.download,
-            seed=self.cfg.seed, dirichlet_alpha=self.cfg.dirichlet_alpha, ways=self.cfg.shot_ways,
-            shots=self.cfg.shot_shots, stdev=self.cfg.shot_stdev,
-            test_per_class=self.cfg.shot_test_per_class, shot_split=self.cfg.shot_split,
-            max_train_samples=self.cfg.max_train_samples)
+        opts = self.cfg.task_options(self.node)
         return build_client_data(self.cfg.task, opts, self.partition_id, self.node.num_partitions)
 
     @property

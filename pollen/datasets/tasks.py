@@ -34,6 +34,16 @@ class TaskOptions:
     test_per_class: int = 40
     shot_split: str = "pollen"  # "official": FedProto's own draw (n_way_k_shot's official_k_high)
     max_train_samples: int = 0  # 0 = no cap; otherwise cap each client's training set
+    # user-data tasks (image-folder, array): see pollen.datasets.user_data
+    data_dir: str | None = None  # run key data-dir: one folder split across the partitions
+    node_data_dir: str | None = None  # node config data-dir: this node's own folder, used whole
+    classes: tuple[str, ...] = ()  # agreed class names in index order; () = detect from data_dir
+    test_fraction: float = 0.2  # held out of train/ when the folder has no test/
+    image_size: int = 0  # 0 = detect from data_dir
+    image_channels: int = 0  # 0 = detect from data_dir
+    image_mean: tuple[float, ...] = ()  # () = the training images' own statistics
+    image_std: tuple[float, ...] = ()
+    data_split: str = "iid"  # how data_dir is split across partitions: iid | dirichlet
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,9 @@ class TaskSpec:
     fixed_partitions: int | None = None
     # Default architecture per partition for heterogeneous tasks (cycled when shorter).
     partition_models: tuple[str, ...] = ()
+    # Tasks whose classes and input format come from the run (user data): options -> the concrete spec.
+    resolve: Callable[[TaskOptions], TaskSpec] | None = None
+    class_names: tuple[str, ...] = ()  # names in index order, when the task knows them
 
     def model_for(self, partition_id: int) -> str:
         if self.partition_models:
@@ -213,6 +226,15 @@ def get_task(name: str) -> TaskSpec:
     return TASKS[name]
 
 
+def resolve_task(name: str, opts: TaskOptions | None) -> TaskSpec:
+    """The task's spec with classes and input format fixed for these options (user-data tasks take
+    them from the run config or detect them); other tasks' specs are static and returned as they are."""
+    spec = get_task(name)
+    if spec.resolve is None or opts is None:
+        return spec
+    return spec.resolve(opts)
+
+
 @functools.lru_cache(maxsize=4)
 def build_client_data(task: str, opts: TaskOptions, partition_id: int, num_partitions: int) -> ClientData:
     """The data of one client (cached per process; callers must not modify the tensors)."""
@@ -227,4 +249,5 @@ def build_client_data(task: str, opts: TaskOptions, partition_id: int, num_parti
 from pollen.datasets import (
     domain_tasks,  # noqa: E402,F401  (registers digits-offline, digits, office-home)
     incremental,  # noqa: E402,F401  (registers mnist-fmnist-cil, uci-digits-cil, cifar100-cil)
+    user_tasks,  # noqa: E402,F401  (registers image-folder, array)
 )

@@ -1,0 +1,155 @@
+"""The two user-data tasks, ``image-folder`` and ``array`` (readers in :mod:`pollen.datasets.user_data`).
+
+Where a client's data comes from:
+
+* node config ``data-dir`` set: that folder is this node's data, used whole (no partitioning) — a
+  fleet where every SuperNode trains and tests on its own files;
+* otherwise run key ``data-dir``: one folder split across the partitions (``data-split`` = iid or
+  dirichlet, its test set IID), so a whole federation can be tried on one machine.
+
+Classes and the model's input (side, channels) must be the same on every node and on the server,
+which builds the model before any node has read a file: they come from the run keys ``classes``,
+``image-size``, ``image-channels``, or are detected from the run key ``data-dir``. Normalisation
+(``image-mean``/``image-std``) is data, not model: when not given, each data folder is normalised with
+its own training images' statistics, recorded in the client's ``ClientData.fmt`` and in its
+``final-model.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from pollen.datasets.partition import PartitionError, dirichlet, iid
+from pollen.datasets.sources import ImageSet
+from pollen.datasets.tasks import ClientData, TaskError, TaskOptions, TaskSpec, _cap, register_task
+from pollen.datasets.transforms import ImageFormat, to_model_input
+from pollen.datasets.user_data import (
+    UserDataError,
+    holdout,
+    peek_arrays,
+    peek_image_folder,
+    read_arrays,
+    read_image_folder,
+)
+
+USER_TASKS = ("image-folder", "array")
+DATA_SPLITS = ("iid", "dirichlet")
+# Run keys only the user-data tasks read (refused with other tasks when set away from their defaults).
+USER_KEYS = ("data-dir", "classes", "test-fraction", "image-size", "image-channels", "image-mean",
+             "image-std", "data-split")
+# Placeholder format of the unresolved spec; resolve_task gives the real one.
+_UNRESOLVED = ImageFormat(1, 1, (0.0,), (1.0,))
+
+
+def _detect(name: str, opts: TaskOptions) -> tuple[tuple[str, ...], int, int]:
+    """(classes, side, channels): the run's values, the gaps filled from the run key ``data-dir``."""
+    classes, size, channels = opts.classes, opts.image_size, opts.image_channels
+    if classes and size and channels:
+        return classes, size, channels
+    if not opts.data_dir:
+        missing = [k for k, v in (("classes", classes), ("image-size", size), ("image-channels", channels)) if not v]
+        raise TaskError(f"task {name!r}: run key(s) {missing} are empty and there is no run key 'data-dir' to "
+                        "detect them from; every node and the server must agree on them, so set them in the run "
+                        "config (nodes with their own folders: node config 'data-dir')")
+    if name == "image-folder":
+        info = peek_image_folder(opts.data_dir)
+        found, h, w, c = info.classes, info.height, info.width, info.channels
+    else:
+        k, h, w, c = peek_arrays(opts.data_dir)
+        found = tuple(str(i) for i in range(k))
+    return classes or found, size or max(h, w), channels or c
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve(name: str, opts: TaskOptions) -> TaskSpec:
+    classes, size, channels = _detect(name, opts)
+    for key, values in (("image-mean", opts.image_mean), ("image-std", opts.image_std)):
+        if values and len(values) != channels:
+            raise TaskError(f"run key {key!r} lists {len(values)} value(s) for {channels}-channel input "
+                            "(image-channels): give one per channel")
+    fmt = ImageFormat(channels, size, opts.image_mean or (0.0,) * channels, opts.image_std or (1.0,) * channels)
+    return replace(USER_SPECS[name], num_classes=len(classes), fmt=fmt, class_names=classes, resolve=None)
+
+
+def _resolver(name: str) -> Callable[[TaskOptions], TaskSpec]:
+    def resolve(opts: TaskOptions) -> TaskSpec:
+        try:
+            return _resolve(name, opts)
+        except UserDataError as err:
+            raise TaskError(f"task {name!r}: {err}") from err
+    return resolve
+
+
+def _statistics(images: torch.Tensor, channels: int, size: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of the images as the model sees them (after channel/size conversion)."""
+    x = to_model_input(images, ImageFormat(channels, size, (0.0,) * channels, (1.0,) * channels))
+    mean = x.mean(dim=(0, 2, 3)).tolist()
+    std = x.std(dim=(0, 2, 3), unbiased=False).clamp_min(1e-3).tolist()
+    return tuple(round(v, 6) for v in mean), tuple(round(v, 6) for v in std)
+
+
+def _read(name: str, path: str, spec: TaskSpec, opts: TaskOptions) -> tuple[ImageSet, ImageSet]:
+    if name == "image-folder":
+        train, test = read_image_folder(str(path), spec.class_names)
+    else:
+        train, test = read_arrays(str(path), spec.num_classes)
+    if test is None:
+        keep, held = holdout(train.labels.numpy(), opts.test_fraction, opts.seed)
+        if len(held) == 0:
+            raise UserDataError(f"{path}: no test data: add a test split ('test/' folder or test.npz) or set run "
+                                "key 'test-fraction' > 0")
+        train, test = train.subset(keep), train.subset(held)
+    return train, test
+
+
+def _build(name: str) -> Callable[[TaskOptions, int, int], ClientData]:
+    def build(opts: TaskOptions, partition_id: int, num_partitions: int) -> ClientData:
+        spec = _resolver(name)(opts)
+        path = opts.node_data_dir or opts.data_dir
+        if not path:
+            raise TaskError(f"task {name!r} reads your data: set run key 'data-dir' (one folder split across "
+                            "the partitions) or node config 'data-dir' (this node's own folder)")
+        try:
+            train, test = _read(name, path, spec, opts)
+        except UserDataError as err:
+            raise TaskError(f"task {name!r}: {err}") from err
+        fmt = spec.fmt
+        if not opts.image_mean or not opts.image_std:
+            mean, std = _statistics(train.images, fmt.channels, fmt.size)
+            fmt = ImageFormat(fmt.channels, fmt.size, opts.image_mean or mean, opts.image_std or std)
+        if opts.node_data_dir:  # the node's own folder: all of it
+            mine, test_part = np.arange(len(train)), np.arange(len(test))
+        else:
+            try:
+                if opts.data_split == "dirichlet":
+                    parts = dirichlet(train.labels.numpy(), num_partitions, opts.dirichlet_alpha, opts.seed)
+                else:
+                    parts = iid(len(train), num_partitions, opts.seed)
+                test_part = iid(len(test), num_partitions, opts.seed)[partition_id]
+            except PartitionError as err:
+                raise TaskError(f"task {name!r} cannot split {path} ({len(train)} training and {len(test)} test "
+                                f"samples) into {num_partitions} partitions: {err}") from err
+            mine = parts[partition_id]
+        mine = _cap(mine, opts.max_train_samples, opts.seed + partition_id)
+        x_train, x_test = train.subset(mine), test.subset(test_part)
+        held = tuple(int(c) for c in np.unique(x_train.labels.numpy()))
+        return ClientData(x_train=to_model_input(x_train.images, fmt), y_train=x_train.labels.clone(),
+                          x_test=to_model_input(x_test.images, fmt), y_test=x_test.labels.clone(),
+                          num_classes=spec.num_classes, classes=held, fmt=fmt)
+    return build
+
+
+USER_SPECS: dict[str, TaskSpec] = {}
+for _name, _description in (
+        ("image-folder", "your images: <data-dir>/train/<class>/*.png|jpg (+ optional test/); classes, size and "
+                         "channels from run keys or detected (docs/data.md)"),
+        ("array", "your arrays: <data-dir>/train.npz (+ optional test.npz) or one .npz with 'x' and 'y' "
+                  "(docs/data.md)")):
+    USER_SPECS[_name] = register_task(TaskSpec(
+        name=_name, description=_description, num_classes=0, fmt=_UNRESOLVED, default_model="cnn_mnist",
+        needs_data_root=False, build=_build(_name), resolve=_resolver(_name)))

@@ -169,7 +169,7 @@ def decode_gradients(record: Any, lenet_shapes: Mapping[str, Sequence[int]] | No
         return None, f"'{PROTO_GRADS}': {len(record)} arrays is not a whole number of {per}-array gradient sets"
     num_sets = len(record) // per
     arrays, reason = decode_record(record, gradient_specs(lenet_shapes, num_sets))
-    if reason is not None:
+    if arrays is None:
         return None, f"'{PROTO_GRADS}': {reason}"
     return [{name: arrays[grad_key(i, name)] for name in lenet_shapes} for i in range(num_sets)], None
 
@@ -182,10 +182,10 @@ def decode_train_reply(content: RecordDict, model_specs: Sequence[ArraySpec],
     if extra:
         return None, f"unexpected record(s) {extra[:5]}"
     state, reason = decode_record(content.get(ARRAYS), model_specs)
-    if reason is not None:
+    if state is None:
         return None, f"'{ARRAYS}': {reason}"
     grads, reason = decode_gradients(content.get(PROTO_GRADS), lenet_shapes, max_sets)
-    if reason is not None:
+    if grads is None:
         return None, reason
     return (state, grads), None
 

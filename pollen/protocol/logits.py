@@ -42,7 +42,7 @@ def decode_consensus(record: ArrayRecord, num_public: int, num_classes: int) -> 
         return None
     arrays, reason = decode_record(record, [ArraySpec(CONSENSUS, (num_public, num_classes), "float32"),
                                             ArraySpec(CONTRIBUTORS, (1,), "int64", nonnegative=True)])
-    if reason is not None:
+    if arrays is None:
         raise ValueError(f"consensus: {reason}")
     return arrays[CONSENSUS], int(arrays[CONTRIBUTORS][0])
 

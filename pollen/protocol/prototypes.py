@@ -49,7 +49,7 @@ def decode_global_prototypes(record: ArrayRecord, num_classes: int,
              ArraySpec(PRESENT, (num_classes,), "int64", nonnegative=True, max_value=1),
              ArraySpec(MARGIN, (1,), "float32", nonnegative=True)]
     arrays, reason = decode_record(record, specs)
-    if reason is not None:
+    if arrays is None:
         raise ValueError(f"global prototypes: {reason}")
     present = arrays[PRESENT].astype(bool)
     if not np.isfinite(arrays[PROTOTYPES][present]).all():
@@ -86,7 +86,7 @@ def decode_prototype_reply(record: Any, num_classes: int, embed_dim: int,
     specs = [ArraySpec(PROTOTYPES, (num_classes, embed_dim), "float32", finite=False, max_abs=MAX_PROTOTYPE_ABS),
              ArraySpec(CLASS_COUNTS, (num_classes,), "int64", nonnegative=True, max_value=max_count)]
     arrays, reason = decode_record(record, specs)
-    if reason is not None:
+    if arrays is None:
         return None, reason
     protos, counts = arrays[PROTOTYPES], arrays[CLASS_COUNTS]
     if int(counts.sum()) > max_count:

@@ -51,8 +51,9 @@ def metric_record(num_examples: int, metrics: Mapping[str, Any] | None = None) -
     for key, value in (metrics or {}).items():
         if isinstance(value, (list, tuple, np.ndarray)):
             items = [_plain_number(v) for v in value]
-            if items and all(v is not None for v in items):
-                out[key] = items if all(isinstance(v, int) for v in items) else [float(v) for v in items]
+            numbers = [v for v in items if v is not None]
+            if items and len(numbers) == len(items):
+                out[key] = numbers if all(isinstance(v, int) for v in numbers) else [float(v) for v in numbers]
             continue
         number = _plain_number(value)
         if number is not None:

@@ -133,8 +133,8 @@ def check_metrics(metrics: Any, bounds: Mapping[str, MetricBound]) -> str | None
     """Every value a finite number (or list of them); known keys within their bounds."""
     if not isinstance(metrics, (MetricRecord, dict)):
         return f"metrics: expected a MetricRecord, got {type(metrics).__name__}"
-    for key, bound in bounds.items():
-        if bound.required and key not in metrics:
+    for key, spec in bounds.items():
+        if spec.required and key not in metrics:
             return f"metric '{key}' is missing"
     for key, value in metrics.items():
         values: Iterable[Any] = value if isinstance(value, list) else [value]

@@ -320,7 +320,7 @@ class PollenStrategy(Strategy):
         accepted = self.screen(server_round, "evaluate", replies, lambda _m, _x: (None, None))
         if not accepted:
             return None
-        out = mean_std_metrics([(self.evaluate_weight(a), a.metrics) for a in accepted])
+        out: dict[str, Any] = mean_std_metrics([(self.evaluate_weight(a), a.metrics) for a in accepted])
         self.report(server_round).evaluate = dict(out)
         return MetricRecord(out)
 

@@ -266,7 +266,7 @@ class IncrementalFedAvg(PollenStrategy):
         if initial is None or len(initial) == 0:
             return
         arrays, reason = decode_record(initial, self.model_specs())
-        if reason is not None:
+        if arrays is None:
             raise ValueError(f"initial_arrays do not match make_model({self.num_classes}): {reason}")
         self._global = [arrays[k] for k in self.keys]
 
@@ -306,6 +306,7 @@ class IncrementalFedAvg(PollenStrategy):
                 arrays.update({f"old{n}.{k}": a for k, a in zip(self.keys, slot.arrays)})
             slots[str(n)] = {"version": int(slot.version), "classes": int(slot.num_classes)}
         if self.proxy.monitor_x is not None:
+            assert self.proxy.monitor_y is not None  # the monitor images come with their labels
             arrays["proxy.monitor-x"] = self.proxy.monitor_x.detach().cpu().numpy()
             arrays["proxy.monitor-y"] = self.proxy.monitor_y.detach().cpu().numpy()
         best = float(self.proxy.best_score)
@@ -379,7 +380,7 @@ class IncrementalFedAvg(PollenStrategy):
             pid, reason = protocol.decode_identity_reply(msg.content)
             if reason is None:
                 reason = check_metrics(msg.content[protocol.METRICS], bounds)
-            if reason is None and pid >= self.schedule.num_clients:
+            if reason is None and pid is not None and pid >= self.schedule.num_clients:
                 reason = (f"partition-id {pid} is outside the plan's {self.schedule.num_clients} clients; "
                           "this node is never sampled")
             if reason is None:
@@ -455,9 +456,10 @@ class IncrementalFedAvg(PollenStrategy):
 
         accepted = self.screen(server_round, "train", replies, decode)
         pool: list[list[np.ndarray]] = []
+        lenet_names = list(self.lenet_shapes or {})  # without a proxy, replies carry no gradient sets
         for a in accepted:
             self.confirmed[a.node_id] = (int(a.metrics.get("old1-version", 0)), int(a.metrics.get("old2-version", 0)))
-            pool += [[g[name] for name in self.lenet_shapes] for g in a.payload[1]]
+            pool += [[g[name] for name in lenet_names] for g in a.payload[1]]
         extra: dict[str, Any] = {"task": self.task, "num-classes": self.num_classes}
         if accepted:
             self._global = average_arrays([[a.payload[0][k] for k in self.keys] for a in accepted],
@@ -474,6 +476,7 @@ class IncrementalFedAvg(PollenStrategy):
 
         out: dict[str, Any] = {"proxy-gradients": len(pool)}
         if pool:
+            assert self.lenet is not None  # old_model = "proxy" needs the LeNet (checked in __init__)
             order = self.proxy_rng.permutation(len(pool))  # no link between a gradient and its sender
             grads = [pool[i] for i in order]
             seeds = [int(s) for s in self.proxy_rng.integers(0, 2**31 - 1, size=len(grads))]
@@ -515,7 +518,7 @@ class IncrementalFedAvg(PollenStrategy):
         accepted = self.screen(server_round, "evaluate", replies, lambda _m, x: (None, check_metrics(x, bounds)))
         if not accepted:
             return None
-        out = {"detect-clients": len(accepted),
+        out: dict[str, Any] = {"detect-clients": len(accepted),
                "detect-transitions": sum(int(a.metrics.get(protocol.TRANSITION, 0)) for a in accepted)}
         self.report(server_round).evaluate = dict(out)
         return MetricRecord(out)

@@ -31,6 +31,10 @@ from pollen.strategies.prototypes import PROTO_WEIGHTINGS, aggregate_prototypes,
 from pollen.strategies.validation import ArraySpec, Rejection, check_arrays, client_label, log_rejection, specs_like
 from pollen.strategies.weights import WEIGHTINGS, average_arrays
 
+# Seconds to wait for ``min_available_clients``: flwr's SimpleClientManager default, which its abstract
+# ClientManager.wait_for does not declare.
+WAIT_TIMEOUT = 86400
+
 
 def encode_global(protos: np.ndarray, present: np.ndarray, margin: float) -> list[np.ndarray]:
     """The legacy server → client prototype arrays: ``[protos, present (int64), margin (1,)]``."""
@@ -153,7 +157,7 @@ class LocalOnly(RejectionLog, Strategy):
         return ndarrays_to_parameters([])
 
     def _all(self, client_manager: ClientManager, fraction: float) -> list[ClientProxy]:
-        client_manager.wait_for(self.min_available_clients)
+        client_manager.wait_for(self.min_available_clients, WAIT_TIMEOUT)
         available = client_manager.num_available()
         n = max(1, int(round(available * fraction)))
         return client_manager.sample(num_clients=n, min_num_clients=n)
@@ -261,7 +265,7 @@ class PrototypeStrategy(RejectionLog, Strategy):
         return ndarrays_to_parameters([])
 
     def _sample(self, client_manager: ClientManager, fraction: float) -> list[ClientProxy]:
-        client_manager.wait_for(self.min_available_clients)
+        client_manager.wait_for(self.min_available_clients, WAIT_TIMEOUT)
         available = client_manager.num_available()
         n = max(1, int(available * fraction))
         return client_manager.sample(num_clients=n, min_num_clients=n)
@@ -304,7 +308,7 @@ class PrototypeStrategy(RejectionLog, Strategy):
             return None, {}
         total = sum(r.num_examples for _, r in results)
         loss = sum(r.loss * r.num_examples for _, r in results) / max(total, 1)
-        return float(loss), mean_std_metrics([(r.num_examples, r.metrics) for _, r in results])
+        return float(loss), dict(mean_std_metrics([(r.num_examples, r.metrics) for _, r in results]))
 
     def evaluate(self, server_round: int, parameters: Parameters):
         return None  # no global model: clients evaluate their own models
@@ -355,7 +359,7 @@ class LogitAveraging(RejectionLog, Strategy):
 
     # sampling ------------------------------------------------------------------------------
     def _sample(self, client_manager: ClientManager, fraction: float, minimum: int) -> list[ClientProxy]:
-        client_manager.wait_for(self.min_available_clients)
+        client_manager.wait_for(self.min_available_clients, WAIT_TIMEOUT)
         n = max(int(client_manager.num_available() * fraction), minimum)
         return client_manager.sample(num_clients=n, min_num_clients=n)
 
@@ -426,7 +430,7 @@ class LogitAveraging(RejectionLog, Strategy):
         if not results:
             return None, {}
         loss = sum(r.loss for _, r in results) / len(results)
-        return float(loss), mean_std_metrics([(1, r.metrics) for _, r in results])
+        return float(loss), dict(mean_std_metrics([(1, r.metrics) for _, r in results]))
 
     def evaluate(self, server_round: int, parameters: Parameters):
         return None

@@ -30,7 +30,10 @@ def mean_logits(client_logits: Sequence[np.ndarray]) -> np.ndarray:
     for i, arr in enumerate(client_logits):
         if arr.shape != shape:
             raise ValueError(f"logit matrix {i} has shape {arr.shape}, expected {shape}")
-    return (sum(a.astype(np.float64) for a in client_logits) / len(client_logits)).astype(np.float32)
+    total = np.zeros(shape, dtype=np.float64)
+    for arr in client_logits:
+        total += arr
+    return (total / len(client_logits)).astype(np.float32)
 
 
 class LogitAveraging(PollenStrategy):
@@ -151,6 +154,7 @@ class LogitAveraging(PollenStrategy):
         self.contributors = {a.node_id for a in accepted}
         self.contributor_partitions = {self.partition_of[a.node_id] for a in accepted if a.node_id in self.partition_of}
         if self.average_weights:
+            assert reference is not None  # without a reference state _decode rejects every reply
             keys = list(reference.keys())
             averaged = average_arrays([[a.payload[1][k] for k in keys] for a in accepted],
                                       [float(a.num_examples) for a in accepted])

@@ -9,23 +9,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import TypeGuard
 
 import numpy as np
 
 ID_KEYS = frozenset({"partition-id", "num-partitions", "server-round", "num-examples"})
 
 
-def _number(value: object) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     """Finite int/float (not bool): anything else a client sends is skipped, never a crash."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def mean_std_metrics(reports: Sequence[tuple[int, Mapping[str, object]]]) -> dict[str, float]:
+def mean_std_metrics(reports: Sequence[tuple[float, Mapping[str, object]]]) -> dict[str, float]:
     """``{key: weighted mean, key-client-mean: mean, key-client-std: population std}`` per metric."""
     keys = sorted({k for _, m in reports for k, v in m.items() if k not in ID_KEYS and _number(v)})
     out: dict[str, float] = {}
     for key in keys:
-        pairs = [(float(n), float(m[key])) for n, m in reports if _number(m.get(key))]
+        pairs = [(float(n), float(v)) for n, m in reports if _number(v := m.get(key))]
         weights = np.array([n for n, _ in pairs], dtype=np.float64)
         values = np.array([v for _, v in pairs], dtype=np.float64)
         with np.errstate(over="ignore", invalid="ignore"):  # absurd values give inf, never an exception

@@ -94,6 +94,7 @@ class WeightAveraging(PollenStrategy):
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         reference = self.current
+        assert reference is not None  # configure_train sets it every round
 
         def decode(msg: Message, _metrics: dict) -> tuple[object, str | None]:
             return decode_weights_reply(msg.content.get(ARRAYS), reference)

@@ -257,10 +257,12 @@ def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | 
     from pollen.app.registry import METHODS
 
     spec = METHODS.get(str(raw.get("method", "fedavg")))
-    if not weights.is_file() and (spec is None or spec.family == "weights"):
+    if weights.is_file():
+        meta = _read_json(meta_path, "the global state's JSON", beside=weights)
+    elif spec is None or spec.family == "weights":
         raise PredictError(f"{weights}: not found — did the run finish? (a run writes final/ at its end)")
-    meta = _read_json(meta_path, "the global state's JSON", beside=weights) if weights.is_file() else \
-        {"family": spec.family, "method": spec.name}
+    else:
+        meta = {"family": spec.family, "method": spec.name}
     family = meta.get("family")
     if family != "weights":
         nodes = sorted(run_dir.glob("nodes/partition-*/final-model.safetensors"))
@@ -364,6 +366,7 @@ def task_split(loaded: LoadedModel, task_name: str, partition: int, num_partitio
 
     from pollen.app.config import NodeConfig
     from pollen.app.registry import METHODS
+    from pollen.clients.base import PollenClient
     from pollen.datasets.tasks import TaskOptions, build_client_data, get_task
 
     cfg = loaded.cfg
@@ -374,7 +377,9 @@ def task_split(loaded: LoadedModel, task_name: str, partition: int, num_partitio
             node = NodeConfig(partition_id=partition, num_partitions=num_partitions, data_root=data_root,
                               data_dir=data_dir)
             context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
-            data = METHODS[cfg.method].make_client(cfg, node, context).data
+            client = METHODS[cfg.method].make_client(cfg, node, context)
+            assert isinstance(client, PollenClient)  # every registered method's client is one
+            data = client.data
         else:
             opts = TaskOptions(data_root=data_root or cfg.data_root, download=cfg.download, seed=cfg.seed,
                                dirichlet_alpha=cfg.dirichlet_alpha, ways=cfg.shot_ways, shots=cfg.shot_shots,
@@ -509,8 +514,8 @@ def nearest_prototype(model, x, protos: Prototypes, candidates, device, batch_si
 
     model.eval()
     with torch.no_grad():
-        z = [model.features(x[i:i + batch_size].to(device)) for i in range(0, len(x), batch_size)]
-        z = torch.cat(z) if z else torch.zeros(0, model.feature_dim, device=device)
+        chunks = [model.features(x[i:i + batch_size].to(device)) for i in range(0, len(x), batch_size)]
+        z = torch.cat(chunks) if chunks else torch.zeros(0, model.feature_dim, device=device)
         cand = torch.as_tensor(candidates, dtype=torch.long, device=device)
         dist = squared_distances(z, protos.protos.to(device)[cand])
         best = dist.argmin(dim=1)
@@ -703,10 +708,10 @@ def run(args: argparse.Namespace) -> int:
         if "class-names" not in loaded.info or task_name != loaded.info["task"]:
             raise PredictError(f"--data-dir is for models of the user-data tasks (image-folder, array); this one "
                                f"was trained on {loaded.info['task']!r}")
-        partition = int(loaded.info.get("partition-id") or 0)
-        inputs = task_split(loaded, task_name, partition, partition + 1, args.split, args.data_root, data_dir)
+        pid = int(loaded.info.get("partition-id") or 0)
+        inputs = task_split(loaded, task_name, pid, pid + 1, args.split, args.data_root, data_dir)
     else:
-        partition = args.partition
+        partition: int | None = args.partition
         if partition is None:
             partition = loaded.info.get("partition-id")
         if partition is None:

@@ -177,7 +177,7 @@ def _headline_accuracy(rec: dict[str, Any]) -> tuple[str, float, float | None] |
     return None
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"

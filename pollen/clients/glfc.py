@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.common import Context
+from flwr.common import Context, NDArrays, Scalar
 
 from pollen.clients.base import PollenClient, _state_keys
 from pollen.clients.incremental_losses import incremental_loss, is_transition, learning_rate, mean_entropy
@@ -224,7 +224,7 @@ class IncrementalClient(PollenClient):
     def get_parameters(self, config):
         return model_arrays(self._model(self.settings.stream.classes_per_task))
 
-    def fit(self, parameters, config):
+    def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
         s = self.settings
         server_round = int(config.get("server-round", 0))
         task = int(config.get("task", s.task_of_round(server_round)))
@@ -304,7 +304,7 @@ class IncrementalClient(PollenClient):
             metrics["train-loss"] = history[-1].loss
         return model_arrays(model) + grads, int(len(y_train)), metrics
 
-    def evaluate(self, parameters, config):
+    def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
         """Accuracy of the global model on this client's current data (the server evaluates globally).
 
         With ``detect-only`` (the code's every-client-every-round detection, ``glfc-detect-all-clients``)

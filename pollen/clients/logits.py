@@ -33,6 +33,7 @@ from typing import Any, NotRequired, TypedDict
 import numpy as np
 import torch
 import torch.nn.functional as F
+from flwr.common import NDArrays, Scalar
 
 from pollen.clients.base import PollenClient
 from pollen.clients.logit_losses import (
@@ -332,7 +333,7 @@ class LogitClient(PollenClient):
         x = public_view(self.x_public, self.cfg.seed, server_round + 1, self.settings.public_augment)
         return predict_logits(net, x, self.device).numpy().astype(np.float32)
 
-    def fit(self, parameters, config):
+    def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
         server_round = int(config.get("server-round", 0))
         s = self.settings
         net, solo, prev, fresh = self.models()
@@ -362,7 +363,7 @@ class LogitClient(PollenClient):
                 reply.extend(model_arrays(net))
         return reply, self.data.num_train, metrics
 
-    def evaluate(self, parameters, config):
+    def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
         net, _, _, _ = self.models()
         acc = domain_accuracies(net, self.data, self.device, self.domain_task.top_k)
         loss = acc.pop("loss")

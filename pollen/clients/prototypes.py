@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from flwr.common import NDArrays, Scalar
 
 from pollen.clients.base import PollenClient
 from pollen.clients.prototype_losses import (
@@ -140,18 +141,18 @@ class PrototypeClient(PollenClient):
             t_min=float(self.opt("da-tmin")), low=DA_LOW, high=DA_HIGH)
         return float(da["lambda"]), da
 
-    def fit(self, parameters, config):
+    def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
         server_round = int(config.get("server-round", 0))
         model = self.load_model()
         glob = self.decode(parameters, model)
         lam, da_state = self.lambda_for_round(server_round, glob)
         num_classes = self.task.num_classes
         use_cpa = self.bd and bool(self.opt("cpa")) and glob is not None
-        negatives = negative_mask(glob.present, self.data.classes) if use_cpa else None
+        negatives = negative_mask(glob.present, self.data.classes) if use_cpa and glob is not None else None
         beta, tau = float(self.opt("beta")), float(self.opt("tau"))
         training_protos = self.opt("local-protos") == "training"
         batches_per_epoch = max(1, self.data.num_train // self.cfg.batch_size)
-        acc = {"calls": 0, "sums": None, "counts": None}
+        acc: dict[str, Any] = {"calls": 0, "sums": None, "counts": None}
 
         def loss_fn(m, x, y):
             z = m.features(x)
@@ -230,7 +231,7 @@ class PrototypeClient(PollenClient):
         return [protos, counts]
 
     # evaluation --------------------------------------------------------------------------------
-    def evaluate(self, parameters, config):
+    def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
         model = self.load_model()
         glob = self.decode(parameters, model)
         x, y = self.data.x_test, self.data.y_test

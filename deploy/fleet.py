@@ -257,6 +257,7 @@ class Fleet:
         self.superlink_proc: subprocess.Popen | None = None
         self.supernodes: list[SuperNode] = []
         self.teardown_s: float | None = None
+        self.superlink_death_reported = False  # said once, when first noticed
         self.tree = launch.ProcessTree("fleet")
         self.leftover: list[int] = []
         self._stack = contextlib.ExitStack()
@@ -315,7 +316,11 @@ class Fleet:
         """Raise :class:`launch.SuperLinkDied` if the SuperLink has exited; report (once) each SuperNode
         that died without being stopped on purpose. Called about once a second while waiting."""
         if self.superlink_proc is not None and self.superlink_proc.poll() is not None:
-            raise launch.SuperLinkDied(self.superlink_proc, self.superlink_log)
+            err = launch.SuperLinkDied(self.superlink_proc, self.superlink_log)
+            if not self.superlink_death_reported:  # now, not after the (slow) teardown that follows
+                self.superlink_death_reported = True
+                print(f"[fleet] {err}", file=sys.stderr, flush=True)
+            raise err
         for node in self.supernodes:
             code = node.proc.poll() if node.proc is not None else None
             if code is not None and not node.stopped and not node.death_reported:
@@ -566,7 +571,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report.status, code = f"timeout: {err}", EXIT_TIMEOUT
             except launch.SuperLinkDied as err:
                 report.status, code = f"error: {err}", EXIT_SUPERLINK_DIED
-                print(f"[fleet] {err}", file=sys.stderr, flush=True)
+                if not fleet.superlink_death_reported:
+                    print(f"[fleet] {err}", file=sys.stderr, flush=True)
             except FleetInterrupted as err:
                 report.status, code = str(err), 128 + err.signum
             except KeyboardInterrupt:

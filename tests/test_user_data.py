@@ -329,3 +329,27 @@ def test_node_data_dir_with_another_task_fails_that_node_only(node_folders, tmp_
     assert set(row["fit-clients"]) == {"partition 0"}
     assert any("node config 'data-dir'" in f["reason"] and "read only by tasks image-folder, array" in f["reason"]
                for f in row["failure-reasons"]), row
+
+
+def test_sample_and_check_commands(tmp_path, capsys):
+    from pollen.datasets.user_data import main
+
+    root = require_real_data()
+    assert main(["sample", str(tmp_path / "s"), "--data-root", root, "--sites", "2", "--labels", "3,5",
+                 "--train", "4", "--test", "2"]) == 0
+    site1 = tmp_path / "s" / "site-1"
+    assert sorted(p.name for p in (site1 / "train").iterdir()) == ["five", "three"]
+    files = [sorted(p.name for p in (tmp_path / "s" / f"site-{k}").rglob("*.png")) for k in (0, 1)]
+    assert len(files[0]) == len(files[1]) == 12 and not set(files[0]) & set(files[1])  # other images per site
+    capsys.readouterr()
+    assert main(["check", str(site1), "--classes", "three,five"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{site1}: 8 training images, 4 test images", "image: 1 channel(s), 28x28 pixels",
+        "classes: 0 three (4+2), 1 five (4+2)"]
+    assert main(["check", str(site1), "--classes", "three"]) == 2
+    assert f"{site1 / 'train' / 'five'}: unknown class folder 'five'" in capsys.readouterr().err
+    assert main(["sample", str(tmp_path / "n"), "--data-root", root, "--format", "npz", "--labels", "7,1",
+                 "--train", "5", "--test", "0"]) == 0
+    capsys.readouterr()
+    assert main(["check", str(tmp_path / "n" / "site-0"), "--task", "array"]) == 0
+    assert "classes: 0 0 (5), 1 1 (5)" in capsys.readouterr().out  # label 7 is index 0: labels follow --labels

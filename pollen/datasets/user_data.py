@@ -73,11 +73,17 @@ def _class_dirs(split_dir: Path) -> list[Path]:
 
 def folder_classes(data_dir: str | Path) -> tuple[str, ...]:
     """The class folder names of ``<dir>/train`` (sorted, ImageFolder's order)."""
-    split_dir = _split_dir(Path(data_dir), TRAIN, required=True)
+    split_dir = _train_dir(Path(data_dir))
     names = tuple(p.name for p in _class_dirs(split_dir))
     if not names:
         raise UserDataError(f"{split_dir}: no class folders (expected {split_dir}/<class>/*.png)")
     return names
+
+
+def _train_dir(data_dir: Path) -> Path:
+    path = _split_dir(data_dir, TRAIN, required=True)
+    assert path is not None  # required: missing raises
+    return path
 
 
 def _split_dir(data_dir: Path, split: str, required: bool) -> Path | None:
@@ -133,7 +139,7 @@ class FolderInfo:
 
 def peek_image_folder(data_dir: str | Path) -> FolderInfo:
     """Class folders of ``train/`` and the first image's size (one file decoded, for detection)."""
-    split_dir = _split_dir(Path(data_dir), TRAIN, required=True)
+    split_dir = _train_dir(Path(data_dir))
     classes = folder_classes(data_dir)
     for name in classes:
         paths = _image_paths(split_dir / name)
@@ -190,7 +196,7 @@ def read_image_folder(data_dir: str, classes: tuple[str, ...]) -> tuple[ImageSet
     """
     root = Path(data_dir)
     size_ref: list = []
-    train_images, train_labels = _read_split(_split_dir(root, TRAIN, required=True), classes, size_ref)
+    train_images, train_labels = _read_split(_train_dir(root), classes, size_ref)
     test_dir = _split_dir(root, TEST, required=False)
     test_images, test_labels = _read_split(test_dir, classes, size_ref) if test_dir is not None else ([], [])
     both = _stack(train_images + test_images, train_labels + test_labels, len(classes), str(root))
@@ -274,7 +280,7 @@ def read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
 def read_arrays(data_path: str, num_classes: int) -> tuple[ImageSet, ImageSet | None]:
     """``(train, test or None)`` from the ``.npz`` file(s) of ``data_path``; labels must be < ``num_classes``."""
     train_path, test_path = npz_files(data_path)
-    sets = []
+    sets: list[ImageSet | None] = []
     for path in (train_path, test_path):
         if path is None:
             sets.append(None)
@@ -285,6 +291,7 @@ def read_arrays(data_path: str, num_classes: int) -> tuple[ImageSet, ImageSet | 
                                 "(run key 'classes')")
         sets.append(ImageSet(torch.from_numpy(x), torch.from_numpy(y), num_classes, str(path)))
     train, test = sets
+    assert train is not None  # train.npz always exists (npz_files raises otherwise)
     if test is not None and test.images.shape[1:] != train.images.shape[1:]:
         raise UserDataError(f"{test_path}: images are {tuple(test.images.shape[1:])} but {train_path} holds "
                             f"{tuple(train.images.shape[1:])}")

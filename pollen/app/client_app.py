@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from pollen.app.checkpoints import FINAL_MODEL, load_records, save_arrays, save_records, write_json
@@ -50,17 +50,28 @@ def _prepare(context: Context):
         raise RuntimeError(f"method {cfg.method!r} has no Message-API client adapter")
     folder = node_state_dir(cfg, node, context.run_id)
     if len(context.state) == 0 and load_records(folder, context.state):
-        history = context.state.get(HISTORY)
-        trained = int(history["rounds-trained"]) if history is not None else 0
+        trained = _rounds_trained(context)
         LOGGER.info("partition %d: state restored from %s (%d round(s) trained before)",
                     node.partition_id, folder, trained)
     return cfg, spec, folder, spec.make_client(cfg, node, context)
 
 
+def _rounds_trained(context: Context) -> int:
+    history = context.state.get(HISTORY)
+    value = history.get("rounds-trained", 0) if isinstance(history, ConfigRecord) else 0
+    return int(value) if isinstance(value, (int, float)) else 0
+
+
+def _server_round(msg: Message) -> int:
+    config = msg.content.get("config")
+    value = config.get("server-round", 0) if isinstance(config, ConfigRecord) else 0
+    return int(value) if isinstance(value, (int, float)) else 0
+
+
 def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Context, server_round: int) -> None:
     """The personal model and what is needed to rebuild it (``pollen.predict`` reads both)."""
     record = context.state.get(spec.personal_model)
-    if record is None:
+    if not isinstance(record, ArrayRecord):
         return
     save_arrays(folder / f"{FINAL_MODEL}.safetensors", {k: a.numpy() for k, a in record.items()})
     kwargs = client.model_kwargs() if hasattr(client, "model_kwargs") else {}
@@ -83,9 +94,8 @@ def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Contex
 def train(msg: Message, context: Context) -> Message:
     cfg, spec, folder, client = _prepare(context)
     content = spec.adapter.train(client, msg.content)
-    server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
-    history = context.state.get(HISTORY)
-    trained = int(history["rounds-trained"]) if history is not None else 0
+    server_round = _server_round(msg)
+    trained = _rounds_trained(context)
     context.state[HISTORY] = ConfigRecord({"rounds-trained": trained + 1, "last-round": server_round})
     save_records(folder, context.state)
     if spec.personal_model and server_round >= cfg.num_server_rounds:

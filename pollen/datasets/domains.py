@@ -136,7 +136,7 @@ def crop_resized(photo: np.ndarray, y: int, x: int, side: int, out: int) -> np.n
     crop = photo[y : y + side, x : x + side]
     if side == out:
         return np.array(crop)
-    return np.asarray(Image.fromarray(crop).resize((out, out), Image.BILINEAR))
+    return np.asarray(Image.fromarray(crop).resize((out, out), Image.Resampling.BILINEAR))
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def render_syn_image(seed: int, split: str, index: int, label: int) -> np.ndarra
         other = str(neighbours[1])
         draw.text((ox + font.getlength(text) + gap, oy), other, fill=255, font=font, anchor="ls")
     angle = rng.uniform(-SYN_ROTATION, SYN_ROTATION)
-    mask = mask.rotate(angle, resample=Image.BILINEAR, center=(cx, cy))
+    mask = mask.rotate(angle, resample=Image.Resampling.BILINEAR, center=(cx, cy))
     margin = (_CANVAS - SYNTH_SIDE) // 2
     mask = mask.crop((margin, margin, margin + SYNTH_SIDE, margin + SYNTH_SIDE))
     alpha = np.asarray(mask, dtype=np.float32)[..., None] / 255.0
@@ -354,8 +354,8 @@ def render_syn_image(seed: int, split: str, index: int, label: int) -> np.ndarra
     composed = background * (1.0 - alpha) + foreground * alpha
     image = Image.fromarray(np.clip(composed + 0.5, 0, 255).astype(np.uint8))
     image = image.filter(ImageFilter.GaussianBlur(float(rng.uniform(*SYN_BLUR))))
-    noisy = np.asarray(image, dtype=np.float32)
-    noisy = noisy + rng.normal(0.0, rng.uniform(*SYN_NOISE), noisy.shape)
+    clean = np.asarray(image, dtype=np.float32)
+    noisy = clean + rng.normal(0.0, rng.uniform(*SYN_NOISE), clean.shape)  # float64, as numpy promotes
     return np.clip(np.rint(noisy), 0, 255).astype(np.uint8)
 
 

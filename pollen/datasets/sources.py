@@ -270,7 +270,7 @@ def _decode_images(paths: list[str], size: int) -> torch.Tensor:
             img.draft("RGB", (2 * size, 2 * size))
             rgb = img.convert("RGB")
             if rgb.size != (size, size):
-                rgb = rgb.resize((size, size), Image.BILINEAR)
+                rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
             out[i] = np.asarray(rgb, dtype=np.uint8)
     return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()
 

@@ -20,7 +20,7 @@ RUN_CONFIG ?=
 OUT_DIR ?= $(CURDIR)/runs
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast coverage fleet clean
+.PHONY: install run test test-fast coverage lint fleet clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ test-fast: $(STAMP)
 # The full suite with a per-file coverage report for the `pollen` package (what .ci/run prints).
 coverage: $(STAMP)
 	$(PY) -m pytest -q --cov=pollen --cov-report=term $(PYTEST_ARGS)
+
+# The linter and the type checker, both configured in pyproject.toml (CI runs this after the tests).
+lint: $(STAMP)
+	$(PY) -m ruff check pollen
+	$(PY) -m mypy pollen
 
 clean:
 	rm -rf .flwr-home runs pollen-runs .pytest_cache

@@ -82,3 +82,15 @@ def test_offline_preset_runs_to_completion_at_a_tiny_size(path, tmp_path):
     summary = json.loads((tmp_path / "runs" / "7" / "summary.json").read_text())
     assert summary["status"] == "completed", summary
     assert summary["rounds"] == run_config["num-server-rounds"]
+
+
+def test_the_launcher_starts_the_nodes_a_preset_names_and_refuses_others(capsys):
+    from pollen.app import launch
+
+    for path in PRESETS:
+        assert launch.preset_node_count(str(path)) == _preset(path)[1]
+    assert launch.preset_node_count("method='fedavg'") is None
+    code = launch.main(["--run-config", str(PROJECT_ROOT / "conf" / "fccl-digits-offline.toml"),
+                        "--num-supernodes", "5"])
+    assert code == launch.EXIT_USAGE
+    assert "needs exactly 4 SuperNodes, got --num-supernodes 5" in capsys.readouterr().err

@@ -302,6 +302,22 @@ def resume_config(app_dir: Path, run_dir: Path, overrides: str) -> dict[str, Any
     return values
 
 
+PRESET_NODES = re.compile(r"^# pollen: num-supernodes = (\d+)\s*$", re.M)
+
+
+def preset_node_count(run_config: str) -> int | None:
+    """The SuperNodes a preset file (``conf/*.toml`` given as ``--run-config``) asks for in its
+    ``# pollen: num-supernodes = N`` line; ``None`` for ``k=v`` pairs or a file without the line."""
+    text = (run_config or "").strip()
+    if not text.endswith(".toml") or "=" in text:
+        return None
+    try:
+        found = PRESET_NODES.findall(Path(text).expanduser().read_text())
+    except OSError:
+        return None  # parse_run_config reports the unreadable file
+    return int(found[0]) if found else None
+
+
 def compose_run_config(app_dir: Path, run_config: str | Mapping[str, Any] = "", *,
                        out_dir: str | Path | None = None, data_root: str | Path | None = None
                        ) -> tuple[dict[str, Any], Path | None]:
@@ -1095,8 +1111,8 @@ def _catalog() -> str:
 
         lines.append("tasks: (run key 'task')")
         width = max(len(name) for name in TASKS)
-        for name, spec in TASKS.items():
-            text = " ".join(str(getattr(spec, "description", "")).split())
+        for name, task in TASKS.items():
+            text = " ".join(str(getattr(task, "description", "")).split())
             lines.append(f"  {name:<{width}}  {text}")
     except Exception as err:  # noqa: BLE001
         lines.append(f"tasks: (not listed: {type(err).__name__}: {err})")
@@ -1168,6 +1184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not is_flower_app(app_dir):
             raise LaunchConfigError(f"--app {args.app}: {app_dir} has no pyproject.toml with [tool.flwr.app]")
         run_config = resume_config(app_dir, args.resume, args.run_config) if args.resume else args.run_config
+        if args.num_supernodes is None and not args.resume:  # a preset file names the nodes it needs
+            args.num_supernodes = preset_node_count(args.run_config)
         values, _ = compose_run_config(app_dir, run_config, out_dir=args.out_dir, data_root=args.data_root)
         args.num_supernodes = fitting_node_count(app_dir, values, args.num_supernodes)
     except LaunchConfigError as err:

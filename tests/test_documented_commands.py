@@ -107,10 +107,24 @@ def documented_blocks(pages=PAGES) -> list[Block]:
                 continue
             text = pending + stripped
             pending = ""
-            needs = NEEDS.search(text)
-            code = text[:needs.start()].rstrip() if needs else text
+            code, comment = split_comment(text)
+            needs = NEEDS.search(comment)
             commands.append(Command(rel, start, code, needs[1] if needs else None))
     return out
+
+
+def split_comment(text: str) -> tuple[str, str]:
+    """``cmd  # comment`` -> (``cmd``, ``# comment``): a ``#`` that starts a word outside quotes."""
+    quote = None
+    for i, char in enumerate(text):
+        if quote:
+            if char == quote:
+                quote = None
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or text[i - 1].isspace()):
+            return text[:i].rstrip(), text[i:]
+    return text, ""
 
 
 def documented_commands(pages=PAGES) -> list[Command]:
@@ -237,6 +251,9 @@ def test_smoke_rewriting_keeps_the_documented_keys_and_makes_the_run_tiny(tmp_pa
     assert "ROUNDS=1" in words and "NUM_SUPERNODES=2" in words
     assert "num-server-rounds" not in next(w for w in words if w.startswith("RUN_CONFIG="))
     assert smoke_command("ls runs/*/summary.json", tmp_path) == f"ls {tmp_path}/*/summary.json"
+    assert split_comment("make run   # FedAvg, 5 clients") == ("make run", "# FedAvg, 5 clients")
+    assert split_comment("x --run-config \"a='#b'\" # needs: gpu") == ("x --run-config \"a='#b'\"", "# needs: gpu")
+    assert split_comment('echo "$#"') == ('echo "$#"', "")
     resumed = smoke_command('python -m pollen.app.launch --resume "$RUN" --run-config "num-server-rounds=3"', tmp_path)
     assert '--resume "$RUN"' in resumed and resumed.endswith('--run-config "num-server-rounds=3"')
 

@@ -178,6 +178,26 @@ def _rounds_written(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
 
 
+def _run_past_round_1(fleet: Fleet, values: dict, out: Path, timeout: float) -> tuple[threading.Thread, dict]:
+    """Start the run in a thread and return once round 1 is in ``metrics.jsonl`` (the thread and the
+    dict its outcome, or the exception it raised, will land in)."""
+    done: dict = {}
+
+    def run() -> None:
+        try:
+            done["outcome"] = fleet.run(values, timeout=timeout, echo=False)
+        except BaseException as err:  # reported by the main thread
+            done["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 400
+    while not _rounds_written(out) and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _rounds_written(out), f"round 1 never finished: {done}\n{fleet.log_tails()}"
+    return thread, done
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", FLEET_CASES)
 def test_method_on_fleet_survives_a_lost_node_and_reports_a_misconfigured_one(case, tmp_path):
@@ -189,24 +209,12 @@ def test_method_on_fleet_survives_a_lost_node_and_reports_a_misconfigured_one(ca
     values, cfg = compose_run_config(method=case.method, rounds=2, out_dir=out, data_root=None,
                                      user=format_config(case.run_config), num_supernodes=3)
     assert cfg.min_available_clients <= 2  # the run must go on with the 2 nodes left after the kill
-    done: dict = {}
-
-    def run(fleet: Fleet) -> None:
-        try:
-            done["outcome"] = fleet.run(values, timeout=500, echo=False)
-        except BaseException as err:  # reported by the main thread
-            done["error"] = err
 
     with Fleet(tmp_path / "work", echo=False) as fleet:
         good = [fleet.add_supernode(spec) for spec in plan_nodes(2)]
         misconfigured = fleet.add_supernode(NodeSpec("no_partition_id", {"num-partitions": 2}))
         fleet.wait_for_nodes(3, timeout=180)
-        thread = threading.Thread(target=run, args=(fleet,), daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 400
-        while not _rounds_written(out) and thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _rounds_written(out), f"round 1 never finished: {done}\n{fleet.log_tails()}"
+        thread, done = _run_past_round_1(fleet, values, out, timeout=500)
         fleet.stop_supernode(good[1])  # partition 1 leaves while the run is in progress
         thread.join(timeout=500)
         assert not thread.is_alive(), fleet.log_tails()
@@ -249,23 +257,11 @@ def test_supernode_killed_and_restarted_carries_on_from_its_state_dir(tmp_path, 
                                    num_supernodes=2)
     specs = [NodeSpec(s.name, {**s.config, "state-dir": str(tmp_path / "state" / f"p{i}")})
              for i, s in enumerate(plan_nodes(2))]
-    done: dict = {}
-
-    def run(fleet: Fleet) -> None:
-        try:
-            done["outcome"] = fleet.run(values, timeout=600, echo=False)
-        except BaseException as err:  # reported by the main thread
-            done["error"] = err
 
     with Fleet(tmp_path / "work", echo=False) as fleet:
         nodes = [fleet.add_supernode(spec) for spec in specs]
         fleet.wait_for_nodes(2, timeout=180)
-        thread = threading.Thread(target=run, args=(fleet,), daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 400
-        while not _rounds_written(out) and thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _rounds_written(out), f"round 1 never finished: {done}\n{fleet.log_tails()}"
+        thread, done = _run_past_round_1(fleet, values, out, timeout=600)
         victim = nodes[1].pid
         os.kill(victim, signal.SIGKILL)  # the SuperNode alone, as a crash would: no stop_supernode
         nodes[1].proc.wait(timeout=30)

@@ -138,7 +138,7 @@ def _as_bool(raw: Mapping[str, Any], key: str) -> bool:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Validated run configuration (see README, "Run configuration", for every key)."""
+    """Validated run configuration (every key: ``docs/usage.md``)."""
 
     method: str
     task: str

@@ -6,7 +6,7 @@ named records of :mod:`pollen.protocol.glfc` to the client's arrays and back; th
 objective, the memory, the old model and the proxy. The strategy learns each node's partition from a
 ``query`` message: the ClientApp answers it with :func:`answer_query`. They run on the class-incremental
 tasks of :mod:`pollen.datasets.incremental` (``mnist-fmnist-cil``, ``cifar100-cil``). Run keys are prefixed
-``glfc-`` (README, "Run configuration").
+``glfc-`` (``docs/usage.md``).
 Start the simulation with ``glfc-initial-clients + (glfc-tasks - 1) · glfc-new-clients`` SuperNodes and
 ``num-server-rounds = glfc-tasks · glfc-rounds-per-task``.
 """

@@ -1,7 +1,7 @@
 """Registry entries for the prototype family: ``fedproto`` and ``bd-fedproto``.
 
 Both share :class:`~pollen.strategies.prototypes.PrototypeStrategy`; BD-FedProto's extras (CPA, DA)
-are client-side. Run keys are prefixed ``proto-`` (README, "Run configuration").
+are client-side. Run keys are prefixed ``proto-`` (``docs/usage.md``).
 """
 
 from __future__ import annotations

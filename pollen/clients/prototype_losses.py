@@ -1,6 +1,6 @@
 """Local objectives and monitors of FedProto and BD-FedProto, as pure torch / float functions.
 
-Notation (see ``../shared/specs/bd_fedproto.md``): ``z`` is a B×d batch of embeddings, ``protos`` the
+Notation (``docs/methods/fedproto.md`` describes the method): ``z`` is a B×d batch of embeddings, ``protos`` the
 C×d global prototypes, ``present`` a boolean C-vector saying which classes have a global prototype
 (absent rows are never read), ``d(a, b)`` the element-wise MSE ``mean((a - b)²)`` FedProto uses as its
 distance.

@@ -2,7 +2,7 @@
 
 Every loader returns an :class:`ImageSet`: one ``uint8`` tensor ``N×C×H×W`` and one ``int64``
 label tensor. Training loops then index these tensors directly, which is about two orders of
-magnitude faster than a per-sample PIL pipeline (see ``/work/shared/data/README.md``).
+magnitude faster than a per-sample PIL pipeline.
 
 On-disk layouts under ``root`` (the ``data-root`` run key):
 

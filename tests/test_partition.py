@@ -94,11 +94,36 @@ def test_dirichlet_impossible_minimum():
     labels = _labels(n_per_class=2, num_classes=3)  # 6 samples
     with pytest.raises(PartitionError, match="only 6 available"):
         dirichlet(labels, 4, alpha=1.0, seed=0, min_per_client=2)
-    # Possible in principle but essentially never drawn with a tiny alpha: bounded retries.
-    with pytest.raises(PartitionError, match="no draw in 20"):
-        dirichlet(_labels(n_per_class=3, num_classes=2), 3, alpha=0.001, seed=0, min_per_client=2, max_retries=20)
     with pytest.raises(PartitionError, match="alpha"):
         dirichlet(labels, 2, alpha=0.0, seed=0)
+
+
+def _check_cover(parts, n, minimum):
+    joined = np.concatenate(parts)
+    assert joined.size == n and np.array_equal(np.sort(joined), np.arange(n))  # disjoint, covers all
+    assert min(p.size for p in parts) >= minimum
+
+
+def test_dirichlet_tops_up_when_no_draw_meets_the_minimum():
+    # Possible in principle but essentially never drawn with a tiny alpha: after the retries, the
+    # short clients get samples of the largest one.
+    labels = _labels(n_per_class=3, num_classes=2)
+    parts = dirichlet(labels, 3, alpha=0.001, seed=0, min_per_client=2, max_retries=20)
+    _check_cover(parts, labels.size, 2)
+    assert [p.size for p in parts] == [2, 2, 2]
+
+
+def test_dirichlet_scales_to_ten_thousand_clients_on_mnist_sized_labels():
+    """60,000 labels over 10,000 clients (6 each on average): no draw leaves every client 2 samples, so the
+    split gives up sampling after a few draws and tops up; the label skew of the others stays."""
+    labels = np.repeat(np.arange(10), 6000)
+    parts = dirichlet(labels, 10_000, alpha=0.5, seed=0)
+    _check_cover(parts, labels.size, 2)
+    again = dirichlet(labels, 10_000, alpha=0.5, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    classes_held = np.mean([np.unique(labels[p]).size for p in parts])
+    iid_classes = np.mean([np.unique(labels[p]).size for p in iid(labels.size, 10_000, seed=0)])
+    assert classes_held < iid_classes - 0.3  # still label-skewed (IID: about 4.7 of 10 classes per client)
 
 
 # --------------------------------------------------------------------------------- n-way k-shot

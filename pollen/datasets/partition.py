@@ -40,6 +40,13 @@ def iid(num_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
     return [_sorted_int64(part) for part in np.array_split(perm, num_clients)]
 
 
+HOPELESS_AFTER = 10  # draws; then a draw leaving this many clients short means sampling will not succeed
+
+
+def _hopeless_shortfall(num_clients: int) -> int:
+    return max(10, num_clients // 100)
+
+
 def dirichlet(
     labels: np.ndarray,
     num_clients: int,
@@ -51,8 +58,12 @@ def dirichlet(
     """Label-skewed split: each class is divided among clients by proportions ~ Dir(alpha·1).
 
     Small ``alpha`` concentrates a class on few clients. The whole draw is repeated until every
-    client holds at least ``min_per_client`` samples; after ``max_retries`` draws (or when the
-    data cannot possibly satisfy it) a :class:`PartitionError` is raised.
+    client holds at least ``min_per_client`` samples. When no draw gets there — ``max_retries``
+    draws, or already the first ``HOPELESS_AFTER`` when each left many clients short (thousands of
+    clients on a dataset that gives each only a handful) — the last draw is **topped up**: each
+    short client receives random samples of the client holding the most, until it has the minimum
+    (:func:`_top_up`). The label skew of everyone else is untouched. A minimum the data cannot meet
+    at all raises :class:`PartitionError`.
     """
     labels = np.asarray(labels).reshape(-1)
     _check_positive("num_clients", num_clients)
@@ -69,7 +80,9 @@ def dirichlet(
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
     by_class = [np.flatnonzero(labels == c) for c in classes]
-    for _ in range(max_retries):
+    fewest_short = num_clients
+    result: list[np.ndarray] = []
+    for attempt in range(max_retries):
         parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         for idx in by_class:
             idx = rng.permutation(idx)
@@ -80,13 +93,38 @@ def dirichlet(
         result = [
             _sorted_int64(np.concatenate(p)) if p else np.empty(0, np.int64) for p in parts
         ]
-        if min(r.size for r in result) >= min_per_client:
+        short = sum(r.size < min_per_client for r in result)
+        if short == 0:
             return result
-    raise PartitionError(
-        f"dirichlet: no draw in {max_retries} gave every one of {num_clients} clients at least "
-        f"{min_per_client} samples (alpha={alpha}, {labels.size} samples); raise alpha, lower "
-        f"num_clients or min_per_client"
-    )
+        fewest_short = min(fewest_short, short)
+        if attempt + 1 >= HOPELESS_AFTER and fewest_short >= _hopeless_shortfall(num_clients):
+            break
+    return _top_up(result, min_per_client, rng)
+
+
+def _top_up(parts: list[np.ndarray], minimum: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Give every client at least ``minimum`` samples, each taken at random from the client that holds
+    the most at that moment (ties: the lowest index); the caller checked the total suffices."""
+    import heapq
+
+    parts = [p.copy() for p in parts]
+    heap = [(-p.size, i) for i, p in enumerate(parts)]
+    heapq.heapify(heap)
+    for client in range(len(parts)):
+        while parts[client].size < minimum:
+            neg, donor = heapq.heappop(heap)
+            if -neg != parts[donor].size:  # stale entry: push the current size back
+                heapq.heappush(heap, (-parts[donor].size, donor))
+                continue
+            if donor == client or parts[donor].size <= minimum:
+                raise PartitionError(f"dirichlet: cannot top up client {client} to {minimum} samples")
+            k = int(rng.integers(parts[donor].size))
+            sample = parts[donor][k]
+            parts[donor] = np.delete(parts[donor], k)
+            heapq.heappush(heap, (-parts[donor].size, donor))
+            parts[client] = np.append(parts[client], sample)
+            heapq.heappush(heap, (-parts[client].size, client))
+    return [_sorted_int64(p) for p in parts]
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,212 @@
+"""How far one machine goes: FedAvg on MNIST (Dirichlet label skew) with N simulated clients.
+
+For each N (default 10, 100, 1,000, 10,000) one real ``python -m pollen.app.launch`` run with N
+SuperNodes, 3 rounds, ``clip(N/10, 2, 100)`` clients sampled per round for training and evaluation.
+Measured from outside the run: wall per round and milliseconds per message (round wall / messages
+sent that round), time from launch to the start of round 1, the whole launch's wall, and the peak
+memory (PSS) of the launch's whole process tree (every process carrying this run's marker in its
+environment, summed, sampled twice a second). One JSON file per N under ``bench/results/scale/``: a
+finished N is skipped when the study is run again (``--force`` reruns it). ``scale.md`` and
+``scale.png`` are rewritten from those files::
+
+    python bench/scale.py --data-root ../shared/data                  # 10 100 1000 10000
+    python bench/scale.py --data-root ../shared/data --clients 10 100  # a quick look
+    python bench/scale.py --report                                     # tables and plot only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _pss_bytes(entry: Path) -> int:
+    """Proportional set size: shared pages (torch's libraries in every worker) counted once in total."""
+    try:
+        for line in (entry / "smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int((entry / "statm").read_text().split()[1]) * PAGE  # RSS where smaps_rollup is not readable
+
+
+class TreeMemory:
+    """Peak of the summed PSS of every process whose environment carries ``POLLEN_SCALE_MARK=<token>``."""
+
+    def __init__(self) -> None:
+        self.token = uuid.uuid4().hex
+        self.peak_bytes = 0
+        self.peak_processes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._members: set[int] = set()
+        self._checked: set[int] = set()
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "POLLEN_SCALE_MARK": self.token}
+
+    def __enter__(self) -> TreeMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        needle = f"POLLEN_SCALE_MARK={self.token}".encode()
+        while not self._stop.is_set():
+            total, count = 0, 0
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                pid = int(entry.name)
+                try:
+                    if pid not in self._checked:
+                        self._checked.add(pid)
+                        if needle in (entry / "environ").read_bytes():
+                            self._members.add(pid)
+                    if pid in self._members:
+                        total += _pss_bytes(entry)
+                        count += 1
+                except OSError:
+                    continue
+            if total > self.peak_bytes:
+                self.peak_bytes, self.peak_processes = total, count
+            self._stop.wait(0.5)
+
+
+def sampled(n: int) -> int:
+    return max(2, min(100, n // 10))
+
+
+def run_one(n: int, args) -> dict:
+    k = sampled(n)
+    fraction = k / n
+    keys = {"method": "'fedavg'", "task": "'mnist-dirichlet'", "num-server-rounds": args.rounds, "seed": 0,
+            "fraction-fit": fraction, "fraction-evaluate": fraction, "min-available-clients": k,
+            "local-epochs": 1, "batch-size": 32, "torch-threads": 1}
+    config = " ".join(f"{key}={value}" for key, value in keys.items())
+    with tempfile.TemporaryDirectory(prefix=f"pollen-scale-{n}-") as tmp:
+        out_dir = Path(tmp) / "runs"
+        cmd = [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", str(n), "--out-dir", str(out_dir),
+               "--data-root", str(args.data_root), "--run-config", config, "--quiet",
+               "--timeout", str(args.timeout)]
+        log = Path(tmp) / "launch.log"
+        first_line_s = None
+        with TreeMemory() as memory, log.open("w") as out:
+            started = time.monotonic()
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=memory.env(), stdout=out, stderr=subprocess.STDOUT)
+            while proc.poll() is None:
+                if first_line_s is None:
+                    files = list(out_dir.glob("*/metrics.jsonl"))
+                    if files and files[0].read_text().strip():
+                        first_line_s = time.monotonic() - started
+                time.sleep(0.2)
+            wall = time.monotonic() - started
+        row: dict = {"clients": n, "sampled-per-round": k, "fraction": round(fraction, 4), "rounds": args.rounds,
+                     "rc": proc.returncode, "launch-wall-s": round(wall, 1),
+                     "peak-pss-mb": round(memory.peak_bytes / 2**20, 1),
+                     "processes-at-peak": memory.peak_processes}
+        files = list(out_dir.glob("*/metrics.jsonl"))
+        if files:
+            lines = [json.loads(x) for x in files[0].read_text().splitlines() if x.strip()]
+            walls = [r["wall-time-s"] for r in lines]
+            messages = [int(r.get("sampled", 0)) + len(r.get("evaluate-clients", {})) for r in lines]
+            row["round-wall-s"] = [round(w, 2) for w in walls]
+            row["ms-per-message"] = [round(1000 * w / m, 1) if m else None for w, m in zip(walls, messages)]
+            row["accepted"] = [r.get("accepted") for r in lines]
+            row["accuracy"] = [r.get("evaluate", {}).get("accuracy") for r in lines]
+            if first_line_s is not None and walls:
+                row["time-to-round-1-s"] = round(first_line_s - walls[0], 1)
+        if proc.returncode != 0:
+            row["log-tail"] = log.read_text(errors="replace")[-3000:]
+    return row
+
+
+def report(out: Path) -> None:
+    rows = sorted((json.loads(p.read_text()) for p in (out / "scale").glob("*.json")), key=lambda r: r["clients"])
+    if not rows:
+        print("[scale] no results yet")
+        return
+    lines = ["# Scale: FedAvg on MNIST (Dirichlet), N simulated clients on one machine", "",
+             "One `python -m pollen.app.launch` run per N, 3 rounds, `clip(N/10, 2, 100)` clients sampled per round "
+             "for training and evaluation, 1 CPU per client, this machine's cores. *ms/message*: round wall / messages "
+             "that round (train + evaluate). *Peak PSS*: proportional set size of the launch's whole "
+             "process tree (SuperLink, ServerApp, Ray and its workers), summed, shared pages counted once. "
+             "Written by `bench/scale.py` from `bench/results/scale/*.json`.", "",
+             "| N | sampled | exit | time to round 1 s | round wall s (1 / 2 / 3) | ms/message (1 / 2 / 3) | "
+             "peak PSS MB | processes | launch wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        walls = " / ".join(str(w) for w in r.get("round-wall-s", [])) or "–"
+        per = " / ".join(str(m) for m in r.get("ms-per-message", [])) or "–"
+        lines.append(f"| {r['clients']:,} | {r['sampled-per-round']} | {r['rc']} | {r.get('time-to-round-1-s', '–')} | "
+                     f"{walls} | {per} | {r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} |")
+    (out / "scale.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ok = [r for r in rows if r.get("round-wall-s")]
+    if not ok:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    xs = [r["clients"] for r in ok]
+    axes[0].plot(xs, [r["peak-pss-mb"] for r in ok], "o-")
+    axes[0].set(xscale="log", xlabel="simulated clients N", ylabel="peak PSS of the tree (MB)")
+    axes[1].plot(xs, [r.get("time-to-round-1-s") for r in ok], "o-")
+    axes[1].set(xscale="log", xlabel="N", ylabel="time to round 1 (s)")
+    axes[2].plot(xs, [r["ms-per-message"][-1] for r in ok], "o-", label="last round")
+    axes[2].set(xscale="log", xlabel="N", ylabel="ms per message")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(out / "scale.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-root", type=Path, default=os.environ.get("POLLEN_DATA_ROOT"))
+    parser.add_argument("--clients", type=int, nargs="+", default=[10, 100, 1000, 10000])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--force", action="store_true", help="rerun an N that already has a result file")
+    parser.add_argument("--report", action="store_true", help="only rewrite scale.md and scale.png")
+    args = parser.parse_args(argv)
+    if not args.report:
+        if args.data_root is None or not (Path(args.data_root) / "MNIST" / "raw").is_dir():
+            parser.error("--data-root must hold MNIST/raw (or set POLLEN_DATA_ROOT)")
+        args.data_root = Path(args.data_root).resolve()
+        (args.out / "scale").mkdir(parents=True, exist_ok=True)
+        for n in args.clients:
+            path = args.out / "scale" / f"{n}.json"
+            if path.exists() and not args.force:
+                print(f"[scale] N = {n}: done already ({path})", flush=True)
+                continue
+            print(f"[scale] N = {n}: running", flush=True)
+            row = run_one(n, args)
+            path.write_text(json.dumps(row, indent=2) + "\n")
+            print(f"[scale] N = {n}: {json.dumps({k: v for k, v in row.items() if k != 'log-tail'})}", flush=True)
+    report(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 PAGE = Path(__file__).with_name("strategies.md")
-FAMILIES = ("weights", "prototypes", "logits", "glfc")
+FAMILIES = ("identity", "weights", "prototypes", "logits", "glfc")
 
 
 def contract_table(family: str) -> str:
@@ -25,8 +25,8 @@ def render(text: str) -> str:
         start, end = f"<!-- contract:{family} -->", f"<!-- /contract:{family} -->"
         if start in text:
             table = contract_table(family)
-            text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _m: f"{start}\n{table}\n{end}",
-                          text, flags=re.S)
+            block = f"{start}\n{table}\n{end}"
+            text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _m, b=block: b, text, flags=re.S)
     return text
 
 

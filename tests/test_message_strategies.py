@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from pollen.protocol.identity import encode_identity_reply
 from pollen.protocol.logits import decode_consensus, encode_logit_reply
 from pollen.protocol.prototypes import decode_global_prototypes, encode_prototype_reply
 from pollen.protocol.records import reply_content
@@ -34,6 +35,8 @@ def _record(state):
 def _weights_node(pid, n, shift):
     """A well-behaved FedAvg client: adds ``shift`` to every float array."""
     def handle(msg):
+        if msg.metadata.message_type == "query":
+            return encode_identity_reply(pid)
         if msg.metadata.message_type == "evaluate":
             return RecordDict({"metrics": MetricRecord({"num-examples": 10, "loss": 1.0, "accuracy": 0.5,
                                                         "partition-id": pid})})
@@ -183,6 +186,26 @@ def test_a_partition_moves_to_a_new_node_once_its_node_has_left():
     strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=3)
     assert strategy.node_of == {0: 11, 1: 13} and 12 not in strategy.partition_of
     assert not any(r.rejected for r in strategy.reports.values())
+
+
+def test_same_seed_samples_the_same_partitions_whatever_the_node_ids():
+    """Flower draws new node ids every run: sampling a fraction by node id would pick other partitions
+    each run. With identify_nodes the strategy asks each node its partition once and draws by partition."""
+    def sampled_partitions(node_ids, identify):
+        grid = InProcessGrid({nid: _weights_node(p, 10, 1.0) for p, nid in enumerate(node_ids)})
+        strategy = WeightAveraging(fraction_train=0.4, fraction_evaluate=0.0, min_train_nodes=1, seed=5,
+                                   identify_nodes=identify)
+        strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=4)
+        return [sorted(r.fit_clients) for _, r in sorted(strategy.reports.items())], grid
+
+    ids_a, ids_b = [101, 102, 103, 104, 105], [950, 940, 930, 920, 910]
+    first, grid = sampled_partitions(ids_a, identify=True)
+    second, _ = sampled_partitions(ids_b, identify=True)
+    assert first == second and all(len(r) == 2 for r in first)
+    assert sum(m.metadata.message_type == "query" for m in grid.sent) == 5  # once per node, not per round
+    plain_a, _ = sampled_partitions(ids_a, identify=False)
+    plain_b, _ = sampled_partitions(ids_b, identify=False)
+    assert plain_a != plain_b  # by node id: reversed id order, other partitions
 
 
 def test_a_round_that_trains_nobody_fails_the_run_with_the_reasons():

@@ -30,29 +30,32 @@ LeNet's ``named_parameters()``. Evaluate and query replies carry only ``metrics`
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
+from pollen.protocol.identity import (  # noqa: F401  (the query is part of this family's contract)
+    PARTITION_ID,
+    QUERY,
+    decode_identity_reply,
+    encode_identity_reply,
+    query_content,
+)
 from pollen.protocol.records import (
     ARRAYS,
     CONFIG,
     METRICS,
     array_record,
-    metric_record,
     reply_content,
 )
 from pollen.protocol.screening import ArraySpec, decode_record
 
 OLD_MODEL = {1: "old-model-1", 2: "old-model-2"}
 PROTO_GRADS = "proto-grads"
-QUERY = "query"
-PARTITION_ID = "partition-id"
 DETECT_ONLY = "detect-only"
 TRANSITION = "transition"
 PLAN_KEYS = ("num-tasks", "classes-per-task", "rounds-per-task")
@@ -131,11 +134,6 @@ def encode_train_content(model: ArrayRecord, config: ConfigRecord,
     return content
 
 
-def query_content(server_round: int) -> RecordDict:
-    """A query message asking a node which partition it serves."""
-    return RecordDict({CONFIG: ConfigRecord({"server-round": int(server_round), QUERY: PARTITION_ID})})
-
-
 def gradient_specs(lenet_shapes: Mapping[str, Sequence[int]], num_sets: int) -> list[ArraySpec]:
     return [ArraySpec(grad_key(i, name), tuple(shape), "float32")
             for i in range(num_sets) for name, shape in lenet_shapes.items()]
@@ -190,18 +188,6 @@ def decode_train_reply(content: RecordDict, model_specs: Sequence[ArraySpec],
     return (state, grads), None
 
 
-def decode_identity_reply(content: RecordDict) -> tuple[int | None, str | None]:
-    """Server side: the partition id of a query reply, or a reason."""
-    metrics = content.get(METRICS)
-    if not isinstance(metrics, MetricRecord) or PARTITION_ID not in metrics:
-        return None, f"query reply lacks metrics['{PARTITION_ID}']"
-    value = metrics[PARTITION_ID]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or int(value) != value or value < 0:
-        return None, f"metric '{PARTITION_ID}' = {value!r} is not a whole number >= 0"
-    return int(value), None
-
-
 # -- client side ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TrainInstruction:
@@ -249,8 +235,3 @@ def encode_train_reply(state: ArrayRecord | Mapping[str, np.ndarray], num_exampl
              for i, gset in enumerate(gradients) for name, g in gset.items()}
     extra = {PROTO_GRADS: array_record(grads)} if grads else {}
     return reply_content(state, num_examples, metrics, **extra)
-
-
-def encode_identity_reply(partition_id: int) -> RecordDict:
-    """Client side: the answer to a query message."""
-    return RecordDict({METRICS: metric_record(0, {PARTITION_ID: int(partition_id)})})

@@ -33,8 +33,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from pollen.log import LOGGER
+from pollen.protocol.identity import PARTITION_ID, decode_identity_reply, query_content
 from pollen.protocol.records import ARRAYS, CONFIG, METRICS, record_bytes
-from pollen.protocol.screening import check_accuracy_keys, check_metrics, metric_bounds
+from pollen.protocol.screening import COMMON_METRICS, check_accuracy_keys, check_metrics, metric_bounds
 from pollen.strategies.metrics import mean_std_metrics
 
 SIMULATION_NODE_WAIT_S = 5.0
@@ -98,7 +99,8 @@ class PollenStrategy(Strategy):
     def __init__(self, *, fraction_train: float = 1.0, fraction_evaluate: float = 1.0,
                  min_train_nodes: int = 1, min_evaluate_nodes: int = 1, min_available_nodes: int = 1,
                  evaluate_every: int = 1, num_rounds: int | None = None, max_examples: int = 10_000_000,
-                 max_empty_rounds: int = 0, node_wait_s: float = 120.0, seed: int = 0):
+                 max_empty_rounds: int = 0, node_wait_s: float = 120.0, seed: int = 0,
+                 identify_nodes: bool = False, query_timeout: float | None = None):
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
         if not 0.0 <= fraction_evaluate <= 1.0:
@@ -124,6 +126,10 @@ class PollenStrategy(Strategy):
         self.partition_of: dict[int, int] = {}  # node id -> partition it claimed first
         self.node_of: dict[int, int] = {}  # partition -> node id serving it
         self.grid: Grid | None = None  # the grid last sampled from: tells whether a node has left
+        self.identify_nodes = identify_nodes  # ask partitions (QUERY) before sampling a fraction of nodes
+        self.query_timeout = query_timeout
+        self.timeout: float | None = None  # start()'s, the default wait for query replies
+        self._queried: set[int] = set()
         self.reports: dict[int, RoundReport] = {}
 
     # ------------------------------------------------------------------ sampling and messages
@@ -153,11 +159,52 @@ class PollenStrategy(Strategy):
                 next_log = now + 5.0
             time.sleep(0.1)
 
-    def sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
-        """``max(fraction × connected, minimum)`` node ids, drawn with the strategy's own RNG."""
+    def sample(self, grid: Grid, fraction: float, minimum: int, server_round: int | None = None) -> list[int]:
+        """``max(fraction × connected, minimum)`` node ids, drawn with the strategy's own RNG.
+
+        Node ids are new in every run; with ``identify_nodes`` the draw runs over the nodes ordered by the
+        partition they serve, so the same seed samples the same partitions in every run.
+        """
         nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, minimum))
         size = min(len(nodes), max(int(len(nodes) * fraction), minimum, 1))
+        if self.identify_nodes and size < len(nodes) and server_round is not None:
+            self.identify(server_round, grid, nodes)
+            nodes = sorted(nodes, key=lambda n: (n not in self.partition_of, self.partition_of.get(n, 0), n))
         return sorted(self.rng.sample(nodes, size))
+
+    def identify(self, server_round: int, grid: Grid, node_ids: Iterable[int]) -> None:
+        """Send one query to each node whose partition is unknown and bind the partitions they answer."""
+        unknown = sorted(n for n in node_ids if n not in self.partition_of and n not in self._queried)
+        if not unknown:
+            return
+        self._queried.update(unknown)
+        messages = [Message(content=query_content(server_round), message_type=MessageType.QUERY, dst_node_id=n)
+                    for n in unknown]
+        timeout = self.query_timeout if self.query_timeout is not None else self.timeout
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        rep = self.report(server_round)
+        bounds = {PARTITION_ID: COMMON_METRICS[PARTITION_ID]}
+        for msg in replies:
+            node = int(msg.metadata.src_node_id)
+            if msg.has_error():
+                rep.failures.append({"stage": "query", "client": self.label(node), "code": int(msg.error.code),
+                                     "reason": str(msg.error.reason)[-500:]})
+                LOGGER.warning("round %d query: node %d could not say its partition (error %d); its ClientApp "
+                               "must answer QUERY messages with metrics['partition-id']: %s", server_round,
+                               node, int(msg.error.code), str(msg.error.reason).strip().splitlines()[-1:])
+                continue
+            pid, reason = decode_identity_reply(msg.content)
+            if pid is not None:
+                reason = check_metrics(msg.content[METRICS], bounds) or self.partition_claim_reason(pid)
+                reason = reason or self._check_partition(node, {PARTITION_ID: pid})
+            if reason is not None or pid is None:
+                self.reject(server_round, "query", self.label(node), reason or "no partition id")
+            else:
+                self._bind_partition(node, {PARTITION_ID: pid})
+
+    def partition_claim_reason(self, pid: int) -> str | None:
+        """Why a node may not serve partition ``pid`` (``None``: it may); strategies with a plan override it."""
+        return None
 
     def evaluates(self, server_round: int) -> bool:
         return server_round % self.evaluate_every == 0 or server_round == self.num_rounds
@@ -304,7 +351,7 @@ class PollenStrategy(Strategy):
                            grid: Grid) -> Iterable[Message]:
         if self.fraction_evaluate <= 0 or not self.evaluates(server_round):
             return []
-        nodes = self.sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
+        nodes = self.sample(grid, self.fraction_evaluate, self.min_evaluate_nodes, server_round)
         content = self.evaluate_content(server_round, arrays, config)
         return self.build_messages(server_round, nodes, MessageType.EVALUATE, lambda _n: content)
 
@@ -353,6 +400,7 @@ class PollenStrategy(Strategy):
         """
         if not 1 <= first_round <= num_rounds:
             raise ValueError(f"first_round must be in 1..{num_rounds}, got {first_round}")
+        self.timeout = timeout
         result = Result()
         arrays = initial_arrays
         train_config = ConfigRecord() if train_config is None else train_config

@@ -52,7 +52,6 @@ from pollen.log import LOGGER
 from pollen.protocol import glfc as protocol
 from pollen.protocol.records import ARRAYS, CONFIG, array_record
 from pollen.protocol.screening import (
-    COMMON_METRICS,
     ArraySpec,
     MetricBound,
     check_metrics,
@@ -148,7 +147,7 @@ class IncrementalFedAvg(PollenStrategy):
             raise ValueError("old_model = 'proxy' needs the shared LeNet")
         if int(clients_per_round) != clients_per_round or clients_per_round < 1:
             raise ValueError(f"clients_per_round must be an integer >= 1, got {clients_per_round}")
-        super().__init__(**kwargs)
+        super().__init__(query_timeout=query_timeout, **kwargs)
         import torch
 
         from pollen.strategies.proxy import LBFGSSettings, ProxyState
@@ -170,8 +169,6 @@ class IncrementalFedAvg(PollenStrategy):
         self.image_shape = tuple(image_shape)
         self.seed = seed
         self.detect_all_clients = detect_all_clients
-        self.query_timeout = query_timeout
-        self.timeout: float | None = None
         self.proxy_rng = np.random.default_rng([seed, 0x9A0])  # gradient shuffling, dummy seeds
         self.task = 0
         self.num_classes = schedule.classes_per_task
@@ -182,7 +179,6 @@ class IncrementalFedAvg(PollenStrategy):
         self._global = model_to_arrays(model)
         self.proxy = ProxyState()
         self.confirmed: dict[int, tuple[int, int]] = {}  # node id -> old-model versions it has cached
-        self._queried: set[int] = set()
         self._sampled: set[int] = set()  # node ids trained this round
         self.acc_rows: dict[int, dict] = {}  # task -> accuracy on seen classes and per task at its end
         self.lenet_shapes = ({name: tuple(p.shape) for name, p in self.lenet.named_parameters()}
@@ -356,39 +352,11 @@ class IncrementalFedAvg(PollenStrategy):
         self.confirmed, self._queried, self._sampled, self._old_records = {}, set(), set(), {}
 
     # node identity --------------------------------------------------------------------------
-    def identify(self, server_round: int, grid: Grid, node_ids: Iterable[int]) -> None:
-        """Send one query to each node whose partition is unknown and bind the partitions they answer."""
-        unknown = sorted(n for n in node_ids if n not in self.partition_of and n not in self._queried)
-        if not unknown:
-            return
-        self._queried.update(unknown)
-        messages = [Message(content=protocol.query_content(server_round), message_type=MessageType.QUERY,
-                            dst_node_id=n) for n in unknown]
-        timeout = self.query_timeout if self.query_timeout is not None else self.timeout
-        replies = list(grid.send_and_receive(messages, timeout=timeout))
-        rep = self.report(server_round)
-        bounds = {"partition-id": COMMON_METRICS["partition-id"]}
-        for msg in replies:
-            node = int(msg.metadata.src_node_id)
-            if msg.has_error():
-                rep.failures.append({"stage": "query", "client": self.label(node), "code": int(msg.error.code),
-                                     "reason": str(msg.error.reason)[-500:]})
-                LOGGER.warning("round %d query: node %d could not say its partition (error %d); its ClientApp "
-                               "must answer QUERY messages with metrics['partition-id']: %s", server_round,
-                               node, int(msg.error.code), str(msg.error.reason).strip().splitlines()[-1:])
-                continue
-            pid, reason = protocol.decode_identity_reply(msg.content)
-            if reason is None:
-                reason = check_metrics(msg.content[protocol.METRICS], bounds)
-            if reason is None and pid is not None and pid >= self.schedule.num_clients:
-                reason = (f"partition-id {pid} is outside the plan's {self.schedule.num_clients} clients; "
-                          "this node is never sampled")
-            if reason is None:
-                reason = self._check_partition(node, {"partition-id": pid})
-            if reason is not None:
-                self.reject(server_round, "query", self.label(node), reason)
-            else:
-                self._bind_partition(node, {"partition-id": pid})
+    def partition_claim_reason(self, pid: int) -> str | None:
+        if pid >= self.schedule.num_clients:
+            return (f"partition-id {pid} is outside the plan's {self.schedule.num_clients} clients; "
+                    "this node is never sampled")
+        return None
 
     # Strategy API -------------------------------------------------------------------------
     def plan_config(self, config: ConfigRecord | None, server_round: int, task: int, **extra: Any) -> ConfigRecord:

@@ -94,7 +94,7 @@ class LogitAveraging(PollenStrategy):
                         grid: Grid) -> Iterable[Message]:
         if self.average_weights and self.weights is None and len(arrays) > 0:
             self.weights = arrays  # the caller's initial model fixes the shapes replies must have
-        nodes = self.sample(grid, self.fraction_train, self.min_train_nodes)
+        nodes = self.sample(grid, self.fraction_train, self.min_train_nodes, server_round)
         consensus = self.consensus_record()
 
         extra: dict[str, Any] = {}

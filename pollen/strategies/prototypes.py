@@ -129,7 +129,7 @@ class PrototypeStrategy(PollenStrategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        nodes = self.sample(grid, self.fraction_train, self.min_train_nodes)
+        nodes = self.sample(grid, self.fraction_train, self.min_train_nodes, server_round)
         # "monitor": clients compute their diagnostics (an extra pass) only on rounds that are evaluated
         content = RecordDict({ARRAYS: self.global_record(),
                               CONFIG: self.round_config(config, server_round, monitor=self.evaluates(server_round))})

@@ -86,7 +86,7 @@ class WeightAveraging(PollenStrategy):
         if len(arrays) == 0:
             raise ValueError("WeightAveraging needs the initial model state as initial_arrays")
         self.current = arrays
-        nodes = self.sample(grid, self.fraction_train, self.min_train_nodes)
+        nodes = self.sample(grid, self.fraction_train, self.min_train_nodes, server_round)
         content = RecordDict({ARRAYS: arrays,
                               CONFIG: self.round_config(config, server_round, **{PROXIMAL_MU: self.proximal_mu})})
         return self.build_messages(server_round, nodes, MessageType.TRAIN, lambda _n: content)

@@ -148,6 +148,10 @@ def report(out: Path) -> None:
              "that round (train + evaluate). *Peak PSS*: proportional set size of the launch's whole "
              "process tree (SuperLink, ServerApp, Ray and its workers), summed, shared pages counted once. "
              "Written by `bench/scale.py` from `bench/results/scale/*.json`.", "",
+             "Before round 1 the strategy asks every node its partition once (a `query` message each), so that "
+             "one seed samples the same partitions in every run; at N = 10,000 these 10,000 queries are most of "
+             "the time to round 1. `bench/results/scale-before-identify/` holds the same study sampled by node id "
+             "(no queries), run on a more loaded machine.", "",
              "| N | sampled | exit | time to round 1 s | round wall s (1 / 2 / 3) | ms/message (1 / 2 / 3) | "
              "peak PSS MB | processes | launch wall s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -75,3 +75,9 @@ def test_node_config_validation():
         parse_node_config({"partition-id": 4, "num-partitions": 4})
     with pytest.raises(ConfigError, match="'model'"):
         parse_node_config({"partition-id": 0, "num-partitions": 4, "model": "alexnet"})
+
+
+def test_sample_by_partition_reaches_the_strategy():
+    for value in (True, False):
+        cfg = parse_run_config({"method": "fedavg", "task": "uci-dirichlet", "sample-by-partition": value})
+        assert METHODS["fedavg"].make_strategy(cfg).identify_nodes is value

@@ -68,6 +68,7 @@ DEFAULTS: dict[str, Any] = {
     "fedprox-mu": 0.01,
     # failure semantics
     "max-empty-rounds": 0,
+    "sample-by-partition": True,
     # what is kept
     "checkpoint-every": 1,
     "checkpoint-keep": 2,
@@ -170,6 +171,7 @@ class RunConfig:
     avg_weighting: str
     fedprox_mu: float
     max_empty_rounds: int = 0
+    sample_by_partition: bool = True
     checkpoint_every: int = 1
     checkpoint_keep: int = 2
     resume_from: str = ""
@@ -337,6 +339,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
         avg_weighting=_as_choice(merged, "avg-weighting", WEIGHTINGS),
         fedprox_mu=_as_float(merged, "fedprox-mu", 0.0, 1e4),
         max_empty_rounds=_as_int(merged, "max-empty-rounds", 0),
+        sample_by_partition=_as_bool(merged, "sample-by-partition"),
         checkpoint_every=_as_int(merged, "checkpoint-every", 0),
         checkpoint_keep=_as_int(merged, "checkpoint-keep", 1),
         resume_from=_as_str(merged, "resume-from").strip(),

@@ -16,7 +16,8 @@ from __future__ import annotations
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Run", ("method", "task", "profile", "num-server-rounds", "seed", "device", "torch-threads")),
     ("Paths", ("data-root", "download", "out-dir", "resume-from")),
-    ("Sampling and failures", ("fraction-fit", "fraction-evaluate", "min-available-clients", "max-empty-rounds")),
+    ("Sampling and failures", ("fraction-fit", "fraction-evaluate", "min-available-clients", "max-empty-rounds",
+                                "sample-by-partition")),
     ("Model and local training", ("model", "model-width", "local-epochs", "batch-size", "lr", "momentum",
                                   "weight-decay", "max-train-samples")),
     ("Tasks", ("dirichlet-alpha", "shot-ways", "shot-shots", "shot-stdev", "shot-test-per-class", "shot-split")),
@@ -48,6 +49,9 @@ KEYS: dict[str, tuple[str, str]] = {
     "min-available-clients": ("int >= 1", "clients the server waits for before a round"),
     "max-empty-rounds": ("int >= 0", "rounds allowed to train nobody (every reply failed or rejected) before the "
                                      "run fails"),
+    "sample-by-partition": ("bool", "ask each node its partition once and sample by partition, so one seed samples "
+                                    "the same clients in every run (one query per node before the first sampled "
+                                    "round: minutes at 10,000 simulated nodes); false = by node id"),
     # model and local training
     "model": ("choice", "architecture override; empty = the task's default"),
     "model-width": ("float in [0, 16]", "width multiplier; 0 = the profile's"),

@@ -74,7 +74,7 @@ def strategy_options(cfg: RunConfig) -> dict[str, Any]:
             "min_available_nodes": cfg.min_available_clients, "num_rounds": cfg.num_server_rounds,
             "min_evaluate_nodes": 1 if cfg.fraction_evaluate > 0 else 0, "seed": cfg.seed,
             "max_empty_rounds": cfg.max_empty_rounds,
-            "identify_nodes": True}  # Pollen's ClientApp answers QUERY: sample by partition, same seed same draw
+            "identify_nodes": cfg.sample_by_partition}  # Pollen's ClientApp answers QUERY
 
 
 def initial_model_arrays(cfg: RunConfig) -> ArrayRecord:

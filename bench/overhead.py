@@ -41,15 +41,17 @@ def become_subreaper() -> bool:
         return False
 
 
-def reap_all() -> None:
-    while True:
+def reap_all(timeout: float = 30.0) -> None:
+    """Reap every exited descendant (their CPU then counts in RUSAGE_CHILDREN), waiting at most ``timeout``
+    for orphans still exiting."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             time.sleep(0.2)  # descendants still exiting
-            continue
 
 
 def children_cpu() -> float:
@@ -64,14 +66,7 @@ def measured(cmd: list[str], env: dict[str, str], log: Path) -> dict:
     with log.open("w") as out:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - t0
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # let orphans finish and be reaped
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == 0:
-            time.sleep(0.2)
+    reap_all()  # orphans of the run (Ray, Flower) finish here
     return {"rc": proc.returncode, "wall-s": round(wall, 2), "cpu-s": round(children_cpu() - cpu0, 2),
             "max-rss-mb-one-process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)}
 

@@ -158,6 +158,41 @@ def test_process_tree_stops_a_process_that_left_the_session_and_its_parent(tmp_p
             os.kill(orphan, signal.SIGKILL)
 
 
+@pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
+def test_process_tree_stops_an_unmarked_orphan_by_its_group(tmp_path):
+    """What a Ray agent does under load: started late by a group leader of the launch, its environment
+    overwritten when it renames itself, its parent gone before the teardown looked. Found by its group."""
+    tree = launch.ProcessTree("test")
+    env = tree.mark(dict(os.environ))
+    go, pid_file = tmp_path / "go", tmp_path / "pid"
+    leader = ("import os, subprocess, sys, time\n"
+              "while not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
+              "env = {k: v for k, v in os.environ.items() if k != sys.argv[3]}\n"
+              "p = subprocess.Popen(['sleep', '300'], env=env)\n"
+              "open(sys.argv[2], 'w').write(str(p.pid))\n")
+    root = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1], *sys.argv[2:]], "
+            "start_new_session=True).wait()")
+    parent = subprocess.Popen([sys.executable, "-c", root, leader, str(go), str(pid_file), launch.LAUNCH_MARK],
+                              env=env)
+    tree.add_root(parent.pid)
+    deadline = time.monotonic() + 30
+    while len(tree.members()) < 2 and time.monotonic() < deadline:  # the root and the group leader
+        time.sleep(0.05)
+    assert len(tree.members()) == 2
+    go.write_text("")
+    parent.wait(timeout=30)
+    orphan = int(pid_file.read_text())
+    try:
+        assert launch.LAUNCH_MARK.encode() not in Path(f"/proc/{orphan}/environ").read_bytes()
+        assert int(Path(f"/proc/{orphan}/stat").read_text().split(") ")[1].split()[1]) not in tree.seen
+        assert orphan in tree.members()  # no mark, no member parent: found by its group
+        assert tree.terminate(grace=2.0) == []
+        assert tree.alive([orphan]) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
+
+
 # --- real launches (Flower, Ray) -----------------------------------------------------------------------
 
 class TreeWatcher:
@@ -166,7 +201,8 @@ class TreeWatcher:
 
     def __init__(self):
         self.token = uuid.uuid4().hex
-        self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, comm)
+        self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, comm when first seen)
+        self.names_seen: set[str] = set()  # every name any of them had
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -191,19 +227,27 @@ class TreeWatcher:
 
     def scan(self, needle: bytes) -> None:
         for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) in self.seen:
+            if not entry.name.isdigit():
                 continue
+            pid = int(entry.name)
             try:
-                if needle not in (entry / "environ").read_bytes():
-                    continue
                 stat = (entry / "stat").read_text()
-            except OSError:
+                fields = stat[stat.rindex(")") + 2:].split()
+                comm, pgrp, start = stat[stat.index("(") + 1:stat.rindex(")")], int(fields[2]), int(fields[19])
+                known = self.seen.get(pid)
+                if known is not None and known[0] == start:
+                    self.names_seen.add(comm)  # a process renames itself after exec (raylet, ray::...)
+                    continue
+                # marked, or in the group of a process seen (a renamed Ray agent's environment is overwritten)
+                if needle not in (entry / "environ").read_bytes() and pgrp not in self.seen:
+                    continue
+            except (OSError, ValueError):
                 continue
-            comm = stat[stat.index("(") + 1:stat.rindex(")")]
-            self.seen[int(entry.name)] = (int(stat[stat.rindex(")") + 2:].split()[19]), comm)
+            self.seen[pid] = (start, comm)
+            self.names_seen.add(comm)
 
     def names(self) -> set[str]:
-        return {comm for _start, comm in self.seen.values()}
+        return set(self.names_seen)
 
     def alive(self) -> list[str]:
         """``comm(pid)`` of every process seen that still runs (same start time, not a zombie)."""
@@ -218,6 +262,30 @@ class TreeWatcher:
                 left.append(f"{comm}({pid})")
         return left
 
+    def describe(self, left: list[str]) -> str:
+        """What a failure message needs about the processes left: state, parent, command line, and
+        whether the launcher could have found them (its own mark in their environment)."""
+        lines = []
+        for item in left:
+            pid = int(item[item.rindex("(") + 1:-1])
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                marked = launch.LAUNCH_MARK.encode() in Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                lines.append(f"{item}: gone")
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            lines.append(f"{item}: state {fields[0]} ppid {fields[1]} pgrp {fields[2]} launcher-mark {marked} "
+                         f"cmd {cmd[:300]}")
+        return "\n".join(lines)
+
+    def kill_left(self, left: list[str]) -> None:
+        """A failed test must not leave its strays running into the next test."""
+        for item in left:
+            with contextlib.suppress(OSError):
+                os.kill(int(item[item.rindex("(") + 1:-1]), signal.SIGKILL)
+
     def wait_for(self, predicate, timeout: float, proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + timeout
         while not predicate() and proc.poll() is None and time.monotonic() < deadline:
@@ -228,12 +296,16 @@ def _launch_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", "2", *args]
 
 
-def _after(watcher: TreeWatcher, grace: float = 15.0) -> list[str]:
-    """What is still running a moment after the launcher exited (it already verified; this re-checks)."""
+def _after(watcher: TreeWatcher, grace: float = 15.0) -> str:
+    """What is still running a moment after the launcher exited (it already verified; this re-checks):
+    empty when nothing, else one line per stray, which is then killed."""
     deadline = time.monotonic() + grace
     while watcher.alive() and time.monotonic() < deadline:
         time.sleep(0.2)
-    return watcher.alive()
+    left = watcher.alive()
+    detail = watcher.describe(left)
+    watcher.kill_left(left)
+    return detail
 
 
 @pytest.fixture
@@ -313,7 +385,7 @@ def test_stale_ray_cluster_record_does_not_hang_the_run_and_nothing_is_left(tmp_
     # the test's own record: the whole tree was seen, and none of it survives
     assert {"raylet", "gcs_server"} <= watcher.names(), watcher.names()
     assert any(n.startswith("flower-superl") for n in watcher.names()), watcher.names()
-    assert left == [], left
+    assert left == "", left
 
 
 @pytest.mark.e2e
@@ -396,7 +468,7 @@ def test_interrupted_or_timed_out_launch_leaves_nothing_behind(stop, tmp_path):
     assert "raylet" in watcher.names() or stop == "timeout", watcher.names()
     assert any(n.startswith("flower-superl") for n in watcher.names()), watcher.names()
     assert "still running after teardown" not in stderr, stderr[-3000:]
-    assert left == [], left
+    assert left == "", left
 
 
 def test_node_count_follows_the_task_and_a_wrong_one_is_refused_before_start(capsys, nothing_starts):

@@ -358,17 +358,22 @@ def compose_run_config(app_dir: Path, run_config: str | Mapping[str, Any] = "", 
 class ProcessTree:
     """Every process one launch started, found by PID and stopped as a whole.
 
-    Members are the descendants of the registered roots (by parent PID) plus every process whose
-    environment carries this launch's :data:`LAUNCH_MARK` token: ``flwr-serverapp`` runs in its own
-    session and Ray daemons outlive their parent, so neither process groups nor parent links alone find
-    them. Each member is remembered with its start time, so a reused PID is never signalled. Linux reads
-    ``/proc``; elsewhere only the roots' process groups are known.
+    Members are the descendants of the registered roots (by parent PID), every process whose
+    environment carries this launch's :data:`LAUNCH_MARK` token, and every process started since the
+    launch in the process group of a member: ``flwr-serverapp`` runs in its own session and Ray daemons
+    outlive their parent, so neither process groups nor parent links alone find them; and a Ray agent
+    that renamed itself (``ray::DashboardAgent``) has overwritten the environment ``/proc`` shows, so
+    only its group still ties it to the launch once its parent is gone. Each member is remembered with
+    its start time, so a reused PID is never signalled. Linux reads ``/proc``; elsewhere only the roots'
+    process groups are known.
     """
 
     def __init__(self, label: str = "pollen"):
         self.token = f"{label}-{os.getpid()}-{secrets.token_hex(6)}"
         self.roots: list[int] = []
         self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, name)
+        me = _proc_stat(os.getpid())
+        self._since = me[3] if me is not None else 0  # start time (clock ticks): nothing older is ours
         self._lock = threading.Lock()
 
     def mark(self, env: dict[str, str]) -> dict[str, str]:
@@ -413,6 +418,7 @@ class ProcessTree:
                 continue
             if needle in environ and LAUNCH_MARK.encode() in environ:
                 found.add(pid)
+        found |= self._group_mates(table, found)
         found.discard(me)
         live = {}
         for pid in found:
@@ -426,6 +432,19 @@ class ProcessTree:
                 if known is None or not known[1] or known[0] != info[0]:  # new, unnamed, or a reused PID
                     self.seen[pid] = info
         return live
+
+    def _group_mates(self, table: dict[int, tuple[str, int, int, int, str]], found: set[int]) -> set[int]:
+        """Processes started since the launch whose process group is led by a member, found now or
+        seen before. A group outlives its leader, and Linux gives no new process a PID that still
+        names a group, so a group ID that was a member's PID is that member's group, unless a live
+        process with that PID started at another time (the PID was reused before the group formed)."""
+        leaders = set(found)
+        for pid, (start, _name) in self.seen.items():
+            now = table.get(pid)
+            if now is None or now[3] == start:
+                leaders.add(pid)
+        return {pid for pid, (_state, _ppid, pgrp, start, _name) in table.items()
+                if pgrp in leaders and start >= self._since and pid not in found}
 
     def alive(self, pids: Sequence[int] | None = None) -> list[int]:
         """Which of ``pids`` (default: every process seen) still run, as the same process (start time)."""

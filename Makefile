@@ -48,8 +48,8 @@ coverage: $(STAMP)
 
 # The linter and the type checker, both configured in pyproject.toml (CI runs this after the tests).
 lint: $(STAMP)
-	$(PY) -m ruff check pollen
-	$(PY) -m mypy pollen
+	$(PY) -m ruff check pollen deploy
+	$(PY) -m mypy --explicit-package-bases pollen deploy/*.py
 
 clean:
 	rm -rf .flwr-home runs pollen-runs .pytest_cache

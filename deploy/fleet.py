@@ -48,7 +48,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python deploy/fleet.py`: make `deploy` and `pollen` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy import certs  # noqa: E402
+from deploy import certs, supernodes  # noqa: E402
 from pollen.app import launch  # noqa: E402
 from pollen.app.config import ConfigError, RunConfig, parse_run_config  # noqa: E402
 
@@ -338,9 +338,9 @@ class Fleet:
             root = self.credentials.ca_cert
             key = certs.write_node_key(self.cert_dir / "keys", spec.name, force=True)
             if register:
-                registered = launch.register_supernode(self.conn, self.flwr_home, key.public_key)
+                registered = supernodes.register_supernode(self.conn, self.flwr_home, key.public_key)
         log_path = self.log_dir / f"{spec.name}.log"
-        proc = launch.start_supernode(self.flwr_home, self.address, log_path, node_config=spec.node_config,
+        proc = supernodes.start_supernode(self.flwr_home, self.address, log_path, node_config=spec.node_config,
                                       root_certificates=root, auth_private_key=key.private_key if key else None,
                                       extra_env=spec.env, tree=self.tree)
         self._stack.callback(launch.stop_process, proc)
@@ -353,7 +353,7 @@ class Fleet:
     def wait_for_nodes(self, count: int | None = None, timeout: float = 180.0) -> list[str]:
         """Wait until ``count`` (default: all started) SuperNodes are online."""
         count = len(self.supernodes) if count is None else count
-        ids = launch.wait_for_supernodes(self.conn, self.flwr_home, count, timeout=timeout,
+        ids = supernodes.wait_for_supernodes(self.conn, self.flwr_home, count, timeout=timeout,
                                          procs=[n.proc for n in self.supernodes], watch=self.check)
         self._say(f"{len(ids)} SuperNodes online")
         return ids

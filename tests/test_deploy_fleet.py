@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy import supernodes
 from deploy.fleet import (
     EXIT_USAGE,
     Fleet,
@@ -319,7 +320,7 @@ def test_supernode_with_unregistered_key_is_refused(tmp_path):
     the SuperLink lists only the registered node."""
     with Fleet(tmp_path / "work", tls=True, echo=False) as fleet:
         member = fleet.add_supernode(plan_nodes(1)[0])
-        online = launch.wait_for_supernodes(fleet.connection, fleet.flwr_home, 1, timeout=120,
+        online = supernodes.wait_for_supernodes(fleet.connection, fleet.flwr_home, 1, timeout=120,
                                             procs=[member.proc])
         intruder = fleet.add_supernode(NodeSpec("intruder", {"partition-id": 0, "num-partitions": 1}),
                                        register=False)
@@ -327,7 +328,7 @@ def test_supernode_with_unregistered_key_is_refused(tmp_path):
             code = intruder.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             pytest.fail("a SuperNode with an unregistered key kept running for 120 s")
-        listed = launch.list_supernodes(fleet.connection, fleet.flwr_home)
+        listed = supernodes.list_supernodes(fleet.connection, fleet.flwr_home)
         log = intruder.log_path.read_text(errors="replace")
         groups = fleet.process_groups()
     assert code == 1, log[-2000:]

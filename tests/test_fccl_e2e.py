@@ -1,7 +1,7 @@
 """End to end: `flwr run` simulations of FCCL and FedMD with 4 heterogeneous tiny clients, 2 rounds.
 
-The FCCL run injects one malformed reply per round (``fccl-fault-partition = 1`` makes partition 1
-send N0×(C−1) logits): the strategy must drop it with a logged reason and the run must complete.
+The FCCL run gets one malformed reply per round (the test-only ClientApp of ``tests/faults.py`` makes
+partition 1 send N0×(C−1) logits): the strategy must drop it with a logged reason and the run must complete.
 """
 
 import json
@@ -10,6 +10,7 @@ import pytest
 
 from pollen.app.launch import simulate
 from tests.conftest import PROJECT_ROOT
+from tests.faults import faulty_app_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -19,9 +20,11 @@ TINY = (f"task='digits-offline' num-server-rounds=2 model-width=0.125 fccl-publi
         "fccl-local-epochs='1' fccl-test-size=20 fccl-batch-size=12")
 
 
-def _run(tmp_path, data_root, extra):
+def _run(tmp_path, data_root, extra, *, faulty: int | None = None):
     out = tmp_path / "runs"
-    outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=4,
+    app_dir = PROJECT_ROOT if faulty is None else faulty_app_dir(tmp_path, PROJECT_ROOT, partition=faulty,
+                                                                 kind="logits-shape")
+    outcome = simulate(app_dir=app_dir, flwr_home=tmp_path / "flwr", num_supernodes=4,
                        run_config=f"{TINY} data-root='{data_root}' out-dir='{out}' {extra}", timeout=600, echo=False)
     assert outcome.completed, outcome.log[-4000:]
     run_dir = out / str(outcome.run_id)
@@ -40,7 +43,7 @@ def _check_evaluation(rounds):
 
 
 def test_fccl_heterogeneous_run_drops_a_malformed_reply(tmp_path, data_root):
-    rounds, summary = _run(tmp_path, data_root, "method='fccl' fccl-fault-partition=1")
+    rounds, summary = _run(tmp_path, data_root, "method='fccl'", faulty=1)
     assert [r["round"] for r in rounds] == [1, 2]
     for rec in rounds:
         assert len(rec["fit-clients"]) == 3 and rec["fit"]["accepted"] == 3 and rec["fit"]["rejected"] == 1

@@ -8,6 +8,7 @@ import pytest
 
 from pollen.app.launch import simulate
 from tests.conftest import PROJECT_ROOT
+from tests.faults import faulty_app_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -20,9 +21,10 @@ def test_glfc_simulation_two_tasks_with_joining_clients_and_a_bad_gradient(tmp_p
                   "num-server-rounds=4 glfc-tasks=2 glfc-rounds-per-task=2 glfc-initial-clients=3 "
                   "glfc-new-clients=2 glfc-clients-per-round=3 glfc-max-per-class=20 glfc-memory-size=20 "
                   "glfc-oracle-boundary=true glfc-proxy-iterations=3 glfc-proxy-keep=2 glfc-perturb-steps=2 "
-                  "glfc-eval-per-class=20 glfc-faulty-partition=1 model-width=0.125 local-epochs=1 lr=0.5 "
+                  "glfc-eval-per-class=20 model-width=0.125 local-epochs=1 lr=0.5 "
                   "momentum=0.0")
-    outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=5, run_config=run_config,
+    app_dir = faulty_app_dir(tmp_path, PROJECT_ROOT, partition=1, kind="proto-grads-nan")  # tests/faults.py
+    outcome = simulate(app_dir=app_dir, flwr_home=tmp_path / "flwr", num_supernodes=5, run_config=run_config,
                        timeout=600, echo=False)
     assert outcome.completed, outcome.log[-4000:]
     rounds = [json.loads(x) for x in (out / str(outcome.run_id) / "metrics.jsonl").read_text().splitlines()]

@@ -123,5 +123,5 @@ def test_proto_keys_are_validated_with_the_key_name():
         parse_run_config({"method": "fedproto", "proto-lambda": 0})
     with pytest.raises(ConfigError, match="proto-da-kappa"):
         parse_run_config({"method": "bd-fedproto", "proto-da-kappa": 1.5})
-    cfg = parse_run_config({"method": "fedproto"})
-    assert cfg.extra["proto-fault-partition"] == -1
+    with pytest.raises(ConfigError, match="proto-fault-partition"):  # fault injection is tests/faults.py's
+        parse_run_config({"method": "fedproto", "proto-fault-partition": 1})

@@ -2,7 +2,7 @@
 
 FedProto's N-way K-shot MNIST task when ``POLLEN_DATA_ROOT`` points at MNIST; otherwise the embedded
 UCI digits (every client then holds every class, so CPA has no negatives, but the protocol is the same).
-``proto-fault-partition`` is the test-only switch that makes one client send a bad reply.
+One client's train replies are damaged on the wire by the test-only ClientApp of ``tests/faults.py``.
 """
 
 import json
@@ -11,6 +11,7 @@ import pytest
 
 from pollen.app.launch import simulate
 from tests.conftest import PROJECT_ROOT, real_data_root
+from tests.faults import faulty_app_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -23,10 +24,11 @@ def _task_keys() -> tuple[str, bool]:
     return "task='uci-dirichlet' max-train-samples=40", False
 
 
-def _run(tmp_path, method: str, extra: str):
+def _run(tmp_path, method: str, extra: str, *, faulty: int, fault: str):
     out = tmp_path / "runs"
     task, shot = _task_keys()
-    outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=4,
+    app_dir = faulty_app_dir(tmp_path, PROJECT_ROOT, partition=faulty, kind=fault)
+    outcome = simulate(app_dir=app_dir, flwr_home=tmp_path / "flwr", num_supernodes=4,
                        run_config=f"method='{method}' {task} num-server-rounds=2 batch-size=8 lr=0.05 "
                                   f"out-dir='{out}' {extra}", timeout=600, echo=False)
     assert outcome.completed, outcome.log[-4000:]
@@ -37,7 +39,7 @@ def _run(tmp_path, method: str, extra: str):
 
 
 def test_fedproto_run_rejects_a_wrong_shaped_reply_and_completes(tmp_path):
-    rounds, summary, shot = _run(tmp_path, "fedproto", "proto-fault-partition=1 proto-fault-kind='shape'")
+    rounds, summary, shot = _run(tmp_path, "fedproto", "", faulty=1, fault="prototypes-shape")
     assert [r["round"] for r in rounds] == [1, 2]
     for r in rounds:
         assert [(x["client"], "shape" in x["reason"]) for x in r["rejected"]] == [("partition 1", True)]
@@ -58,7 +60,8 @@ def test_fedproto_run_rejects_a_wrong_shaped_reply_and_completes(tmp_path):
 
 def test_bd_fedproto_run_rejects_a_nan_reply_and_reports_da_and_mi(tmp_path):
     rounds, summary, shot = _run(tmp_path, "bd-fedproto",
-                                 "proto-model-heter=true proto-fault-partition=2 proto-fault-kind='nan'")
+                                 "proto-model-heter=true", faulty=2,
+                                 fault="prototypes-nan")
     assert summary["rejected-total"] == 2
     assert all("NaN" in r["rejected"][0]["reason"] and r["rejected"][0]["client"] == "partition 2"
                for r in rounds)

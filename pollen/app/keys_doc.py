@@ -100,8 +100,6 @@ KEYS: dict[str, tuple[str, str]] = {
                                      "(the official code)"),
     "proto-model-heter": ("bool", "FedProto's model-heterogeneous CNNs (18/20/22 channels by client)"),
     "proto-evaluate-every": ("int >= 1", "evaluate every N rounds (and in the last)"),
-    "proto-fault-partition": ("int >= -1", "test only: this partition sends a bad reply; -1 = none"),
-    "proto-fault-kind": ("choice", "test only: the kind of bad reply"),
     "proto-pretrained": ("path", "local ImageNet ResNet-18/34 state dict loaded into every client (all but "
                                  "conv1/bn1/fc); empty = none"),
     # logits (fccl, fccl-wo-con, fedmd, feddf, solo)
@@ -123,7 +121,6 @@ KEYS: dict[str, tuple[str, str]] = {
     "fccl-target": ("choice", "consensus each client aligns to: the mean, or the mean without its own logits"),
     "fccl-average-weights": ("bool", "homogeneous mode (paper Table 3): also average model weights"),
     "fccl-solo-cache": ("path", "folder caching SOLO-pretrained models across runs; empty = no cache"),
-    "fccl-fault-partition": ("int >= -1", "test only: this partition sends a bad reply; -1 = none"),
     # glfc (glfc, glfc-wo-*, fedavg-icarl, finetune)
     "glfc-tasks": ("int >= 1", "T: tasks in the class-incremental stream"),
     "glfc-classes-per-task": ("int >= 1", "s: new classes per task"),
@@ -152,7 +149,6 @@ KEYS: dict[str, tuple[str, str]] = {
     "glfc-proxy-reset-per-task": ("bool", "reset the best-old-model score at each task (false = the official code)"),
     "glfc-proxy-chunk": ("int >= 1", "proxy server: gradients inverted per batch"),
     "glfc-eval-per-class": ("int >= 0", "server test images per seen class; 0 = all"),
-    "glfc-faulty-partition": ("int >= -1", "test only: this partition sends NaN gradients; -1 = none"),
 }
 
 FAMILY_TITLES = {
@@ -183,11 +179,11 @@ def choices(key: str) -> tuple[str, ...]:
     if key in simple:
         return tuple(simple[key])
     if key.startswith("proto-"):
-        from pollen.clients.prototypes import FAULT_KINDS, LOCAL_PROTO_MODES, NEGATIVE_FORMS
+        from pollen.clients.prototypes import LOCAL_PROTO_MODES, NEGATIVE_FORMS
         from pollen.strategies.prototypes import PROTO_WEIGHTINGS
 
         return {"proto-negative": NEGATIVE_FORMS, "proto-weighting": PROTO_WEIGHTINGS,
-                "proto-local-protos": LOCAL_PROTO_MODES, "proto-fault-kind": FAULT_KINDS}[key]
+                "proto-local-protos": LOCAL_PROTO_MODES}[key]
     if key == "fccl-public":
         from pollen.datasets.public import PUBLIC_SETS
 

@@ -857,7 +857,7 @@ class RunOutcome:
         return self.status.split(":", 1)[1] if self.status.startswith("finished:") else self.status
 
 
-def _flwr(args: Sequence[str], env: dict[str, str], timeout: float, cwd: Path | None = None,
+def flwr_call(args: Sequence[str], env: dict[str, str], timeout: float, cwd: Path | None = None,
           watch: Callable[[], None] | None = None) -> str:
     """One ``flwr`` CLI call; ``watch`` runs every half second meanwhile (it raises to abandon the call)."""
     proc = subprocess.Popen([flower_bin("flwr"), *args], env=env, stdout=subprocess.PIPE,
@@ -881,7 +881,7 @@ def _flwr(args: Sequence[str], env: dict[str, str], timeout: float, cwd: Path | 
     return stdout
 
 
-def _json_tail(text: str) -> dict:
+def json_tail(text: str) -> dict:
     start = text.find("{")
     if start < 0:
         raise RuntimeError(f"no JSON in flwr output:\n{text}")
@@ -934,7 +934,7 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     if federation_config:
         args += ["--federation-config", federation_config]
     try:
-        out = _json_tail(_flwr(args, env, timeout=min(300.0, timeout), watch=watch))
+        out = json_tail(flwr_call(args, env, timeout=min(300.0, timeout), watch=watch))
     except TimeoutError as err:
         raise TimeoutError(f"the run was not even submitted within {min(300.0, timeout):.0f}s ({err})") from None
     if not out.get("success", True) or "run-id" not in out:
@@ -955,7 +955,7 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 with contextlib.suppress(Exception):
-                    _flwr(["stop", str(run_id), connection], env, timeout=30, watch=watch)
+                    flwr_call(["stop", str(run_id), connection], env, timeout=30, watch=watch)
                 raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f}s (stopped it)")
             try:
                 line = queue.get(timeout=min(remaining, 1.0))
@@ -996,7 +996,7 @@ def _pump_lines(proc: subprocess.Popen, queue: Queue[str | None]) -> None:
 def run_status_details(run_id: int, connection: str, env: dict[str, str],
                        watch: Callable[[], None] | None = None) -> tuple[str, str]:
     """(status, status details) of a run, from ``flwr ls``."""
-    out = _json_tail(_flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env, timeout=60,
+    out = json_tail(flwr_call(["ls", connection, "--run-id", str(run_id), "--format", "json"], env, timeout=60,
                            watch=watch))
     runs = out.get("runs") or []
     if not runs:
@@ -1255,7 +1255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 
-# --- real fleets (deploy/fleet.py): SuperNodes, node registration, TLS health -----------------------
+# --- TLS health (the SuperLink of a real fleet, deploy/fleet.py) -------------------------------------
 
 def wait_healthy_tls(port: int, ca_cert: str | Path, proc: subprocess.Popen, timeout: float = 60.0,
                      log_path: Path | None = None) -> None:
@@ -1277,101 +1277,6 @@ def wait_healthy_tls(port: int, ca_cert: str | Path, proc: subprocess.Popen, tim
                     return
         time.sleep(0.3)
     raise TimeoutError(f"TLS SuperLink on port {port} not healthy after {timeout:.0f}s")
-
-
-def supernode_args(superlink_address: str, *, port: int, node_config: str = "",
-                   root_certificates: str | Path | None = None,
-                   auth_private_key: str | Path | None = None) -> list[str]:
-    """The ``flower-supernode`` command line: insecure unless a root certificate is given."""
-    args = [flower_bin("flower-supernode"), "--superlink", superlink_address, "--port", str(port)]
-    if root_certificates is None:
-        if auth_private_key is not None:
-            raise ValueError("auth_private_key needs TLS: pass root_certificates as well")
-        args.append("--insecure")
-    else:
-        args += ["--root-certificates", str(root_certificates)]
-    if auth_private_key is not None:
-        args += ["--auth-supernode-private-key", str(auth_private_key)]
-    if node_config:
-        args += ["--node-config", node_config]
-    return args
-
-
-def start_supernode(flwr_home: Path, superlink_address: str, log_path: Path, *, node_config: str = "",
-                    port: int | None = None, root_certificates: str | Path | None = None,
-                    auth_private_key: str | Path | None = None,
-                    extra_env: dict[str, str] | None = None, tree: ProcessTree | None = None) -> subprocess.Popen:
-    """Start one ``flower-supernode`` in its own process group (stop it with :func:`stop_process`).
-
-    Every ClientApp it runs is a child in that group, so stopping the group leaves nothing behind;
-    with ``tree`` it is also a root of that launch's tree. ``extra_env`` is how a SuperNode gets its GPU
-    (``CUDA_VISIBLE_DEVICES``).
-    """
-    flwr_home = flwr_home.resolve()
-    env = flower_env(flwr_home, tree=tree)
-    env.update(extra_env or {})
-    args = supernode_args(superlink_address, port=port or free_port(), node_config=node_config,
-                          root_certificates=root_certificates, auth_private_key=auth_private_key)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(args, cwd=flwr_home, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    if tree is not None:
-        tree.add_root(proc.pid)
-    return proc
-
-
-@contextlib.contextmanager
-def supernode(flwr_home: Path, superlink_address: str, log_path: Path, **kwargs) -> Iterator[subprocess.Popen]:
-    """A SuperNode owned by the caller (arguments as :func:`start_supernode`), stopped on exit."""
-    proc = start_supernode(flwr_home, superlink_address, log_path, **kwargs)
-    try:
-        yield proc
-    finally:
-        stop_process(proc)
-
-
-def list_supernodes(connection: str, flwr_home: Path, watch: Callable[[], None] | None = None) -> list[dict]:
-    """``flwr supernode ls`` as dicts with ``node-id`` and ``status`` (registered/online/offline/...)."""
-    env = flower_env(flwr_home.resolve())
-    out = _json_tail(_flwr(["supernode", "ls", connection, "--format", "json"], env, timeout=60, watch=watch))
-    return list(out.get("nodes") or [])
-
-
-def register_supernode(connection: str, flwr_home: Path, public_key: str | Path) -> int:
-    """Register a SuperNode's public key with a SuperLink that runs ``--enable-supernode-auth``."""
-    env = flower_env(flwr_home.resolve())
-    out = _json_tail(_flwr(["supernode", "register", str(public_key), connection, "--format", "json"], env,
-                           timeout=60))
-    if not out.get("success", False) or "node-id" not in out:
-        raise RuntimeError(f"flwr supernode register {public_key} failed: {out}")
-    return int(out["node-id"])
-
-
-def wait_for_supernodes(connection: str, flwr_home: Path, count: int, *, timeout: float = 120.0,
-                        procs: Sequence[subprocess.Popen] = (),
-                        watch: Callable[[], None] | None = None) -> list[str]:
-    """Block until ``count`` SuperNodes are online; returns their node ids.
-
-    Submitting before then lets round 1 start with whichever nodes happen to be connected. Fails early
-    when one of ``procs`` (the SuperNodes being waited for) exits, or when ``watch`` raises (a dead
-    SuperLink).
-    """
-    deadline = time.monotonic() + timeout
-    online: list[str] = []
-    while time.monotonic() < deadline:
-        if watch is not None:
-            watch()
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"SuperNode pid {dead[0].pid} exited with code {dead[0].returncode} "
-                               "before coming online (see its log)")
-        online = [str(n["node-id"]) for n in list_supernodes(connection, flwr_home, watch=watch)
-                  if n.get("status") == "online"]
-        if len(online) >= count:
-            return online
-        time.sleep(1.0)
-    raise TimeoutError(f"only {len(online)} of {count} SuperNodes online after {timeout:.0f}s")
 
 
 if __name__ == "__main__":

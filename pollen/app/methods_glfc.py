@@ -59,7 +59,6 @@ GLFC_DEFAULTS = {
     "glfc-proxy-reset-per-task": True,
     "glfc-proxy-chunk": 128,
     "glfc-eval-per-class": 0,
-    "glfc-faulty-partition": -1,
 }
 
 # method -> (objective, use_gc, use_rd, use_memory, old model source)
@@ -167,7 +166,6 @@ def validate_glfc(cfg: RunConfig) -> None:
     _float(cfg, "glfc-proxy-lr", 0.0, low_open=True)
     _int(cfg, "glfc-proxy-chunk", 1)
     _int(cfg, "glfc-eval-per-class", 0)
-    _int(cfg, "glfc-faulty-partition", -1)
 
 
 def settings_for(cfg: RunConfig) -> IncrementalSettings:
@@ -179,8 +177,7 @@ def settings_for(cfg: RunConfig) -> IncrementalSettings:
         use_memory=memory, old_model=old, memory_size=int(e["glfc-memory-size"]), tau=float(e["glfc-tau"]),
         oracle_boundary=bool(e["glfc-oracle-boundary"]), lr_schedule=str(e["glfc-lr-schedule"]),
         class_order=str(e["glfc-class-order"]), herding_distinct=bool(e["glfc-herding-distinct"]),
-        perturb_steps=int(e["glfc-perturb-steps"]), perturb_lr=float(e["glfc-perturb-lr"]),
-        faulty_partition=int(e["glfc-faulty-partition"]))
+        perturb_steps=int(e["glfc-perturb-steps"]), perturb_lr=float(e["glfc-perturb-lr"]))
 
 
 def _test_set(cfg: RunConfig):

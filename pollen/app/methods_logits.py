@@ -47,11 +47,10 @@ DEFAULTS = {
     "fccl-target": "mean",
     "fccl-average-weights": False,
     "fccl-solo-cache": "",
-    "fccl-fault-partition": -1,
 }
 
 _INTS = {"fccl-public-size": 0, "fccl-public-batch-size": 0, "fccl-public-epochs": 0, "fccl-batch-size": 1,
-         "fccl-solo-epochs": 0, "fccl-test-size": 0, "fccl-fault-partition": -1}
+         "fccl-solo-epochs": 0, "fccl-test-size": 0}
 _FLOATS = {"fccl-lr": True, "fccl-lambda-col": False, "fccl-lambda-loc": False, "fccl-eps": False}
 _STRINGS = ("fccl-public", "fccl-local-epochs", "fccl-train-sizes", "fccl-solo-cache", "fccl-target")
 _BOOLS = ("fccl-public-augment", "fccl-average-weights")

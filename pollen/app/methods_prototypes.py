@@ -12,7 +12,6 @@ from pollen.app.adapters import PROTOTYPES
 from pollen.app.config import ConfigError
 from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.clients.prototypes import (
-    FAULT_KINDS,
     LOCAL_PROTO_MODES,
     NEGATIVE_FORMS,
     BDPrototypeClient,
@@ -41,8 +40,6 @@ PROTO_DEFAULTS = {
     "proto-local-protos": "post-pass",
     "proto-model-heter": False,
     "proto-evaluate-every": 1,
-    "proto-fault-partition": -1,
-    "proto-fault-kind": "nan",
     "proto-pretrained": "",
 }
 
@@ -83,12 +80,11 @@ def validate_proto(cfg: RunConfig) -> None:
     _number(cfg, "proto-da-kappa", 0.0, 1.0, low_open=True)
     _number(cfg, "proto-da-tmin", 0.0, low_open=True)
     _integer(cfg, "proto-evaluate-every", 1)
-    _integer(cfg, "proto-fault-partition", -1)
     for key in ("proto-cpa", "proto-da", "proto-model-heter"):
         if not isinstance(cfg.extra[key], bool):
             raise _bad(key, cfg.extra[key], "true or false")
     for key, allowed in (("proto-negative", NEGATIVE_FORMS), ("proto-weighting", PROTO_WEIGHTINGS),
-                         ("proto-local-protos", LOCAL_PROTO_MODES), ("proto-fault-kind", FAULT_KINDS)):
+                         ("proto-local-protos", LOCAL_PROTO_MODES)):
         if cfg.extra[key] not in allowed:
             raise _bad(key, cfg.extra[key], "one of " + ", ".join(allowed))
     pretrained = cfg.extra["proto-pretrained"]

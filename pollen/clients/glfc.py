@@ -73,7 +73,6 @@ class IncrementalSettings:
     herding_distinct: bool = True
     perturb_steps: int = 50
     perturb_lr: float = 0.2
-    faulty_partition: int = -1  # fault injection for robustness tests: this partition sends NaN gradients
 
     @property
     def shares_gradients(self) -> bool:
@@ -288,10 +287,7 @@ class IncrementalClient(PollenClient):
                     continue
                 proto = x_cur[rows[nearest_to_mean(feats[rows])]].to(self.device)
                 proto = perturb_prototype(model, proto, c, num_classes, s.perturb_steps, s.perturb_lr)
-                g = lenet_gradient_arrays(lenet, proto, c)
-                if self.partition_id == s.faulty_partition:
-                    g[0] = np.full_like(g[0], np.nan)
-                grads += g
+                grads += lenet_gradient_arrays(lenet, proto, c)
                 num_grads += 1
 
         self.state.save_values(self.STATE, st)

@@ -99,7 +99,6 @@ class LogitSettings:
     target: str
     average_weights: bool
     solo_cache: str
-    fault_partition: int
 
 
 def _int_list(text: str, key: str, length: int) -> tuple[int, ...]:
@@ -148,7 +147,6 @@ def resolve_settings(cfg, task: DomainTask) -> LogitSettings:
         target=x["fccl-target"],
         average_weights=bool(x["fccl-average-weights"]),
         solo_cache=str(x["fccl-solo-cache"]),
-        fault_partition=int(x["fccl-fault-partition"]),
     )
 
 
@@ -356,8 +354,6 @@ class LogitClient(PollenClient):
         if self.RECIPE.collaborative or s.average_weights:
             logits = self.public_logits(net, server_round)
             self.state.save_arrays(self.LAST, {"logits": logits})
-            if self.partition_id == s.fault_partition:  # test-only fault injection: a malformed reply
-                logits = logits[:, :-1].copy()
             reply.append(logits)
             if s.average_weights:
                 reply.extend(model_arrays(net))

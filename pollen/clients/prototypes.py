@@ -39,7 +39,6 @@ from pollen.models.pretrained import load_stage_weights
 
 LOCAL_PROTO_MODES = ("post-pass", "training")
 NEGATIVE_FORMS = ("hinge", "infonce")
-FAULT_KINDS = ("nan", "shape")
 # DA clamps λ_D to [LOW, HIGH]·λ_0 (spec defaults).
 DA_LOW, DA_HIGH = 0.1, 2.0
 
@@ -91,8 +90,8 @@ class PrototypeClient(PollenClient):
     Run keys (``proto-…``): ``lambda`` (λ / λ_0), ``beta``, ``cpa``, ``da`` and ``da-*`` (BD-FedProto
     parts), ``negative`` (``hinge`` | ``infonce``), ``tau``, ``local-protos`` (``post-pass``: a no-grad
     pass after training; ``training``: mean of the last epoch's training-time embeddings, as the
-    official code), ``pretrained`` (a local ImageNet ResNet state dict for the stages), ``model-heter``
-    and the test-only ``fault-partition`` / ``fault-kind``.
+    official code), ``pretrained`` (a local ImageNet ResNet state dict for the stages) and
+    ``model-heter``.
     """
 
     bd = False
@@ -208,8 +207,6 @@ class PrototypeClient(PollenClient):
             metrics.update(self.monitors(model, z_train, glob, tau))
 
         reply = [protos.cpu().numpy().astype(np.float32), counts.cpu().numpy().astype(np.int64)]
-        if self.partition_id == int(self.opt("fault-partition")):
-            reply = self.inject_fault(reply)
         return reply, self.data.num_train, metrics
 
     @torch.no_grad()
@@ -220,15 +217,6 @@ class PrototypeClient(PollenClient):
             tau_mi = tau * glob.margin if glob.margin > 0 else tau
             metrics["mi"] = mutual_information(prototype_probabilities(z_train, glob.protos, glob.present, tau_mi))
         return metrics
-
-    def inject_fault(self, reply: list[np.ndarray]) -> list[np.ndarray]:
-        """Test-only misbehaviour (``proto-fault-partition``): a reply the server must reject."""
-        protos, counts = reply
-        if self.opt("fault-kind") == "shape":
-            return [protos[:, :-1].copy(), counts]
-        protos = protos.copy()
-        protos[int(np.flatnonzero(counts > 0)[0])] = np.nan
-        return [protos, counts]
 
     # evaluation --------------------------------------------------------------------------------
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:

@@ -43,11 +43,12 @@ def test_unknown_task_and_key():
 
 
 @pytest.mark.parametrize("key,value,fragment", [
-    ("num-server-rounds", 0, ">= 1"),
+    ("num-server-rounds", 0, "expected an integer >= 1"),
     ("num-server-rounds", 2.5, "integer"),
-    ("fraction-fit", 0.0, "> 0.0"),
-    ("fraction-fit", 1.5, "<= 1.0"),
-    ("lr", -1.0, "> 0.0"),
+    ("fraction-fit", 0.0, "expected a number in (0, 1]"),
+    ("fraction-fit", 1.5, "expected a number in (0, 1]"),
+    ("lr", -1.0, "expected a number in (0, 10]"),
+    ("torch-threads", 257, "expected an integer in [1, 256]"),
     ("lr", float("nan"), "finite"),
     ("device", "tpu", "auto, cpu, cuda"),
     ("download", "yes", "true or false"),
@@ -81,3 +82,32 @@ def test_sample_by_partition_reaches_the_strategy():
     for value in (True, False):
         cfg = parse_run_config({"method": "fedavg", "task": "uci-dirichlet", "sample-by-partition": value})
         assert METHODS["fedavg"].make_strategy(cfg).identify_nodes is value
+
+
+@pytest.mark.parametrize("spec,inside,outside", [
+    ("int >= 1", [1, 7, 3.0], [0, -2, 1.5, True, "3", float("inf")]),
+    ("int in [1, 256]", [1, 256], [0, 257, 2.5]),
+    ("float > 0", [1e-9, 5], [0, -1.0, float("nan"), False]),
+    ("float in (0, 1]", [1e-6, 1.0], [0.0, 1.0001]),
+    ("float in [0, 1)", [0.0, 0.999], [1.0, -0.001]),
+    ("float in [0, 0.9]", [0.9, 0], [0.91]),
+])
+def test_the_one_validator_reads_the_range_notation(spec, inside, outside, monkeypatch):
+    """Hand-picked values on both sides of each bound, for each form of the notation."""
+    from pollen.app import run_keys
+
+    monkeypatch.setitem(run_keys.KEYS, "some-key", (spec, "a key for this test"))
+    for value in inside:
+        assert run_keys.check("some-key", value) == value
+        assert type(run_keys.check("some-key", value)) is (int if spec.startswith("int") else float)
+    for value in outside:
+        with pytest.raises(ConfigError, match=r"run config key 'some-key' = .* is invalid: expected"):
+            run_keys.check("some-key", value)
+
+
+def test_the_one_validator_refuses_unknown_notation():
+    from pollen.app.run_keys import parse_range
+
+    for bad in ("int >=1", "integer >= 1", "float in [0, 1", "number"):
+        with pytest.raises(ValueError, match="not a range"):
+            parse_range(bad)

@@ -7,7 +7,7 @@ import runpy
 
 import pytest
 
-from pollen.app import keys_doc
+from pollen.app import run_keys
 from pollen.app.config import ConfigError, parse_run_config
 from pollen.app.launch import app_run_config
 from pollen.app.registry import METHODS
@@ -17,19 +17,19 @@ GEN = runpy.run_path(str(PROJECT_ROOT / "docs" / "gen_usage.py"))
 
 
 def _declared_keys() -> set[str]:
-    return set(app_run_config(PROJECT_ROOT)) | set(keys_doc.all_defaults())
+    return set(app_run_config(PROJECT_ROOT)) | set(run_keys.all_defaults())
 
 
 def test_every_run_key_has_help_and_a_range():
     declared = _declared_keys()
-    missing = sorted(declared - set(keys_doc.KEYS))
-    assert not missing, f"run keys without an entry in pollen/app/keys_doc.py (then run docs/gen_usage.py): {missing}"
-    stale = sorted(set(keys_doc.KEYS) - declared)
-    assert not stale, f"pollen/app/keys_doc.py documents keys that no longer exist: {stale}"
-    for key, (kind, help_text) in keys_doc.KEYS.items():
+    missing = sorted(declared - set(run_keys.KEYS))
+    assert not missing, f"run keys without an entry in pollen/app/run_keys.py (then run docs/gen_usage.py): {missing}"
+    stale = sorted(set(run_keys.KEYS) - declared)
+    assert not stale, f"pollen/app/run_keys.py documents keys that no longer exist: {stale}"
+    for key, (kind, help_text) in run_keys.KEYS.items():
         assert help_text.strip() and "\n" not in help_text, key
         if kind == "choice":
-            assert keys_doc.choices(key), key
+            assert run_keys.choices(key), key
         else:
             assert _parse_range(kind) is not None, f"{key}: unreadable range {kind!r}"
 
@@ -43,7 +43,7 @@ def test_usage_page_is_generated_from_the_code():
 
 def test_pyproject_and_code_defaults_agree_for_documented_keys():
     toml = app_run_config(PROJECT_ROOT)
-    code = keys_doc.all_defaults()
+    code = run_keys.all_defaults()
     assert {k: toml[k] for k in code if k in toml} == {k: code[k] for k in code if k in toml}
 
 
@@ -92,7 +92,7 @@ def _outside(spec) -> list:
     return [int(v) if kind == "int" and float(v).is_integer() else v for v in bad]
 
 
-CASES = [(key, value) for key, (kind, _h) in keys_doc.KEYS.items() if kind != "choice"
+CASES = [(key, value) for key, (kind, _h) in run_keys.KEYS.items() if kind != "choice"
          for value in _outside(_parse_range(kind) or ("string",))]
 
 
@@ -102,8 +102,8 @@ def test_a_value_outside_the_documented_range_is_refused_naming_the_key(key, val
         parse_run_config({**_context(key), key: value})
 
 
-@pytest.mark.parametrize("key", [k for k, (kind, _h) in keys_doc.KEYS.items() if kind == "choice"])
+@pytest.mark.parametrize("key", [k for k, (kind, _h) in run_keys.KEYS.items() if kind == "choice"])
 def test_choice_keys_refuse_other_values_and_accept_the_documented_ones(key):
     with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
         parse_run_config({**_context(key), key: "no-such-value"})
-    assert keys_doc.choices(key)
+    assert run_keys.choices(key)

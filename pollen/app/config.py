@@ -89,52 +89,12 @@ def _key_error(key: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
 
 
-def _as_int(raw: Mapping[str, Any], key: str, minimum: int | None = None, maximum: int | None = None) -> int:
+def _value(raw: Mapping[str, Any], key: str) -> Any:
+    """``raw[key]`` checked against the key's documented type and range (strings stripped)."""
+    from pollen.app.run_keys import check
+
     value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise _key_error(key, value, "an integer")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise _key_error(key, value, f"an integer >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise _key_error(key, value, f"an integer <= {maximum}")
-    return value
-
-
-def _as_float(raw: Mapping[str, Any], key: str, low: float | None = None, high: float | None = None,
-              low_open: bool = False) -> float:
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _key_error(key, value, "a number")
-    value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise _key_error(key, value, "a finite number")
-    if low is not None and (value <= low if low_open else value < low):
-        raise _key_error(key, value, f"a number {'>' if low_open else '>='} {low}")
-    if high is not None and value > high:
-        raise _key_error(key, value, f"a number <= {high}")
-    return value
-
-
-def _as_choice(raw: Mapping[str, Any], key: str, allowed: tuple[str, ...]) -> str:
-    value = raw[key]
-    if not isinstance(value, str) or value not in allowed:
-        raise _key_error(key, value, "one of " + ", ".join(allowed))
-    return value
-
-
-def _as_str(raw: Mapping[str, Any], key: str) -> str:
-    value = raw[key]
-    if not isinstance(value, str):
-        raise _key_error(key, value, "a string")
-    return value
-
-
-def _as_bool(raw: Mapping[str, Any], key: str) -> bool:
-    value = raw[key]
-    if not isinstance(value, bool):
-        raise _key_error(key, value, "true or false")
-    return value
+    return check(key, value.strip() if isinstance(value, str) else value)
 
 
 @dataclass(frozen=True)
@@ -224,7 +184,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _as_float_list(raw: Mapping[str, Any], key: str, positive: bool) -> str:
     """A comma-separated list of finite numbers (``"0.5"`` or ``"0.49,0.48,0.45"``), kept as given."""
-    value = _as_str(raw, key).strip()
+    value = _value(raw, key)
     if not value:
         return ""
     try:
@@ -239,27 +199,26 @@ def _as_float_list(raw: Mapping[str, Any], key: str, positive: bool) -> str:
 
 
 def _path(raw: Mapping[str, Any], key: str) -> str:
-    value = _as_str(raw, key).strip()
+    value = _value(raw, key)
     return str(Path(value).expanduser().resolve()) if value else ""
 
 
 def _user_data(merged: Mapping[str, Any]) -> dict[str, Any]:
     """The user-data keys (tasks image-folder, array), typed; class names parsed (a file is read here)."""
     from pollen.datasets.user_data import UserDataError, parse_classes
-    from pollen.datasets.user_tasks import DATA_SPLITS
 
-    classes = _as_str(merged, "classes").strip()
+    classes = _value(merged, "classes").strip()
     try:
         names = parse_classes(classes)
     except UserDataError as err:
         raise ConfigError(f"run config key 'classes': {err}") from err
     return {"data_dir": _path(merged, "data-dir"), "classes": classes, "class_names": names,
-            "test_fraction": _as_float(merged, "test-fraction", 0.0, 0.9),
-            "image_size": _as_int(merged, "image-size", 0, 4096),
-            "image_channels": _check_channels(_as_int(merged, "image-channels", 0, 3)),
+            "test_fraction": _value(merged, "test-fraction"),
+            "image_size": _value(merged, "image-size"),
+            "image_channels": _check_channels(_value(merged, "image-channels")),
             "image_mean": _as_float_list(merged, "image-mean", positive=False),
             "image_std": _as_float_list(merged, "image-std", positive=True),
-            "data_split": _as_choice(merged, "data-split", DATA_SPLITS)}
+            "data_split": _value(merged, "data-split")}
 
 
 def _check_channels(value: int) -> int:
@@ -302,55 +261,48 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
                 f"unknown run config key(s) {unknown}; known keys: {', '.join(sorted(merged))}")
         merged.update(dict(raw))
 
-    from pollen.app.registry import METHODS  # late import: the registry imports this module
-    from pollen.datasets.tasks import TASKS
 
-    method = _as_choice(merged, "method", tuple(sorted(METHODS)))
-    task = _as_choice(merged, "task", tuple(sorted(TASKS)))
-    data_root = _as_str(merged, "data-root").strip() or os.environ.get("POLLEN_DATA_ROOT") or None
+    method = _value(merged, "method")
+    task = _value(merged, "task")
+    data_root = _value(merged, "data-root").strip() or os.environ.get("POLLEN_DATA_ROOT") or None
     cfg = RunConfig(
         method=method,
         task=task,
-        profile=_as_choice(merged, "profile", PROFILES),
-        num_server_rounds=_as_int(merged, "num-server-rounds", 1),
-        seed=_as_int(merged, "seed", 0),
+        profile=_value(merged, "profile"),
+        num_server_rounds=_value(merged, "num-server-rounds"),
+        seed=_value(merged, "seed"),
         data_root=str(Path(data_root).expanduser()) if data_root else None,
-        download=_as_bool(merged, "download"),
-        out_dir=_as_str(merged, "out-dir").strip(),
-        fraction_fit=_as_float(merged, "fraction-fit", 0.0, 1.0, low_open=True),
-        fraction_evaluate=_as_float(merged, "fraction-evaluate", 0.0, 1.0),
-        min_available_clients=_as_int(merged, "min-available-clients", 1),
-        device=_as_choice(merged, "device", DEVICES),
-        torch_threads=_as_int(merged, "torch-threads", 1, 256),
-        model=_as_str(merged, "model").strip() or None,
-        model_width=_as_float(merged, "model-width", 0.0, 16.0),
-        local_epochs=_as_int(merged, "local-epochs", 1, 10_000),
-        batch_size=_as_int(merged, "batch-size", 1, 1_000_000),
-        lr=_as_float(merged, "lr", 0.0, 10.0, low_open=True),
-        momentum=_as_float(merged, "momentum", 0.0, 1.0),
-        weight_decay=_as_float(merged, "weight-decay", 0.0),
-        max_train_samples=_as_int(merged, "max-train-samples", 0),
-        dirichlet_alpha=_as_float(merged, "dirichlet-alpha", 0.0, low_open=True),
-        shot_ways=_as_int(merged, "shot-ways", 1),
-        shot_shots=_as_int(merged, "shot-shots", 1),
-        shot_stdev=_as_int(merged, "shot-stdev", 0),
-        shot_test_per_class=_as_int(merged, "shot-test-per-class", 1),
-        shot_split=_as_choice(merged, "shot-split", SHOT_SPLITS),
-        avg_weighting=_as_choice(merged, "avg-weighting", WEIGHTINGS),
-        fedprox_mu=_as_float(merged, "fedprox-mu", 0.0, 1e4),
-        max_empty_rounds=_as_int(merged, "max-empty-rounds", 0),
-        sample_by_partition=_as_bool(merged, "sample-by-partition"),
-        checkpoint_every=_as_int(merged, "checkpoint-every", 0),
-        checkpoint_keep=_as_int(merged, "checkpoint-keep", 1),
-        resume_from=_as_str(merged, "resume-from").strip(),
+        download=_value(merged, "download"),
+        out_dir=_value(merged, "out-dir").strip(),
+        fraction_fit=_value(merged, "fraction-fit"),
+        fraction_evaluate=_value(merged, "fraction-evaluate"),
+        min_available_clients=_value(merged, "min-available-clients"),
+        device=_value(merged, "device"),
+        torch_threads=_value(merged, "torch-threads"),
+        model=_value(merged, "model") or None,
+        model_width=_value(merged, "model-width"),
+        local_epochs=_value(merged, "local-epochs"),
+        batch_size=_value(merged, "batch-size"),
+        lr=_value(merged, "lr"),
+        momentum=_value(merged, "momentum"),
+        weight_decay=_value(merged, "weight-decay"),
+        max_train_samples=_value(merged, "max-train-samples"),
+        dirichlet_alpha=_value(merged, "dirichlet-alpha"),
+        shot_ways=_value(merged, "shot-ways"),
+        shot_shots=_value(merged, "shot-shots"),
+        shot_stdev=_value(merged, "shot-stdev"),
+        shot_test_per_class=_value(merged, "shot-test-per-class"),
+        shot_split=_value(merged, "shot-split"),
+        avg_weighting=_value(merged, "avg-weighting"),
+        fedprox_mu=_value(merged, "fedprox-mu"),
+        max_empty_rounds=_value(merged, "max-empty-rounds"),
+        sample_by_partition=_value(merged, "sample-by-partition"),
+        checkpoint_every=_value(merged, "checkpoint-every"),
+        checkpoint_keep=_value(merged, "checkpoint-keep"),
+        resume_from=_value(merged, "resume-from").strip(),
         **_user_data(merged),
         extra={k: merged[k] for k in extra_defaults},
     )
-    if cfg.model is not None:
-        from pollen.models import MODEL_NAMES
-
-        if cfg.model not in MODEL_NAMES:
-            raise _key_error("model", cfg.model, "empty (task default) or one of " + ", ".join(MODEL_NAMES))
     if cfg.shot_shots - cfg.shot_stdev < 1:
         raise ConfigError(
             f"run config keys 'shot-shots' = {cfg.shot_shots} and 'shot-stdev' = {cfg.shot_stdev} "

@@ -23,8 +23,8 @@ from flwr.app import ArrayRecord, Context, Message, RecordDict
 from pollen.app.adapters import ClientAdapter, evaluate_reply
 from pollen.app.config import ConfigError, parse_node_config
 from pollen.app.registry import MethodSpec, register_method, strategy_options
+from pollen.app.run_keys import check
 from pollen.clients.glfc import IncrementalClient, IncrementalSettings, build_lenet, build_stream_model
-from pollen.clients.incremental_losses import LR_SCHEDULES
 from pollen.clients.training import pick_device
 from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, is_stream_task, plan_stream, stream_data
 from pollen.protocol import glfc as protocol
@@ -80,41 +80,19 @@ DESCRIPTIONS = {
 }
 
 
-def _bad(key: str, value, expected: str) -> ConfigError:
-    return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
-
-
-def _int(cfg: RunConfig, key: str, low: int) -> int:
-    v = cfg.extra[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < low:
-        raise _bad(key, v, f"an integer >= {low}")
-    return int(v)
-
-
-def _float(cfg: RunConfig, key: str, low: float, high: float | None = None, low_open=False, high_open=False) -> float:
-    v = cfg.extra[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        raise _bad(key, v, "a number")
-    v = float(v)
-    if (v <= low if low_open else v < low) or (high is not None and (v >= high if high_open else v > high)):
-        raise _bad(key, v, f"a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
-    return v
-
-
-def _bool(cfg: RunConfig, key: str) -> bool:
-    v = cfg.extra[key]
-    if not isinstance(v, bool):
-        raise _bad(key, v, "true or false")
-    return v
+def _get(cfg: RunConfig, key: str):
+    """A ``glfc-…`` key, checked against its documented range (also before the registry's check: the
+    launcher sizes the population from the stream keys)."""
+    return check(key, cfg.extra[key])
 
 
 def stream_config(cfg: RunConfig) -> StreamConfig:
     return StreamConfig(
-        num_tasks=_int(cfg, "glfc-tasks", 1), classes_per_task=_int(cfg, "glfc-classes-per-task", 1),
-        initial_clients=_int(cfg, "glfc-initial-clients", 1), new_clients=_int(cfg, "glfc-new-clients", 0),
-        old_fraction=_float(cfg, "glfc-old-fraction", 0.0, 1.0, high_open=True),
-        class_fraction=_float(cfg, "glfc-class-fraction", 0.0, 1.0, low_open=True),
-        duplicate=_bool(cfg, "glfc-duplicate-data"), max_per_class=_int(cfg, "glfc-max-per-class", 0),
+        num_tasks=_get(cfg, "glfc-tasks"), classes_per_task=_get(cfg, "glfc-classes-per-task"),
+        initial_clients=_get(cfg, "glfc-initial-clients"), new_clients=_get(cfg, "glfc-new-clients"),
+        old_fraction=_get(cfg, "glfc-old-fraction"),
+        class_fraction=_get(cfg, "glfc-class-fraction"),
+        duplicate=_get(cfg, "glfc-duplicate-data"), max_per_class=_get(cfg, "glfc-max-per-class"),
         seed=cfg.seed)
 
 
@@ -125,7 +103,8 @@ def final_population(cfg: RunConfig) -> int:
 
 
 def validate_glfc(cfg: RunConfig) -> None:
-    """Check every ``glfc-…`` key and the stream's sizes before any data is loaded."""
+    """The task and the stream's sizes, and what the ranges of the ``glfc-…`` keys cannot say, before any
+    data is loaded."""
     if not is_stream_task(cfg.task):
         raise ConfigError(f"method '{cfg.method}' needs a class-incremental task: set task to one of "
                           + ", ".join(sorted(SOURCES)) + f" (got {cfg.task!r})")
@@ -137,35 +116,23 @@ def validate_glfc(cfg: RunConfig) -> None:
     if stream.total_classes > total:
         raise ConfigError(f"run config keys 'glfc-tasks' × 'glfc-classes-per-task' = {stream.total_classes} "
                           f"exceeds the {total} classes of task {cfg.task!r}")
-    rounds = _int(cfg, "glfc-rounds-per-task", 1)
+    rounds = _get(cfg, "glfc-rounds-per-task")
     if cfg.num_server_rounds != stream.num_tasks * rounds:
         raise ConfigError(f"run config key 'num-server-rounds' = {cfg.num_server_rounds} must equal "
                           f"glfc-tasks × glfc-rounds-per-task = {stream.num_tasks * rounds}")
-    _int(cfg, "glfc-clients-per-round", 1)
-    _int(cfg, "glfc-memory-size", 0)
-    tau = _float(cfg, "glfc-tau", 0.0, low_open=True)
-    oracle = _bool(cfg, "glfc-oracle-boundary")
+    tau = _get(cfg, "glfc-tau")
+    oracle = _get(cfg, "glfc-oracle-boundary")
     if not oracle and math.log(stream.classes_per_task) <= tau:
         raise ConfigError(
             f"run config key 'glfc-tau' = {tau}: with {stream.classes_per_task} classes per task the mean "
             f"softmax entropy on a task's data is at most ln({stream.classes_per_task}) = "
             f"{math.log(stream.classes_per_task):.3f} nats, so the first task can never fire the detector; use "
             "more classes per task, a smaller glfc-tau, or glfc-oracle-boundary = true")
-    if cfg.extra["glfc-lr-schedule"] not in LR_SCHEDULES:
-        raise _bad("glfc-lr-schedule", cfg.extra["glfc-lr-schedule"], "one of " + ", ".join(LR_SCHEDULES))
-    if cfg.extra["glfc-class-order"] not in ("label", "shuffled"):
-        raise _bad("glfc-class-order", cfg.extra["glfc-class-order"], "one of label, shuffled")
-    for key in ("glfc-herding-distinct", "glfc-proxy-reset-per-task", "glfc-detect-all-clients"):
-        _bool(cfg, key)
-    _int(cfg, "glfc-perturb-steps", 0)
-    _float(cfg, "glfc-perturb-lr", 0.0, low_open=True)
-    iters = _int(cfg, "glfc-proxy-iterations", 1)
-    keep = _int(cfg, "glfc-proxy-keep", 1)
+    iters = _get(cfg, "glfc-proxy-iterations")
+    keep = _get(cfg, "glfc-proxy-keep")
     if keep > iters:
-        raise _bad("glfc-proxy-keep", keep, f"an integer <= glfc-proxy-iterations ({iters})")
-    _float(cfg, "glfc-proxy-lr", 0.0, low_open=True)
-    _int(cfg, "glfc-proxy-chunk", 1)
-    _int(cfg, "glfc-eval-per-class", 0)
+        raise ConfigError(f"run config key 'glfc-proxy-keep' = {keep!r} is invalid: expected an integer <= "
+                          f"glfc-proxy-iterations ({iters})")
 
 
 def settings_for(cfg: RunConfig) -> IncrementalSettings:

@@ -12,15 +12,13 @@ from pollen.app.adapters import PROTOTYPES
 from pollen.app.config import ConfigError
 from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.clients.prototypes import (
-    LOCAL_PROTO_MODES,
-    NEGATIVE_FORMS,
     BDPrototypeClient,
     PrototypeClient,
     heterogeneous_channels,
 )
 from pollen.datasets.tasks import get_task, resolve_task
 from pollen.models import build_model
-from pollen.strategies.prototypes import PROTO_WEIGHTINGS, PrototypeStrategy
+from pollen.strategies.prototypes import PrototypeStrategy
 
 if TYPE_CHECKING:
     from pollen.app.config import RunConfig
@@ -47,53 +45,13 @@ PROTO_DEFAULTS = {
 PRETRAINED_MODELS = ("resnet18", "resnet34")
 
 
-def _bad(key: str, value, expected: str) -> ConfigError:
-    return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
-
-
-def _number(cfg: RunConfig, key: str, low: float, high: float | None = None, low_open: bool = False) -> float:
-    value = cfg.extra[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(key, value, "a number")
-    value = float(value)
-    too_low = value <= low if low_open else value < low
-    if too_low or (high is not None and value > high) or value != value:
-        rng = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
-        raise _bad(key, value, f"a number {rng}")
-    return value
-
-
-def _integer(cfg: RunConfig, key: str, low: int) -> int:
-    value = cfg.extra[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < low:
-        raise _bad(key, value, f"an integer >= {low}")
-    return int(value)
-
-
 def validate_proto(cfg: RunConfig) -> None:
-    """Check every ``proto-…`` key before any data is loaded."""
-    _number(cfg, "proto-lambda", 0.0, low_open=True)
-    _number(cfg, "proto-beta", 0.0)
-    _number(cfg, "proto-tau", 0.0, low_open=True)
-    _number(cfg, "proto-da-alpha", 0.0, 1.0)
-    _number(cfg, "proto-da-t0", 0.0, low_open=True)
-    _number(cfg, "proto-da-kappa", 0.0, 1.0, low_open=True)
-    _number(cfg, "proto-da-tmin", 0.0, low_open=True)
-    _integer(cfg, "proto-evaluate-every", 1)
-    for key in ("proto-cpa", "proto-da", "proto-model-heter"):
-        if not isinstance(cfg.extra[key], bool):
-            raise _bad(key, cfg.extra[key], "true or false")
-    for key, allowed in (("proto-negative", NEGATIVE_FORMS), ("proto-weighting", PROTO_WEIGHTINGS),
-                         ("proto-local-protos", LOCAL_PROTO_MODES)):
-        if cfg.extra[key] not in allowed:
-            raise _bad(key, cfg.extra[key], "one of " + ", ".join(allowed))
+    """What the ranges of the ``proto-…`` keys cannot say (checked before any data is loaded)."""
     pretrained = cfg.extra["proto-pretrained"]
-    if not isinstance(pretrained, str):
-        raise _bad("proto-pretrained", pretrained, "a path (string) or empty")
     name = cfg.model or get_task(cfg.task).model_for(0)
     if pretrained.strip() and name not in PRETRAINED_MODELS:
-        raise _bad("proto-pretrained", pretrained,
-                   f"empty: ImageNet stage weights fit only {', '.join(PRETRAINED_MODELS)} (model is {name!r})")
+        raise ConfigError(f"run config key 'proto-pretrained' = {pretrained!r} is invalid: expected empty: "
+                          f"ImageNet stage weights fit only {', '.join(PRETRAINED_MODELS)} (model is {name!r})")
     embed_dim(cfg)
 
 

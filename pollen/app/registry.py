@@ -63,7 +63,13 @@ def method_defaults() -> dict[str, Any]:
 
 
 def validate_method_config(cfg: RunConfig) -> None:
+    """Each of the method's keys against its documented range (the one check of every run key), then
+    the method's own checks that involve several keys, the task or the data."""
+    from pollen.app.run_keys import check
+
     spec = METHODS[cfg.method]
+    for key in spec.defaults:
+        check(key, cfg.extra[key])
     if spec.validate is not None:
         spec.validate(cfg)
 

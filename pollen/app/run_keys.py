@@ -1,16 +1,23 @@
-"""One line of help and the allowed range for every run key (the source of ``docs/usage.md``).
+"""Every run key's range and one line of help: the source of ``docs/usage.md`` and of validation.
 
-Defaults are not repeated here: they come from :data:`pollen.app.config.DEFAULTS` and each method
-family's defaults in the registry. ``docs/gen_usage.py`` joins the three into the page, and
+:func:`check` is the one type-and-range check of every run key (common and method keys alike); the
+config and the method families add only checks that involve several keys or the data. Defaults are
+not repeated here: they come from :data:`pollen.app.config.DEFAULTS` and each method family's
+defaults in the registry. ``docs/gen_usage.py`` joins the three into the page, and
 ``tests/test_usage_doc.py`` fails when a run key has no entry here, when an entry names a key that no
-longer exists, or when a documented range is not what the validators enforce.
+longer exists, or when a value outside a documented range is accepted.
 
-Range notation (read by the generator and the tests): ``int >= 1``, ``int in [1, 256]``,
-``float > 0``, ``float >= 0``, ``float in [0, 1]``, ``float in (0, 1]``, ``float in [0, 1)``, ``bool``,
-``string``, ``path``, or ``choice`` (the allowed values then come from the code, see :func:`choices`).
+Range notation: ``int >= 1``, ``int in [1, 256]``, ``float > 0``, ``float >= 0``, ``float in [0, 1]``,
+``float in (0, 1]``, ``float in [0, 1)``, ``bool``, ``string``, ``path``, or ``choice`` (the allowed
+values then come from the code, see :func:`choices`).
 """
 
 from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
 
 # Common keys in the order of the page's sections; method keys are grouped by family automatically.
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -219,3 +226,84 @@ def range_text(key: str) -> str:
     if kind != "choice":
         return kind
     return " \\| ".join(f"`{v!r}`" if v else '`""`' for v in choices(key)).replace("'", '"')
+
+
+# --- the one validator ----------------------------------------------------------------------------
+
+_NUMBER = r"-?\d+(?:\.\d+)?"
+
+
+@dataclass(frozen=True)
+class Range:
+    """A parsed range: ``kind`` is int, float, bool, string, path or choice; bounds for numbers."""
+
+    kind: str
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+    high_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def expected(self) -> str:
+        """How an error message names the range: ``an integer >= 1``, ``a number in (0, 1]``."""
+        noun = "an integer" if self.kind == "int" else "a number"
+        low = _plain(self.low)
+        if self.high is None:
+            return f"{noun} {'>' if self.low_open else '>='} {low}"
+        return (f"{noun} in {'(' if self.low_open else '['}{low}, {_plain(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def _plain(x: float | None) -> str:
+    return str(int(x)) if x is not None and float(x).is_integer() else str(x)
+
+
+def parse_range(spec: str) -> Range:
+    """``"int in [1, 256]"`` -> Range("int", 1, False, 256, False); raises ValueError on bad notation."""
+    if spec in ("bool", "string", "path", "choice"):
+        return Range(spec)
+    m = re.fullmatch(rf"(int|float) (>=|>) ({_NUMBER})", spec)
+    if m:
+        return Range(m[1], float(m[3]), m[2] == ">")
+    m = re.fullmatch(rf"(int|float) in ([\[(])({_NUMBER}), ({_NUMBER})([\])])", spec)
+    if m:
+        return Range(m[1], float(m[3]), m[2] == "(", float(m[4]), m[5] == ")")
+    raise ValueError(f"not a range: {spec!r}")
+
+
+def check(key: str, value: Any) -> Any:
+    """``value`` of run key ``key`` if it is of the key's type and within its range (ints and floats
+    come back as such), else a :class:`~pollen.app.config.ConfigError` naming the key and the range."""
+    from pollen.app.config import ConfigError
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
+
+    rng = parse_range(KEYS[key][0])
+    if rng.kind == "bool":
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if rng.kind in ("string", "path"):
+        if not isinstance(value, str):
+            raise bad("a path (string)" if rng.kind == "path" else "a string")
+        return value
+    if rng.kind == "choice":
+        allowed = choices(key)
+        if not isinstance(value, str) or value not in allowed:
+            shown = ", ".join(v for v in allowed if v)
+            raise bad(("empty or one of " if "" in allowed else "one of ") + shown)
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad("an integer" if rng.kind == "int" else "a number")
+    if not math.isfinite(value):
+        raise bad("a finite number")
+    if rng.kind == "int" and int(value) != value:
+        raise bad("an integer")
+    if not rng.admits(value):
+        raise bad(rng.expected())
+    return int(value) if rng.kind == "int" else float(value)

@@ -66,7 +66,7 @@ def _literal(value: object) -> str:
 def _table(keys, defaults, run_keys) -> list[str]:
     rows = ["| key | default | range | help |", "|---|---|---|---|"]
     for key in keys:
-        help_text = run_keys.KEYS[key][1].replace("|", "\\|")
+        help_text = run_keys.keys()[key].help.replace("|", "\\|")
         rows.append(f"| `{key}` | {_literal(defaults[key])} | {run_keys.range_text(key)} | {help_text} |")
     return rows
 
@@ -83,7 +83,7 @@ def render() -> str:
     defaults = {**run_keys.all_defaults()}
     for key, value in app_run_config(ROOT).items():
         defaults.setdefault(key, value)
-    undocumented = sorted(k for k in defaults if k not in run_keys.KEYS)
+    undocumented = sorted(k for k in defaults if k not in run_keys.keys())
     if undocumented:
         raise SystemExit(f"run keys without help in pollen/app/run_keys.py: {', '.join(undocumented)}")
     out = [INTRO]

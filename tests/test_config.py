@@ -96,7 +96,7 @@ def test_the_one_validator_reads_the_range_notation(spec, inside, outside, monke
     """Hand-picked values on both sides of each bound, for each form of the notation."""
     from pollen.app import run_keys
 
-    monkeypatch.setitem(run_keys.KEYS, "some-key", (spec, "a key for this test"))
+    monkeypatch.setitem(run_keys.COMMON, "some-key", run_keys.Key(0, spec, "a key for this test"))
     for value in inside:
         assert run_keys.check("some-key", value) == value
         assert type(run_keys.check("some-key", value)) is (int if spec.startswith("int") else float)

@@ -20,13 +20,21 @@ def _declared_keys() -> set[str]:
     return set(app_run_config(PROJECT_ROOT)) | set(run_keys.all_defaults())
 
 
+def test_every_run_key_is_declared_once_in_the_code_and_in_pyproject():
+    in_code, in_toml = set(run_keys.keys()), set(app_run_config(PROJECT_ROOT))
+    missing = sorted(in_toml - in_code)
+    assert not missing, f"pyproject.toml keys without a Key declaration (then run docs/gen_usage.py): {missing}"
+    absent = sorted(in_code - in_toml)
+    assert not absent, f"declared keys missing from pyproject.toml (Flower refuses them): {absent}"
+    families = [set(spec.keys) for spec in {id(s.keys): s for s in METHODS.values()}.values()]
+    for i, own in enumerate(families):  # a key belongs to one family, and never shadows a common key
+        assert not own & set(run_keys.COMMON), own & set(run_keys.COMMON)
+        for other in families[i + 1:]:
+            assert not own & other, own & other
+
+
 def test_every_run_key_has_help_and_a_range():
-    declared = _declared_keys()
-    missing = sorted(declared - set(run_keys.KEYS))
-    assert not missing, f"run keys without an entry in pollen/app/run_keys.py (then run docs/gen_usage.py): {missing}"
-    stale = sorted(set(run_keys.KEYS) - declared)
-    assert not stale, f"pollen/app/run_keys.py documents keys that no longer exist: {stale}"
-    for key, (kind, help_text) in run_keys.KEYS.items():
+    for key, (_default, kind, help_text) in run_keys.keys().items():
         assert help_text.strip() and "\n" not in help_text, key
         if kind == "choice":
             assert run_keys.choices(key), key
@@ -92,7 +100,7 @@ def _outside(spec) -> list:
     return [int(v) if kind == "int" and float(v).is_integer() else v for v in bad]
 
 
-CASES = [(key, value) for key, (kind, _h) in run_keys.KEYS.items() if kind != "choice"
+CASES = [(key, value) for key, (_d, kind, _h) in run_keys.keys().items() if kind != "choice"
          for value in _outside(_parse_range(kind) or ("string",))]
 
 
@@ -102,7 +110,7 @@ def test_a_value_outside_the_documented_range_is_refused_naming_the_key(key, val
         parse_run_config({**_context(key), key: value})
 
 
-@pytest.mark.parametrize("key", [k for k, (kind, _h) in run_keys.KEYS.items() if kind == "choice"])
+@pytest.mark.parametrize("key", [k for k, (_d, kind, _h) in run_keys.keys().items() if kind == "choice"])
 def test_choice_keys_refuse_other_values_and_accept_the_documented_ones(key):
     with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
         parse_run_config({**_context(key), key: "no-such-value"})

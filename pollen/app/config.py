@@ -18,62 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pollen.app.run_keys import COMMON
+
 PROFILES = ("quick", "paper")
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHTINGS = ("samples", "uniform")
 SHOT_SPLITS = ("pollen", "official")
 
-# Every run key with its default. Keep in sync with [tool.flwr.app.config] in pyproject.toml.
-DEFAULTS: dict[str, Any] = {
-    # common
-    "method": "fedavg",
-    "task": "uci-dirichlet",
-    "profile": "quick",
-    "num-server-rounds": 10,
-    "seed": 0,
-    "data-root": "",
-    "download": False,
-    "out-dir": "",
-    "fraction-fit": 1.0,
-    "fraction-evaluate": 1.0,
-    "min-available-clients": 2,
-    "device": "auto",
-    "torch-threads": 1,
-    "model": "",
-    "model-width": 0.0,
-    "local-epochs": 1,
-    "batch-size": 32,
-    "lr": 0.05,
-    "momentum": 0.5,
-    "weight-decay": 0.0,
-    "max-train-samples": 0,
-    # task keys
-    "dirichlet-alpha": 0.5,
-    "shot-ways": 3,
-    "shot-shots": 100,
-    "shot-stdev": 2,
-    "shot-test-per-class": 40,
-    "shot-split": "pollen",
-    # your own data (tasks image-folder, array; docs/data.md)
-    "data-dir": "",
-    "classes": "",
-    "test-fraction": 0.2,
-    "image-size": 0,
-    "image-channels": 0,
-    "image-mean": "",
-    "image-std": "",
-    "data-split": "iid",
-    # weight averaging (FedAvg / FedProx)
-    "avg-weighting": "samples",
-    "fedprox-mu": 0.01,
-    # failure semantics
-    "max-empty-rounds": 0,
-    "sample-by-partition": True,
-    # what is kept
-    "checkpoint-every": 1,
-    "checkpoint-keep": 2,
-    "resume-from": "",
-}
+# Every common run key with its default (declared in run_keys.COMMON; pyproject.toml repeats them).
+DEFAULTS: dict[str, Any] = {key: spec.default for key, spec in COMMON.items()}
 
 # Width used when ``model-width = 0`` ("let the profile decide"). The small nets (FedProto's CNN, DLG's
 # LeNet) are already CPU-sized and always keep their paper width unless ``model-width`` says otherwise.

@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord, Context, Message, RecordDict
 from pollen.app.adapters import ClientAdapter, evaluate_reply
 from pollen.app.config import ConfigError, parse_node_config
 from pollen.app.registry import MethodSpec, register_method, strategy_options
-from pollen.app.run_keys import check
+from pollen.app.run_keys import Key, check
 from pollen.clients.glfc import IncrementalClient, IncrementalSettings, build_lenet, build_stream_model
 from pollen.clients.training import pick_device
 from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, is_stream_task, plan_stream, stream_data
@@ -33,32 +33,38 @@ from pollen.strategies.glfc import IncrementalFedAvg, seeded_model
 if TYPE_CHECKING:
     from pollen.app.config import RunConfig
 
-GLFC_DEFAULTS = {
-    "glfc-tasks": 4,
-    "glfc-classes-per-task": 5,
-    "glfc-rounds-per-task": 2,
-    "glfc-initial-clients": 4,
-    "glfc-new-clients": 2,
-    "glfc-clients-per-round": 3,
-    "glfc-old-fraction": 0.1,
-    "glfc-class-fraction": 0.6,
-    "glfc-duplicate-data": False,
-    "glfc-max-per-class": 200,
-    "glfc-class-order": "label",
-    "glfc-memory-size": 100,
-    "glfc-tau": 1.2,
-    "glfc-oracle-boundary": False,
-    "glfc-detect-all-clients": False,
-    "glfc-lr-schedule": "cosine",
-    "glfc-herding-distinct": True,
-    "glfc-perturb-steps": 50,
-    "glfc-perturb-lr": 0.2,
-    "glfc-proxy-iterations": 250,
-    "glfc-proxy-keep": 20,
-    "glfc-proxy-lr": 0.1,
-    "glfc-proxy-reset-per-task": True,
-    "glfc-proxy-chunk": 128,
-    "glfc-eval-per-class": 0,
+# The class-incremental family's run keys: default, range, help (pyproject.toml repeats the defaults).
+GLFC_KEYS: dict[str, Key] = {
+    "glfc-tasks": Key(4, "int >= 1", "T: tasks in the class-incremental stream"),
+    "glfc-classes-per-task": Key(5, "int >= 1", "s: new classes per task"),
+    "glfc-rounds-per-task": Key(2, "int >= 1", "rounds per task (`num-server-rounds` = T × this)"),
+    "glfc-initial-clients": Key(4, "int >= 1", "clients at the first task"),
+    "glfc-new-clients": Key(2, "int >= 0", "clients joining at each new task"),
+    "glfc-clients-per-round": Key(3, "int >= 1", "clients sampled per round among those that exist"),
+    "glfc-old-fraction": Key(0.1, "float in [0, 1)",
+        "fraction of existing clients that keep their old classes at a new task"),
+    "glfc-class-fraction": Key(0.6, "float in (0, 1]", "fraction of a task's classes a learning client draws"),
+    "glfc-duplicate-data": Key(False, "bool",
+        "every client gets all images of its classes (the official code); false = disjoint shards"),
+    "glfc-max-per-class": Key(200, "int >= 0", "cap on a client's images per class; 0 = no cap"),
+    "glfc-class-order": Key("label", "choice", "classes in label order or shuffled by the seed"),
+    "glfc-memory-size": Key(100, "int >= 0", "exemplar memory per client (iCaRL herding)"),
+    "glfc-tau": Key(1.2, "float > 0", "entropy threshold of the task-transition detector (nats)"),
+    "glfc-oracle-boundary": Key(False, "bool", "clients know task boundaries instead of detecting them"),
+    "glfc-detect-all-clients": Key(False, "bool",
+        "every client runs detection every round (the official code); false = sampled clients only"),
+    "glfc-lr-schedule": Key("cosine", "choice",
+        "learning rate within a task: cosine, the official code's steps, or constant"),
+    "glfc-herding-distinct": Key(True, "bool", "herding never picks an image twice"),
+    "glfc-perturb-steps": Key(50, "int >= 0", "steps perturbing a client's class prototypes before sending gradients"),
+    "glfc-perturb-lr": Key(0.2, "float > 0", "learning rate of that perturbation"),
+    "glfc-proxy-iterations": Key(250, "int >= 1", "proxy server: L-BFGS iterations of gradient inversion"),
+    "glfc-proxy-keep": Key(20, "int >= 1", "proxy server: iterations whose reconstructions are kept (<= iterations)"),
+    "glfc-proxy-lr": Key(0.1, "float > 0", "proxy server: L-BFGS learning rate"),
+    "glfc-proxy-reset-per-task": Key(True, "bool",
+        "reset the best-old-model score at each task (false = the official code)"),
+    "glfc-proxy-chunk": Key(128, "int >= 1", "proxy server: gradients inverted per batch"),
+    "glfc-eval-per-class": Key(0, "int >= 0", "server test images per seen class; 0 = all"),
 }
 
 # method -> (objective, use_gc, use_rd, use_memory, old model source)
@@ -262,4 +268,4 @@ for _name, _desc in DESCRIPTIONS.items():
     register_method(MethodSpec(name=_name, family="glfc", description=_desc, make_strategy=make_strategy,
                                make_client=make_client, adapter=GLFC_ADAPTER, initial_arrays=initial_arrays,
                                required_nodes=final_population,
-                               defaults=dict(GLFC_DEFAULTS), validate=validate_glfc))
+                               keys=GLFC_KEYS, validate=validate_glfc))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pollen.app.adapters import LOGITS
 from pollen.app.config import ConfigError, RunConfig
 from pollen.app.registry import MethodSpec, register_method, strategy_options
+from pollen.app.run_keys import Key
 from pollen.clients.logits import (
     FCCLClient,
     FCCLWithoutConClient,
@@ -26,26 +27,28 @@ from pollen.strategies.weights import LocalOnly
 
 TARGETS = ("mean", "leave-one-out")
 
-# Method run keys and defaults (mirrored under the logit marker in pyproject.toml). 0 / "" = profile
-# default (see pollen.clients.logits.QUICK / PAPER).
-DEFAULTS = {
-    "fccl-public": "",
-    "fccl-public-size": 0,
-    "fccl-public-batch-size": 0,
-    "fccl-public-epochs": 0,
-    "fccl-public-augment": True,
-    "fccl-lr": 0.001,
-    "fccl-batch-size": 32,
-    "fccl-local-epochs": "",
-    "fccl-solo-epochs": 0,
-    "fccl-train-sizes": "",
-    "fccl-test-size": 0,
-    "fccl-lambda-col": 0.0051,
-    "fccl-lambda-loc": 1.0,
-    "fccl-eps": 1e-6,
-    "fccl-target": "mean",
-    "fccl-average-weights": False,
-    "fccl-solo-cache": "",
+# The logit family's run keys: default, range, help. 0 / "" = the profile's default (see
+# pollen.clients.logits.QUICK / PAPER); pyproject.toml repeats the defaults.
+LOGIT_KEYS: dict[str, Key] = {
+    "fccl-public": Key("", "choice", "unlabeled public set; empty = the task's default"),
+    "fccl-public-size": Key(0, "int >= 0", "public samples N0; 0 = the profile's (quick 1000, paper 5000)"),
+    "fccl-public-batch-size": Key(0, "int >= 0", "public batch; 0 = the profile's (quick 250, paper 512)"),
+    "fccl-public-epochs": Key(0, "int >= 0", "epochs of the collaborative step on the public set; 0 = the task's"),
+    "fccl-public-augment": Key(True, "bool", "augment public images (crop, flip, rotation) as the official code"),
+    "fccl-lr": Key(0.001, "float > 0", "Adam learning rate of the logit methods"),
+    "fccl-batch-size": Key(32, "int >= 1", "private batch size"),
+    "fccl-local-epochs": Key("", "string",
+        "local epochs per domain, comma-separated (e.g. `10,10,2,2`); empty = the profile's"),
+    "fccl-solo-epochs": Key(0, "int >= 0", "SOLO pretraining epochs; 0 = the profile's (quick 30, paper 40)"),
+    "fccl-train-sizes": Key("", "string", "private training samples per domain, comma-separated; empty = the task's"),
+    "fccl-test-size": Key(0, "int >= 0", "test samples per domain; 0 = the profile's (quick 300, paper all)"),
+    "fccl-lambda-col": Key(0.0051, "float >= 0", "off-diagonal weight of the cross-correlation loss"),
+    "fccl-lambda-loc": Key(1.0, "float >= 0", "weight of the local dual-domain distillation"),
+    "fccl-eps": Key(1e-06, "float >= 0", "added to the standard deviation when standardising logits"),
+    "fccl-target": Key("mean", "choice",
+        "consensus each client aligns to: the mean, or the mean without its own logits"),
+    "fccl-average-weights": Key(False, "bool", "homogeneous mode (paper Table 3): also average model weights"),
+    "fccl-solo-cache": Key("", "path", "folder caching SOLO-pretrained models across runs; empty = no cache"),
 }
 
 
@@ -92,4 +95,4 @@ for _name, _client, _descr in (
 ):
     register_method(MethodSpec(name=_name, family="logits", description=_descr, make_strategy=make_strategy,
                                make_client=_client, adapter=LOGITS,
-                               personal_model=_client.NET, defaults=dict(DEFAULTS), validate=validate))
+                               personal_model=_client.NET, keys=LOGIT_KEYS, validate=validate))

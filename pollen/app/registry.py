@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from flwr.client import NumPyClient
 
     from pollen.app.config import NodeConfig, RunConfig
+    from pollen.app.run_keys import Key
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,13 @@ class MethodSpec:
     required_nodes: Callable[[RunConfig], int | None] = lambda cfg: get_task(cfg.task).fixed_partitions
     # The context.state key of the client's personal model, saved as the node's final-model.safetensors.
     personal_model: str | None = None
-    # Method run keys (prefixed, e.g. "fccl-...") with defaults; must also be in pyproject.toml.
-    defaults: dict[str, Any] = field(default_factory=dict)
+    # Method run keys (prefixed, e.g. "fccl-..."): default, range, help; defaults also in pyproject.toml.
+    keys: dict[str, Key] = field(default_factory=dict)
     validate: Callable[[RunConfig], None] | None = None
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return {key: spec.default for key, spec in self.keys.items()}
 
 
 METHODS: dict[str, MethodSpec] = {}

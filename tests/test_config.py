@@ -111,3 +111,13 @@ def test_the_one_validator_refuses_unknown_notation():
     for bad in ("int >=1", "integer >= 1", "float in [0, 1", "number"):
         with pytest.raises(ValueError, match="not a range"):
             parse_range(bad)
+
+
+def test_the_recorded_config_holds_the_shared_keys_and_the_methods_own_only():
+    """What config.json records: no FCCL or GLFC keys in a FedProto run, no method keys in a FedAvg one."""
+    proto = parse_run_config({"method": "fedproto", "task": "mnist-shot"}).to_dict()
+    assert proto["proto-lambda"] == 1.0 and proto["lr"] == 0.05
+    assert not [k for k in proto if k.startswith(("fccl-", "glfc-"))]
+    fedavg = parse_run_config({"method": "fedavg"}).to_dict()
+    assert not [k for k in fedavg if k.startswith(("proto-", "fccl-", "glfc-"))]
+    assert parse_run_config(fedavg).to_dict() == fedavg  # what was recorded parses back to itself

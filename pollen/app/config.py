@@ -254,7 +254,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
         checkpoint_keep=_value(merged, "checkpoint-keep"),
         resume_from=_value(merged, "resume-from").strip(),
         **_user_data(merged),
-        extra={k: merged[k] for k in extra_defaults},
+        extra={k: merged[k] for k in _own_keys(method)},  # config.json: shared keys + this method's only
     )
     if cfg.shot_shots - cfg.shot_stdev < 1:
         raise ConfigError(
@@ -329,3 +329,9 @@ def parse_node_config(raw: Mapping[str, Any]) -> NodeConfig:
         raise ConfigError(f"node config 'data-dir' = {data_dir!r}: no such file or folder on this node")
     return NodeConfig(partition_id=pid, num_partitions=num, data_root=data_root, model=model,
                       state_dir=state_dir.strip() or None, data_dir=data_dir)
+
+
+def _own_keys(method: str) -> list[str]:
+    from pollen.app.registry import METHODS
+
+    return list(METHODS[method].keys)

@@ -312,3 +312,14 @@ def test_channels_last_same_outputs():
         assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
         out = model(x.to(memory_format=torch.channels_last))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_name_is_registered_once():
+    """A second model or task under a taken name is refused, never silently swapped in."""
+    from pollen.datasets.tasks import TASKS, register_task
+    from pollen.models import register_model
+
+    with pytest.raises(ValueError, match="model 'lenet' is already registered"):
+        register_model("lenet", lambda *a, **k: None)
+    with pytest.raises(ValueError, match="task 'uci-dirichlet' is already registered"):
+        register_task(TASKS["uci-dirichlet"])

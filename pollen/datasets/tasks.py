@@ -185,7 +185,9 @@ TASKS: dict[str, TaskSpec] = {}
 
 
 def register_task(spec: TaskSpec) -> TaskSpec:
-    """Add a task to the registry (method modules may register their own tasks)."""
+    """Add a task to the registry (method modules may register their own tasks); a name is taken once."""
+    if spec.name in TASKS:
+        raise ValueError(f"task {spec.name!r} is already registered")
     TASKS[spec.name] = spec
     return spec
 

@@ -2,7 +2,7 @@
 
 from .base import SplitModel, scale_channels, to_channels_last
 from .mobile import EfficientNetB0, GoogLeNet, MobileNetV2
-from .registry import MODEL_KWARGS, MODEL_NAMES, build_model
+from .registry import MODEL_KWARGS, MODEL_NAMES, MODELS, build_model, register_model
 from .resnet import ResNet
 from .small import CNNMnist, LeNet
 
@@ -13,10 +13,12 @@ __all__ = [
     "LeNet",
     "MODEL_KWARGS",
     "MODEL_NAMES",
+    "MODELS",
     "MobileNetV2",
     "ResNet",
     "SplitModel",
     "build_model",
+    "register_model",
     "scale_channels",
     "to_channels_last",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .base import SplitModel
@@ -12,30 +13,23 @@ from .mobile import EfficientNetB0, GoogLeNet, MobileNetV2
 from .resnet import RESNET_BLOCKS, ResNet
 from .small import CNNMnist, LeNet
 
-MODEL_NAMES: tuple[str, ...] = (
-    "resnet10",
-    "resnet12",
-    "resnet18",
-    "resnet34",
-    "efficientnet_b0",
-    "mobilenet_v2",
-    "googlenet",
-    "cnn_mnist",
-    "lenet",
-)
 
-# Extra keyword arguments each model accepts beyond the common ones.
-MODEL_KWARGS: dict[str, tuple[str, ...]] = {
-    "resnet10": (),
-    "resnet12": (),
-    "resnet18": (),
-    "resnet34": (),
-    "efficientnet_b0": ("dropout", "drop_connect_rate"),
-    "mobilenet_v2": (),
-    "googlenet": (),
-    "cnn_mnist": ("channels", "dropout"),
-    "lenet": ("seed", "generator"),
-}
+@dataclass(frozen=True)
+class ModelEntry:
+    """How to build one named architecture, and the extra keyword arguments it accepts."""
+
+    build: Callable[..., SplitModel]
+    kwargs: tuple[str, ...] = ()
+
+
+MODELS: dict[str, ModelEntry] = {}
+
+
+def register_model(name: str, build: Callable[..., SplitModel], kwargs: tuple[str, ...] = ()) -> None:
+    """Make ``name`` buildable by :func:`build_model` (and selectable by ``model``); a name is taken once."""
+    if name in MODELS:
+        raise ValueError(f"model {name!r} is already registered")
+    MODELS[name] = ModelEntry(build, tuple(kwargs))
 
 
 def _resnet(name: str) -> Callable[..., SplitModel]:
@@ -61,15 +55,17 @@ def _sized(cls: type) -> Callable[..., SplitModel]:
     return make
 
 
-_BUILDERS: dict[str, Callable[..., SplitModel]] = {
-    **{name: _resnet(name) for name in RESNET_BLOCKS},
-    "efficientnet_b0": _no_size(EfficientNetB0),
-    "mobilenet_v2": _no_size(MobileNetV2),
-    "googlenet": _no_size(GoogLeNet),
-    "cnn_mnist": _sized(CNNMnist),
-    "lenet": _sized(LeNet),
-}
-assert set(_BUILDERS) == set(MODEL_NAMES) == set(MODEL_KWARGS)
+for _name in RESNET_BLOCKS:
+    register_model(_name, _resnet(_name))
+register_model("efficientnet_b0", _no_size(EfficientNetB0), ("dropout", "drop_connect_rate"))
+register_model("mobilenet_v2", _no_size(MobileNetV2))
+register_model("googlenet", _no_size(GoogLeNet))
+register_model("cnn_mnist", _sized(CNNMnist), ("channels", "dropout"))
+register_model("lenet", _sized(LeNet), ("seed", "generator"))
+
+# The built-in architectures, in a stable order, and the extra keyword arguments of each.
+MODEL_NAMES: tuple[str, ...] = tuple(MODELS)
+MODEL_KWARGS: dict[str, tuple[str, ...]] = {name: entry.kwargs for name, entry in MODELS.items()}
 
 
 def _positive_int(value: Any, arg: str) -> int:
@@ -99,19 +95,19 @@ def build_model(
     ``drop_connect_rate``; cnn_mnist ``channels`` (second conv width, FedProto's 18/20/22),
     ``dropout``; lenet ``seed`` / ``generator`` (its U(-0.5, 0.5) init).
     """
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model name {name!r}; allowed: {', '.join(MODEL_NAMES)}")
+    if name not in MODELS:
+        raise ValueError(f"unknown model name {name!r}; allowed: {', '.join(MODELS)}")
     num_classes = _positive_int(num_classes, "num_classes")
     in_channels = _positive_int(in_channels, "in_channels")
     image_size = _positive_int(image_size, "image_size")
     is_number = isinstance(width, (int, float)) and not isinstance(width, bool)
     if not is_number or not math.isfinite(width) or width <= 0:
         raise ValueError(f"width must be a finite number > 0 (1.0 = paper size), got {width!r}")
-    allowed = MODEL_KWARGS[name]
+    allowed = MODELS[name].kwargs
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise ValueError(
             f"unexpected argument(s) {', '.join(unknown)} for model {name!r}; "
             f"allowed: {', '.join(allowed) if allowed else 'none'}"
         )
-    return _BUILDERS[name](num_classes, in_channels, image_size, float(width), **kwargs)
+    return MODELS[name].build(num_classes, in_channels, image_size, float(width), **kwargs)

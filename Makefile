@@ -38,9 +38,10 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Everything but the `e2e` tests (no SuperLink, SuperNode, `flwr run` or Ray launches).
+# Everything but the `e2e` tests (no SuperLink, SuperNode, `flwr run` or Ray launches), one worker
+# process per core (pytest-xdist): these tests share nothing but the read-only datasets.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not e2e" -n auto $(PYTEST_ARGS)
 
 # The full suite with a per-file coverage report for the `pollen` package (what .ci/run prints).
 coverage: $(STAMP)

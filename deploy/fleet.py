@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # run as `python deploy/fleet.py`: make `deploy` 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deploy import certs, supernodes  # noqa: E402
-from pollen.app import launch  # noqa: E402
+from pollen.app import launch, processes  # noqa: E402
 from pollen.app.config import ConfigError, RunConfig, parse_run_config  # noqa: E402
 
 # The checkout holding the pollen package (None when Pollen is installed); the app to run is
@@ -238,7 +238,7 @@ class Fleet:
     Use as a context manager. With ``tls=True`` the SuperLink serves HTTPS with a fresh CA and
     authenticates SuperNodes: :meth:`add_supernode` writes each node's key pair and registers it
     (``register=False`` starts a node with a key the SuperLink has never seen, which it refuses).
-    Every process started carries the fleet's :class:`launch.ProcessTree` mark, so :meth:`close` stops
+    Every process started carries the fleet's :class:`processes.ProcessTree` mark, so :meth:`close` stops
     the whole tree by PID (also ServerApp/ClientApp processes in other sessions) and :attr:`leftover`
     says what survived (nothing, normally). FLWR_HOME is ``<work_dir>/flwr-home``: private to the fleet.
     """
@@ -258,7 +258,7 @@ class Fleet:
         self.supernodes: list[SuperNode] = []
         self.teardown_s: float | None = None
         self.superlink_death_reported = False  # said once, when first noticed
-        self.tree = launch.ProcessTree("fleet")
+        self.tree = processes.ProcessTree("fleet")
         self.leftover: list[int] = []
         self._stack = contextlib.ExitStack()
 
@@ -387,7 +387,7 @@ class Fleet:
         """Stop SuperNodes, then the SuperLink (reverse start order), then whatever else of the fleet's
         process tree is left; signals (and the timeout alarm) are held off meanwhile."""
         began = time.monotonic()
-        with launch.signals_held((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)):
+        with processes.signals_held((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)):
             try:
                 self._stack.close()
             finally:

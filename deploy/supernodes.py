@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pollen.app import launch
+from pollen.app import launch, processes
 
 
 def supernode_args(superlink_address: str, *, port: int, node_config: str = "",
@@ -34,7 +34,7 @@ def start_supernode(flwr_home: Path, superlink_address: str, log_path: Path, *, 
                     port: int | None = None, root_certificates: str | Path | None = None,
                     auth_private_key: str | Path | None = None,
                     extra_env: dict[str, str] | None = None,
-                    tree: launch.ProcessTree | None = None) -> subprocess.Popen:
+                    tree: processes.ProcessTree | None = None) -> subprocess.Popen:
     """Start one ``flower-supernode`` in its own process group (stop it with ``launch.stop_process``).
 
     Every ClientApp it runs is a child in that group, so stopping the group leaves nothing behind;

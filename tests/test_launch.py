@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pollen.app import launch
+from pollen.app import launch, processes
 from pollen.app.launch import EXIT_TIMEOUT, EXIT_USAGE
 from tests.conftest import PROJECT_ROOT
 
@@ -140,7 +140,7 @@ def test_ray_goes_local_unless_an_address_is_given(tmp_path, monkeypatch):
 @pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
 def test_process_tree_stops_a_process_that_left_the_session_and_its_parent(tmp_path):
     """What ``flwr-serverapp`` and Ray daemons do: a new session, the parent gone. Found by the mark."""
-    tree = launch.ProcessTree("test")
+    tree = processes.ProcessTree("test")
     env = tree.mark(dict(os.environ))
     pid_file = tmp_path / "pid"
     code = ("import subprocess, sys; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
@@ -162,7 +162,7 @@ def test_process_tree_stops_a_process_that_left_the_session_and_its_parent(tmp_p
 def test_process_tree_stops_an_unmarked_orphan_by_its_group(tmp_path):
     """What a Ray agent does under load: started late by a group leader of the launch, its environment
     overwritten when it renames itself, its parent gone before the teardown looked. Found by its group."""
-    tree = launch.ProcessTree("test")
+    tree = processes.ProcessTree("test")
     env = tree.mark(dict(os.environ))
     go, pid_file = tmp_path / "go", tmp_path / "pid"
     leader = ("import os, subprocess, sys, time\n"
@@ -172,7 +172,7 @@ def test_process_tree_stops_an_unmarked_orphan_by_its_group(tmp_path):
               "open(sys.argv[2], 'w').write(str(p.pid))\n")
     root = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1], *sys.argv[2:]], "
             "start_new_session=True).wait()")
-    parent = subprocess.Popen([sys.executable, "-c", root, leader, str(go), str(pid_file), launch.LAUNCH_MARK],
+    parent = subprocess.Popen([sys.executable, "-c", root, leader, str(go), str(pid_file), processes.LAUNCH_MARK],
                               env=env)
     tree.add_root(parent.pid)
     deadline = time.monotonic() + 30
@@ -183,7 +183,7 @@ def test_process_tree_stops_an_unmarked_orphan_by_its_group(tmp_path):
     parent.wait(timeout=30)
     orphan = int(pid_file.read_text())
     try:
-        assert launch.LAUNCH_MARK.encode() not in Path(f"/proc/{orphan}/environ").read_bytes()
+        assert processes.LAUNCH_MARK.encode() not in Path(f"/proc/{orphan}/environ").read_bytes()
         assert int(Path(f"/proc/{orphan}/stat").read_text().split(") ")[1].split()[1]) not in tree.seen
         assert orphan in tree.members()  # no mark, no member parent: found by its group
         assert tree.terminate(grace=2.0) == []
@@ -271,7 +271,7 @@ class TreeWatcher:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                marked = launch.LAUNCH_MARK.encode() in Path(f"/proc/{pid}/environ").read_bytes()
+                marked = processes.LAUNCH_MARK.encode() in Path(f"/proc/{pid}/environ").read_bytes()
             except OSError:
                 lines.append(f"{item}: gone")
                 continue
@@ -337,7 +337,7 @@ def test_superlink_retries_a_port_taken_by_another_superlink(tmp_path, monkeypat
     ports = iter([taken])
     real_free_port = launch.free_port
     monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real_free_port())
-    tree = launch.ProcessTree("test")
+    tree = processes.ProcessTree("test")
     try:
         with launch.superlink(tmp_path / "home", simulation=True, tree=tree) as (_conn, port, proc):
             assert port != taken and proc.poll() is None

@@ -249,42 +249,43 @@ class TreeWatcher:
     def names(self) -> set[str]:
         return set(self.names_seen)
 
-    def alive(self) -> list[str]:
-        """``comm(pid)`` of every process seen that still runs (same start time, not a zombie)."""
+    def alive(self) -> list[int]:
+        """Every process seen that still runs (same start time, not a zombie)."""
         left = []
-        for pid, (start, comm) in self.seen.items():
+        for pid, (start, _comm) in self.seen.items():
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
             except OSError:
                 continue
             fields = stat[stat.rindex(")") + 2:].split()
             if fields[0] not in ("Z", "X") and int(fields[19]) == start:
-                left.append(f"{comm}({pid})")
+                left.append(pid)
         return left
 
-    def describe(self, left: list[str]) -> str:
-        """What a failure message needs about the processes left: state, parent, command line, and
-        whether the launcher could have found them (its own mark in their environment)."""
+    def describe(self, pids: list[int]) -> str:
+        """What a failure message needs about the processes left: name, state, parent, command line,
+        and whether the launcher could have found them (its own mark in their environment)."""
         lines = []
-        for item in left:
-            pid = int(item[item.rindex("(") + 1:-1])
+        for pid in pids:
+            name = f"{self.seen[pid][1]}({pid})"
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 marked = processes.LAUNCH_MARK.encode() in Path(f"/proc/{pid}/environ").read_bytes()
             except OSError:
-                lines.append(f"{item}: gone")
+                lines.append(f"{name}: gone")
                 continue
             fields = stat[stat.rindex(")") + 2:].split()
-            lines.append(f"{item}: state {fields[0]} ppid {fields[1]} pgrp {fields[2]} launcher-mark {marked} "
+            lines.append(f"{name}: state {fields[0]} ppid {fields[1]} pgrp {fields[2]} launcher-mark {marked} "
                          f"cmd {cmd[:300]}")
         return "\n".join(lines)
 
-    def kill_left(self, left: list[str]) -> None:
+    @staticmethod
+    def kill(pids: list[int]) -> None:
         """A failed test must not leave its strays running into the next test."""
-        for item in left:
+        for pid in pids:
             with contextlib.suppress(OSError):
-                os.kill(int(item[item.rindex("(") + 1:-1]), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
 
     def wait_for(self, predicate, timeout: float, proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + timeout
@@ -304,7 +305,7 @@ def _after(watcher: TreeWatcher, grace: float = 15.0) -> str:
         time.sleep(0.2)
     left = watcher.alive()
     detail = watcher.describe(left)
-    watcher.kill_left(left)
+    watcher.kill(left)
     return detail
 
 

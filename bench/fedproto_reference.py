@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pollen.clients.prototype_losses import prototype_loss, squared_distances  # noqa: E402
+from pollen.methods.prototype_losses import prototype_loss, squared_distances  # noqa: E402
 from pollen.datasets.partition import n_way_k_shot  # noqa: E402
 from pollen.datasets.sources import load_source  # noqa: E402
 from pollen.datasets.transforms import MNIST_FORMAT, to_model_input  # noqa: E402

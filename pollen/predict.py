@@ -494,7 +494,7 @@ def classify(model, x, device, batch_size: int = 512):
     """(predictions, softmax probability of each prediction, logits) from the classifier head."""
     import torch
 
-    from pollen.clients.training import predict_logits
+    from pollen.methods.training import predict_logits
 
     with torch.no_grad():
         logits = predict_logits(model, x, device, batch_size)
@@ -510,7 +510,7 @@ def nearest_prototype(model, x, protos: Prototypes, candidates, device, batch_si
     FedProto's distance mean_k (z_k - p_ck)² on ``model.features``, as the client's proto-accuracy."""
     import torch
 
-    from pollen.clients.prototype_losses import squared_distances
+    from pollen.methods.prototype_losses import squared_distances
 
     model.eval()
     with torch.no_grad():
@@ -666,8 +666,8 @@ def _class_names(value: str | None) -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pollen.clients.training import pick_device
     from pollen.datasets.tasks import TASKS
+    from pollen.methods.training import pick_device
 
     if args.threads:
         torch.set_num_threads(args.threads)

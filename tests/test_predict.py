@@ -182,7 +182,7 @@ def _load_model(path: Path):
 def test_png_folder_equals_the_same_images_as_tensors(proto_run, capsys, tmp_path):
     from PIL import Image
 
-    from pollen.clients.prototype_losses import squared_distances
+    from pollen.methods.prototype_losses import squared_distances
     from pollen.datasets.sources import load_source
     from pollen.datasets.tasks import TaskOptions, build_client_data
     from pollen.datasets.transforms import to_model_input

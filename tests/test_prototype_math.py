@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pollen.clients.prototype_losses import (annealing_temperature, dynamic_lambda, mutual_information,
+from pollen.methods.prototype_losses import (annealing_temperature, dynamic_lambda, mutual_information,
                                              negative_hinge_loss, negative_infonce_loss, negative_mask,
                                              prototype_loss, prototype_probabilities, squared_distances)
 from pollen.strategies.prototypes import aggregate_prototypes, prototype_margin

@@ -25,8 +25,8 @@ from pollen.app.config import ConfigError, parse_node_config
 from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key, check
 from pollen.clients.glfc import IncrementalClient, IncrementalSettings, build_lenet, build_stream_model
-from pollen.clients.training import pick_device
 from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, is_stream_task, plan_stream, stream_data
+from pollen.methods.training import pick_device
 from pollen.protocol import glfc as protocol
 from pollen.strategies.glfc import IncrementalFedAvg, seeded_model
 

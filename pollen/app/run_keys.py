@@ -135,7 +135,7 @@ def choices(key: str) -> tuple[str, ...]:
     if key in simple:
         return tuple(simple[key])
     if key.startswith("proto-"):
-        from pollen.clients.prototypes import LOCAL_PROTO_MODES, NEGATIVE_FORMS
+        from pollen.methods.prototypes import LOCAL_PROTO_MODES, NEGATIVE_FORMS
         from pollen.strategies.prototypes import PROTO_WEIGHTINGS
 
         return {"proto-negative": NEGATIVE_FORMS, "proto-weighting": PROTO_WEIGHTINGS,

@@ -15,8 +15,8 @@ from flwr.client import NumPyClient
 from flwr.common import Context
 
 from pollen.clients.state import ClientState
-from pollen.clients.training import derive_seed, pick_device, seed_everything
 from pollen.datasets.tasks import ClientData, build_client_data, resolve_task
+from pollen.methods.training import LocalTraining, derive_seed, pick_device, seed_everything
 from pollen.models import SplitModel, build_model, to_channels_last
 
 # Conv backbones are stored channels-last (NHWC): faster training on CPU as well as CUDA, see
@@ -54,6 +54,12 @@ class PollenClient(NumPyClient):
     def round_generator(self, server_round: int, purpose: int = 0) -> torch.Generator:
         """Seed all RNGs from (run seed, partition, round, purpose): reproducible in any process."""
         return seed_everything(derive_seed(self.cfg.seed, self.partition_id, server_round, purpose))
+
+    def local_training(self) -> LocalTraining:
+        """The run's local optimisation settings, as a method core takes them."""
+        c = self.cfg
+        return LocalTraining(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, momentum=c.momentum,
+                             weight_decay=c.weight_decay, proximal_mu=c.fedprox_mu)
 
     def base_metrics(self) -> dict[str, Any]:
         return {"partition-id": self.partition_id}

@@ -43,10 +43,10 @@ from pollen.clients.memory import (
     normalised_features,
     update_memory,
 )
-from pollen.clients.training import predict_logits, train_epochs
 from pollen.clients.weights import load_model_arrays, model_arrays
 from pollen.datasets.incremental import SOURCES, StreamConfig, client_task_data, plan_stream, shard_indices, stream_data
 from pollen.datasets.transforms import augment
+from pollen.methods.training import predict_logits, train_epochs
 from pollen.models import LeNet, SplitModel, build_model
 
 OLD_MODEL_SOURCES = ("proxy", "previous-task", "none")

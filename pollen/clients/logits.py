@@ -43,11 +43,11 @@ from pollen.clients.logit_losses import (
     fedmd_l1_loss,
     leave_one_out_target,
 )
-from pollen.clients.training import derive_seed, predict_logits, train_epochs
 from pollen.clients.weights import load_model_arrays, model_arrays
 from pollen.datasets.domain_tasks import DomainTask, domain_client_data, get_domain_task, public_inputs
 from pollen.datasets.tasks import ClientData, TaskOptions
 from pollen.datasets.transforms import augment, batches
+from pollen.methods.training import derive_seed, predict_logits, train_epochs
 from pollen.models import SplitModel
 
 COLLABORATIVE = ("col", "l1", "kl")

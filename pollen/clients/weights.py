@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from pollen.clients.base import PollenClient
-from pollen.clients.training import cross_entropy_loss, evaluate_classifier, make_sgd, proximal_term, train_epochs
+from pollen.methods.training import cross_entropy_loss, evaluate_classifier, make_sgd, proximal_term, train_epochs
 
 
 def model_arrays(model: torch.nn.Module) -> list[np.ndarray]:

@@ -21,6 +21,23 @@ from pollen.datasets.transforms import batches
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"]
 
 
+@dataclass(frozen=True)
+class LocalTraining:
+    """The local optimisation every method shares (run keys ``local-epochs``, ``batch-size``, ``lr``,
+    ``momentum``, ``weight-decay``; ``proximal_mu`` is ``fedprox-mu``, read by methods with a
+    proximal term)."""
+
+    epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    proximal_mu: float = 0.0
+
+    def sgd(self, model: torch.nn.Module) -> torch.optim.SGD:
+        return make_sgd(model, self.lr, self.momentum, self.weight_decay)
+
+
 def pick_device(choice: str) -> torch.device:
     """``auto`` → cuda when present, else cpu; ``cuda`` without a GPU is an error, not a fallback."""
     if choice == "cuda" and not torch.cuda.is_available():

@@ -1,0 +1,329 @@
+"""The prototype family's core (FedProto, BD-FedProto and compositions): settings, loss terms, one round.
+
+Each client keeps a private model (architectures may differ between clients as long as the embedding
+size d is shared) and exchanges only class prototypes with the server — the payload contract is in
+:mod:`pollen.protocol.prototypes`.
+
+A :class:`PrototypeMethod` is its list of loss terms per round (:mod:`pollen.methods.terms`):
+
+* FedProto: ``L_S + λ·L_P``;
+* BD-FedProto: ``L_S + λ_D·L_P + λ_D·β·L_N`` — CPA's negatives are the global prototypes of classes
+  the client does not hold, DA's ``λ_D`` follows the client's own (L_S, L_P) history;
+* FedProto + proximal term: ``L_S + λ·L_P + μ/2·‖w − w_start‖²`` (``fedprox-mu``), the worked example of
+  ``docs/development.md``: one method entry here, one registration in the app.
+
+Round 1 has no global prototypes, so it trains with ``L_S`` (and any term that needs none) alone. As in
+the official code, the loader drops the last incomplete batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pollen.datasets.tasks import ClientData
+from pollen.methods.prototype_losses import (
+    dynamic_lambda,
+    mutual_information,
+    negative_hinge_loss,
+    negative_infonce_loss,
+    negative_mask,
+    prototype_loss,
+    prototype_probabilities,
+    squared_distances,
+)
+from pollen.methods.settings import setting
+from pollen.methods.state import StateStore
+from pollen.methods.terms import Batch, CrossEntropy, LossTerm, Proximal, objective
+from pollen.methods.training import LocalTraining, evaluate_classifier, seed_everything, train_epochs
+from pollen.models import SplitModel
+from pollen.models.pretrained import load_stage_weights
+
+LOCAL_PROTO_MODES = ("post-pass", "training")
+NEGATIVE_FORMS = ("hinge", "infonce")
+# DA clamps λ_D to [LOW, HIGH]·λ_0 (spec defaults).
+DA_LOW, DA_HIGH = 0.1, 2.0
+
+
+@dataclass(frozen=True)
+class ProtoSettings:
+    """The prototype family's run keys (``proto-…``), each declared once: default, range, help."""
+
+    lam: float = setting("proto-lambda", 1.0, "float > 0",
+                         "λ (λ_0 for BD-FedProto): weight of the prototype loss L_P")
+    beta: float = setting("proto-beta", 0.5, "float >= 0", "β: weight of CPA's negative loss L_N (BD-FedProto)")
+    cpa: bool = setting("proto-cpa", True, "bool",
+                        "BD-FedProto: use CPA's negatives (the global prototypes of classes the client lacks)")
+    da: bool = setting("proto-da", True, "bool", "BD-FedProto: adapt λ_D each round (DA); false = fixed λ")
+    da_alpha: float = setting("proto-da-alpha", 0.5, "float in [0, 1]", "DA smoothing α of λ_D")
+    da_t0: float = setting("proto-da-t0", 2.0, "float > 0", "DA annealing temperature T_0")
+    da_kappa: float = setting("proto-da-kappa", 0.95, "float in (0, 1]", "DA temperature decay κ per round")
+    da_tmin: float = setting("proto-da-tmin", 0.05, "float > 0", "DA minimum temperature")
+    negative: str = setting("proto-negative", "hinge", "choice",
+                            "form of CPA's negative loss: margin hinge or InfoNCE")
+    tau: float = setting("proto-tau", 0.5, "float > 0",
+                         "temperature of the InfoNCE negatives and of the MI monitor")
+    weighting: str = setting("proto-weighting", "samples", "choice",
+                             "server average per class: by class counts, or `uniform` (the official code)")
+    local_protos: str = setting("proto-local-protos", "post-pass", "choice",
+                                "local prototypes from a pass after training, or training-time features "
+                                "(the official code)")
+    model_heter: bool = setting("proto-model-heter", False, "bool",
+                                "FedProto's model-heterogeneous CNNs (18/20/22 channels by client)")
+    evaluate_every: int = setting("proto-evaluate-every", 1, "int >= 1", "evaluate every N rounds (and in the last)")
+    pretrained: str = setting("proto-pretrained", "", "path",
+                              "local ImageNet ResNet-18/34 state dict loaded into every client "
+                              "(all but conv1/bn1/fc); empty = none")
+
+
+def heterogeneous_channels(partition_id: int) -> int:
+    """FedProto's model-heterogeneous MNIST: conv2 width 18 / 20 / 22 for clients 0-6 / 7-13 / 14+."""
+    return 18 if partition_id < 7 else 20 if partition_id < 14 else 22
+
+
+class GlobalPrototypes:
+    """Decoded server payload: prototypes C×d, presence mask C (bool), CPA margin."""
+
+    def __init__(self, protos: torch.Tensor, present: torch.Tensor, margin: float):
+        self.protos = protos
+        self.present = present
+        self.margin = margin
+
+    @classmethod
+    def decode(cls, arrays: list[np.ndarray], num_classes: int, embed_dim: int,
+               device: torch.device) -> GlobalPrototypes | None:
+        """``None`` for the empty first-round payload; ``ValueError`` for a malformed one."""
+        if len(arrays) == 0:
+            return None
+        if len(arrays) != 3:
+            raise ValueError(f"global prototype payload must be 3 arrays (protos, mask, margin), got {len(arrays)}")
+        protos, mask, margin = (np.asarray(a) for a in arrays)
+        if protos.shape != (num_classes, embed_dim) or mask.shape != (num_classes,) or margin.shape != (1,):
+            raise ValueError(f"global prototype payload shapes {protos.shape}, {mask.shape}, {margin.shape} "
+                             f"!= ({num_classes}, {embed_dim}), ({num_classes},), (1,)")
+        present = mask.astype(bool)
+        if not np.isfinite(protos[present]).all() or not np.isfinite(margin).all():
+            raise ValueError("global prototype payload contains NaN or infinite values")
+        return cls(torch.from_numpy(protos.astype(np.float32)).to(device),
+                   torch.from_numpy(present).to(device), float(margin[0]))
+
+
+def class_means(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C×d per-class mean of ``z``, C counts); rows of classes absent from ``y`` are zero."""
+    sums = torch.zeros(num_classes, z.shape[1], dtype=torch.float64, device=z.device)
+    sums.index_add_(0, y, z.double())
+    counts = torch.bincount(y, minlength=num_classes)
+    means = sums / counts.clamp_min(1).unsqueeze(1)
+    return means.float(), counts
+
+
+# Loss terms -----------------------------------------------------------------------------------------
+class PrototypeDistance(LossTerm):
+    """FedProto's L_P: each embedding against its class's global prototype (MSE)."""
+
+    name = "proto"
+
+    def __init__(self, glob: GlobalPrototypes, weight: float):
+        self.glob, self.weight = glob, weight
+
+    def value(self, batch: Batch) -> torch.Tensor:
+        return prototype_loss(batch.z, batch.y, self.glob.protos, self.glob.present)
+
+
+class ContrastiveNegatives(LossTerm):
+    """CPA's L_N: push embeddings away from the global prototypes of classes the client lacks."""
+
+    name = "neg"
+
+    def __init__(self, glob: GlobalPrototypes, own_classes: Sequence[int], form: str, tau: float, weight: float):
+        if form not in NEGATIVE_FORMS:
+            raise ValueError(f"negative form must be one of {NEGATIVE_FORMS}, got {form!r}")
+        self.glob, self.form, self.tau, self.weight = glob, form, tau, weight
+        self.negatives = negative_mask(glob.present, own_classes)
+
+    def value(self, batch: Batch) -> torch.Tensor:
+        g = self.glob
+        if self.form == "hinge":
+            return negative_hinge_loss(batch.z, g.protos, self.negatives, g.margin)
+        return negative_infonce_loss(batch.z, batch.y, g.protos, g.present, self.negatives, self.tau)
+
+
+@dataclass(frozen=True)
+class RoundInputs:
+    """What a method's loss terms are built from, once per round."""
+
+    settings: ProtoSettings
+    training: LocalTraining
+    glob: GlobalPrototypes | None  # None in round 1
+    lam: float  # λ this round (λ_D under DA)
+    own_classes: Sequence[int]
+
+
+def fedproto_terms(r: RoundInputs) -> list[LossTerm]:
+    terms: list[LossTerm] = [CrossEntropy()]
+    if r.glob is not None:
+        terms.append(PrototypeDistance(r.glob, weight=r.lam))
+    return terms
+
+
+def bd_fedproto_terms(r: RoundInputs) -> list[LossTerm]:
+    terms = fedproto_terms(r)
+    if r.glob is not None and r.settings.cpa:
+        terms.append(ContrastiveNegatives(r.glob, r.own_classes, r.settings.negative, r.settings.tau,
+                                          weight=r.lam * r.settings.beta))
+    return terms
+
+
+def fedproto_prox_terms(r: RoundInputs) -> list[LossTerm]:
+    return [*fedproto_terms(r), Proximal(r.training.proximal_mu)]
+
+
+@dataclass(frozen=True)
+class PrototypeMethod:
+    """A prototype-family method: its loss terms per round, and whether λ follows DA (``proto-da``)."""
+
+    name: str
+    terms: Callable[[RoundInputs], list[LossTerm]]
+    dynamic_lambda: bool = False
+
+
+FEDPROTO = PrototypeMethod("fedproto", fedproto_terms)
+BD_FEDPROTO = PrototypeMethod("bd-fedproto", bd_fedproto_terms, dynamic_lambda=True)
+FEDPROTO_PROX = PrototypeMethod("fedproto-prox", fedproto_prox_terms)
+
+
+# One client round ----------------------------------------------------------------------------------
+class TrainingTimePrototypes:
+    """Observer: per-class mean of the last epoch's training-time embeddings (the official code's
+    prototypes, ``proto-local-protos = training``)."""
+
+    def __init__(self, num_classes: int, batches_per_epoch: int):
+        self.num_classes, self.batches_per_epoch = num_classes, batches_per_epoch
+        self.calls = 0
+        self.sums: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def __call__(self, batch: Batch) -> None:
+        z, y = batch.z.detach(), batch.y
+        if self.calls % self.batches_per_epoch == 0 or self.sums is None or self.counts is None:
+            self.sums = torch.zeros(self.num_classes, z.shape[1], dtype=torch.float64, device=z.device)
+            self.counts = torch.zeros(self.num_classes, dtype=torch.long, device=z.device)
+        self.sums.index_add_(0, y, z.double())
+        self.counts += torch.bincount(y, minlength=self.num_classes)
+        self.calls += 1
+
+
+class PrototypeRound:
+    """One client's round of a prototype method, apart from Flower: load the private model from the
+    store → decode the global prototypes → build the method's loss terms → train → encode the local
+    prototypes. ``new_model`` builds this client's model with its reproducible initial weights."""
+
+    MODEL_KEY = "proto-model"
+    DA_KEY = "proto-da-state"
+
+    def __init__(self, method: PrototypeMethod, settings: ProtoSettings, training: LocalTraining,
+                 store: StateStore, data: ClientData, num_classes: int, device: torch.device,
+                 new_model: Callable[[], SplitModel]):
+        self.method, self.settings, self.training = method, settings, training
+        self.store, self.data, self.num_classes = store, data, num_classes
+        self.device, self.new_model = device, new_model
+
+    def load_model(self) -> SplitModel:
+        """The private model: from the store, else a fresh init (its ResNet stages from
+        ``proto-pretrained`` when set, as the official CIFAR-10 setup)."""
+        model = self.new_model()
+        if not self.store.load_module(self.MODEL_KEY, model) and self.settings.pretrained.strip():
+            load_stage_weights(model, self.settings.pretrained.strip())
+        return model
+
+    def decode(self, arrays: list[np.ndarray], model: SplitModel) -> GlobalPrototypes | None:
+        return GlobalPrototypes.decode(list(arrays), self.num_classes, model.feature_dim, self.device)
+
+    @torch.no_grad()
+    def embed(self, model: SplitModel, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+        model.eval()
+        out = [model.features(x[i:i + batch_size].to(self.device)) for i in range(0, len(x), batch_size)]
+        return torch.cat(out) if out else torch.zeros(0, model.feature_dim, device=self.device)
+
+    def lambda_for_round(self, server_round: int, glob: GlobalPrototypes | None) -> tuple[float, dict]:
+        s = self.settings
+        da = self.store.load_values(self.DA_KEY, {"history": [], "lambda": s.lam})
+        if not (self.method.dynamic_lambda and s.da) or glob is None:
+            return s.lam, da
+        da["lambda"] = dynamic_lambda(
+            [tuple(h) for h in da["history"]], float(da["lambda"]), s.lam, server_round,
+            alpha=s.da_alpha, t0=s.da_t0, kappa=s.da_kappa, t_min=s.da_tmin, low=DA_LOW, high=DA_HIGH)
+        return float(da["lambda"]), da
+
+    def fit(self, arrays: list[np.ndarray], server_round: int, round_seed: int,
+            monitor: bool) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+        """Train one round; returns (prototypes C×d f32 and class counts C i64, samples, metrics)."""
+        model = self.load_model()
+        glob = self.decode(arrays, model)
+        lam, da_state = self.lambda_for_round(server_round, glob)
+        data, training = self.data, self.training
+        terms = self.method.terms(RoundInputs(self.settings, training, glob, lam, data.classes))
+        for term in terms:
+            term.start(model)
+        observers = []
+        if self.settings.local_protos == "training":
+            observers.append(TrainingTimePrototypes(self.num_classes, max(1, data.num_train // training.batch_size)))
+        history = train_epochs(model, data.x_train, data.y_train, epochs=training.epochs,
+                               batch_size=training.batch_size, generator=seed_everything(round_seed),
+                               device=self.device, drop_last=data.num_train >= training.batch_size,
+                               optimizer=training.sgd(model), loss_fn=objective(terms, observers))
+        self.store.save_module(self.MODEL_KEY, model)
+
+        y_train = data.y_train.to(self.device)
+        z_train = self.embed(model, data.x_train)
+        counts = torch.bincount(y_train, minlength=self.num_classes)
+        seen = observers[0] if observers else None
+        if seen is not None and seen.sums is not None and seen.counts is not None:
+            protos = (seen.sums / seen.counts.clamp_min(1).unsqueeze(1)).float()
+            counts = torch.where(seen.counts > 0, counts, torch.zeros_like(counts))
+        else:
+            protos, _ = class_means(z_train, y_train, self.num_classes)
+
+        metrics: dict[str, Any] = {"lambda": lam}
+        if history:
+            last = history[-1]
+            metrics["train-loss"] = last.loss
+            metrics.update({f"loss-{k}": v for k, v in last.parts.items()})
+            if glob is not None and "proto" in last.parts:
+                da_state["history"] = (list(da_state["history"]) + [[last.parts["ce"], last.parts["proto"]]])[-3:]
+        self.store.save_values(self.DA_KEY, da_state)
+        if monitor:  # only on rounds the server evaluates: a full extra pass
+            metrics.update(self.monitors(model, z_train, glob))
+        reply: list[np.ndarray] = [protos.cpu().numpy().astype(np.float32), counts.cpu().numpy().astype(np.int64)]
+        return reply, data.num_train, metrics
+
+    @torch.no_grad()
+    def monitors(self, model: SplitModel, z_train: torch.Tensor, glob: GlobalPrototypes | None) -> dict[str, float]:
+        """Mutual information of the classifier's and the prototypes' predictions on the training set."""
+        metrics = {"mi-classifier": mutual_information(torch.softmax(model.head(z_train), dim=1))}
+        if glob is not None:  # scale-free temperature τ·m: MSE distances are tiny next to τ alone
+            tau = self.settings.tau
+            tau_mi = tau * glob.margin if glob.margin > 0 else tau
+            metrics["mi"] = mutual_information(prototype_probabilities(z_train, glob.protos, glob.present, tau_mi))
+        return metrics
+
+    def evaluate(self, arrays: list[np.ndarray]) -> tuple[float, int, dict[str, Any]]:
+        """The private classifier's loss and accuracy on the client's test set, and the nearest-prototype
+        accuracy among its own classes once global prototypes exist."""
+        model = self.load_model()
+        glob = self.decode(arrays, model)
+        x, y = self.data.x_test, self.data.y_test
+        loss, acc = evaluate_classifier(model, x, y, self.device)
+        metrics: dict[str, Any] = {"accuracy": acc}
+        if glob is not None and len(y):
+            own = torch.as_tensor(self.data.classes, dtype=torch.long, device=self.device)
+            candidates = own[glob.present[own]]
+            if len(candidates):
+                z = self.embed(model, x)
+                pred = candidates[squared_distances(z, glob.protos[candidates]).argmin(dim=1)]
+                metrics["proto-accuracy"] = float((pred.cpu() == y).float().mean())
+        return float(loss), len(y), metrics

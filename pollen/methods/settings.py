@@ -1,0 +1,43 @@
+"""Typed settings: one frozen dataclass per method family, each field its run key's single source.
+
+A field declared with :func:`setting` carries its run key, range and one line of help; the default is
+the dataclass default. The app layer turns :func:`declared_keys` into its key table (validation,
+``docs/usage.md``, the check of ``pyproject.toml``), and a client builds the object once per message
+with :func:`from_values` — typed attributes instead of string lookups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def setting(key: str, default: Any, range: str, help: str) -> Any:
+    """A settings field: ``default``, and the run ``key`` with its ``range`` notation and ``help``."""
+    return dataclasses.field(default=default, metadata={"key": key, "range": range, "help": help})
+
+
+def declared_keys(cls: type) -> dict[str, tuple[Any, str, str]]:
+    """``run key -> (default, range, help)`` of every field of the settings class, in field order."""
+    out: dict[str, tuple[Any, str, str]] = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if "key" not in meta:
+            raise TypeError(f"{cls.__name__}.{f.name} is not declared with setting(key, default, range, help)")
+        out[meta["key"]] = (f.default, meta["range"], meta["help"])
+    return out
+
+
+def from_values(cls: type[T], values: Mapping[str, Any]) -> T:
+    """The settings object from already validated run-config values (keys as in ``declared_keys``);
+    a missing key is an error, not a silent default, since the app layer fills every default."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        key = f.metadata["key"]
+        if key not in values:
+            raise KeyError(f"run config has no key {key!r} for {cls.__name__}")
+        kwargs[f.name] = values[key]
+    return cls(**kwargs)

@@ -95,7 +95,8 @@ def render() -> str:
     for spec in METHODS.values():
         if spec.defaults:
             families.setdefault(spec.family, []).append(spec.name)
-    for family, names in families.items():
+    # by title, so the page does not depend on which family module happened to be imported first
+    for family, names in sorted(families.items(), key=lambda item: run_keys.FAMILY_TITLES.get(item[0], item[0])):
         keys = [k for k in METHODS[names[0]].defaults if k not in placed]
         title = run_keys.FAMILY_TITLES.get(family, family)
         out += [f"## {title} ({', '.join(names)})", "", *_table(keys, defaults, run_keys), ""]

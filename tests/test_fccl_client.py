@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from pollen.app.config import ConfigError, parse_node_config, parse_run_config
+from pollen.app.methods_logits import settings
 from pollen.app.registry import METHODS
-from pollen.clients.logits import public_view, resolve_settings, topk_accuracy
 from pollen.datasets.domain_tasks import get_domain_task
+from pollen.methods.logits import public_view, topk_accuracy
 from tests.conftest import make_context
 
 torch.set_num_threads(1)
@@ -46,7 +47,7 @@ def test_state_after_two_rounds(data_root):
 
     consensus = np.random.default_rng(0).normal(size=(40, 10)).astype(np.float32)
     client = _client("fccl", rc, ctx)  # Flower builds a new client object for every message
-    net, solo, prev, fresh = client.models()
+    net, solo, prev, fresh = client.core.models()
     assert not fresh and _same(prev.state_dict(), net_1) and _same(solo.state_dict(), solo_1)
     _, _, metrics = client.fit([consensus, np.array([4], np.int64)], {"server-round": 2, "contributed": True})
     assert np.isfinite(metrics["collab-loss"]) and metrics["train-kl-inter"] >= 0
@@ -70,9 +71,9 @@ def test_leave_one_out_target_removes_the_clients_own_logits(data_root):
     np.testing.assert_array_equal(reply[0], own)
     other = np.ones((40, 10), np.float32)
     mean = (own + other) / 2
-    np.testing.assert_allclose(client.collaborative_target(mean, 2, contributed=True), other, atol=1e-5)
-    np.testing.assert_array_equal(client.collaborative_target(mean, 2, contributed=False), mean)
-    assert client.collaborative_target(own, 1, contributed=True) is None
+    np.testing.assert_allclose(client.core.collaborative_target(mean, 2, contributed=True), other, atol=1e-5)
+    np.testing.assert_array_equal(client.core.collaborative_target(mean, 2, contributed=False), mean)
+    assert client.core.collaborative_target(own, 1, contributed=True) is None
 
 
 def test_public_view_and_order_are_shared_by_all_clients():
@@ -92,11 +93,11 @@ def test_topk_accuracy_hand_worked():
 
 def test_settings_follow_profile_and_keys():
     cfg = parse_run_config({"method": "fccl", "task": "digits-offline"})
-    s = resolve_settings(cfg, get_domain_task("digits-offline"))
+    s = settings(cfg)
     assert (s.public, s.public_size, s.public_batch_size, s.public_epochs) == ("fashion_mnist", 1000, 250, 1)
     assert s.train_sizes == (150, 80, 500, 500) and s.local_epochs == (10, 10, 2, 2)
     cfg = parse_run_config({"method": "fccl", "task": "digits", "profile": "paper"})
-    s = resolve_settings(cfg, get_domain_task("digits"))
+    s = settings(cfg)
     assert (s.public, s.public_size, s.public_batch_size) == ("cifar100", 5000, 512)
     assert s.train_sizes == (150, 80, 5000, 1800) and s.local_epochs == (40, 35, 3, 4) and s.solo_epochs == 40
 

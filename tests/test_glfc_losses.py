@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pollen.clients.incremental_losses import (gc_loss, gc_weights, incremental_loss, is_transition,
+from pollen.methods.incremental_losses import (gc_loss, gc_weights, incremental_loss, is_transition,
                                                learning_rate, mean_entropy, rd_loss, rd_targets)
 
 torch.set_num_threads(1)

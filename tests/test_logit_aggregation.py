@@ -5,7 +5,7 @@ import pytest
 from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import SimpleClientManager
 
-from pollen.clients.logit_losses import leave_one_out_target
+from pollen.methods.logit_losses import leave_one_out_target
 from pollen.strategies.legacy import LogitAveraging
 from pollen.strategies.logits import mean_logits
 from tests.conftest import stub_node

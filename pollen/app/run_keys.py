@@ -145,11 +145,11 @@ def choices(key: str) -> tuple[str, ...]:
 
         return ("",) + tuple(PUBLIC_SETS)
     if key == "fccl-target":
-        from pollen.app.methods_logits import TARGETS
+        from pollen.methods.logits import TARGETS
 
         return tuple(TARGETS)
     if key == "glfc-lr-schedule":
-        from pollen.clients.incremental_losses import LR_SCHEDULES
+        from pollen.methods.incremental_losses import LR_SCHEDULES
 
         return tuple(LR_SCHEDULES)
     if key == "data-split":

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from flwr.common import Context, NDArrays, Scalar
 
 from pollen.clients.base import PollenClient, _state_keys
-from pollen.clients.incremental_losses import incremental_loss, is_transition, learning_rate, mean_entropy
 from pollen.clients.memory import (
     memory_from_arrays,
     memory_to_arrays,
@@ -43,10 +42,10 @@ from pollen.clients.memory import (
     normalised_features,
     update_memory,
 )
-from pollen.clients.weights import load_model_arrays, model_arrays
 from pollen.datasets.incremental import SOURCES, StreamConfig, client_task_data, plan_stream, shard_indices, stream_data
 from pollen.datasets.transforms import augment
-from pollen.methods.training import predict_logits, train_epochs
+from pollen.methods.incremental_losses import incremental_loss, is_transition, learning_rate, mean_entropy
+from pollen.methods.training import load_model_arrays, model_arrays, predict_logits, train_epochs
 from pollen.models import LeNet, SplitModel, build_model
 
 OLD_MODEL_SOURCES = ("proxy", "previous-task", "none")

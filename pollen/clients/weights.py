@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
 from pollen.clients.base import PollenClient
-from pollen.methods.training import cross_entropy_loss, evaluate_classifier, make_sgd, proximal_term, train_epochs
-
-
-def model_arrays(model: torch.nn.Module) -> list[np.ndarray]:
-    """The full state (parameters and buffers) in ``state_dict`` order, as sent to the server."""
-    return [v.detach().cpu().numpy() for v in model.state_dict().values()]
-
-
-def load_model_arrays(model: torch.nn.Module, arrays: list[np.ndarray]) -> None:
-    keys = list(model.state_dict().keys())
-    if len(keys) != len(arrays):
-        raise ValueError(f"received {len(arrays)} arrays for a model with {len(keys)} state entries; "
-                         "do server and client use the same model and width?")
-    device = next(model.parameters()).device
-    model.load_state_dict({k: torch.from_numpy(np.array(a, copy=True)).to(device)
-                           for k, a in zip(keys, arrays)})
+from pollen.methods.training import (
+    cross_entropy_loss,
+    evaluate_classifier,
+    load_model_arrays,
+    make_sgd,
+    model_arrays,
+    proximal_term,
+    train_epochs,
+)
 
 
 class WeightClient(PollenClient):

@@ -112,6 +112,21 @@ def train_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, ep
     return history
 
 
+def model_arrays(model: torch.nn.Module) -> list[np.ndarray]:
+    """The full state (parameters and buffers) in ``state_dict`` order, as sent to the server."""
+    return [v.detach().cpu().numpy() for v in model.state_dict().values()]
+
+
+def load_model_arrays(model: torch.nn.Module, arrays: list[np.ndarray]) -> None:
+    keys = list(model.state_dict().keys())
+    if len(keys) != len(arrays):
+        raise ValueError(f"received {len(arrays)} arrays for a model with {len(keys)} state entries; "
+                         "do server and client use the same model and width?")
+    device = next(model.parameters()).device
+    model.load_state_dict({k: torch.from_numpy(np.array(a, copy=True)).to(device)
+                           for k, a in zip(keys, arrays)})
+
+
 @torch.no_grad()
 def predict_logits(model: torch.nn.Module, x: torch.Tensor, device: torch.device,
                    batch_size: int = 512) -> torch.Tensor:

@@ -1,0 +1,391 @@
+"""The public-logit family's core: FCCL, its w/o-CON ablation, FedMD, FedDF and SOLO, apart from Flower.
+
+All of them share one round (``specs/fccl.md``), differing only in two switches (:class:`Recipe`):
+
+1. **Collaborative update** on the public set X0 towards the server's consensus logits ``Z̄``
+   (skipped in round 1, when no consensus exists yet): FCCL's cross-correlation loss, FedMD's L1,
+   FedDF's KL, or nothing (SOLO). Every client walks X0 in the same batch order (drawn from the run
+   seed and the round, not the partition), a fresh Adam per batch [FCCL code], ``drop_last``.
+2. **Local update** on private data with a fresh Adam: CE + λ·(KL to last round's model + KL to the
+   frozen SOLO model) for FCCL, CE only for the others.
+
+Then ``prev ← net`` and the client replies with its logits on the whole public set (N0×C float32,
+eval mode), computed on the view of X0 that *next* round's collaborative step uses (the same seeded
+augmentation on every client), so reply rows and next round's targets align per sample.
+
+State in ``context.state`` (never sent): ``fccl-net`` (the trained model), ``fccl-solo`` (the frozen
+intra-domain teacher, pretrained CE-only the first time the client runs), ``fccl-prev`` (the
+inter-domain teacher, ``net`` at the end of the previous round), ``fccl-last-logits`` (this client's
+last reply, for the leave-one-out target). Round 0: ``net = prev = solo``.
+
+Staleness: the official code syncs logits per public batch; Pollen exchanges once per round, so the
+consensus a client distils from in round t was computed from the models at the end of round t−1.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NotRequired, TypedDict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pollen.datasets.domain_tasks import DomainTask
+from pollen.datasets.tasks import ClientData
+from pollen.datasets.transforms import augment, batches
+from pollen.methods.logit_losses import (
+    cross_correlation_loss,
+    fccl_local_loss,
+    feddf_kl_loss,
+    fedmd_l1_loss,
+    leave_one_out_target,
+)
+from pollen.methods.settings import setting
+from pollen.methods.training import (
+    derive_seed,
+    load_model_arrays,
+    model_arrays,
+    predict_logits,
+    seed_everything,
+    train_epochs,
+)
+from pollen.models import SplitModel
+
+COLLABORATIVE = ("col", "l1", "kl")
+TARGETS = ("mean", "leave-one-out")
+
+# Profile defaults for the keys whose value 0 / "" means "let the profile decide".
+Profile = TypedDict("Profile", {"public-size": int, "public-batch-size": int, "solo-epochs": int, "train-cap": int,
+                                "test-size": int, "local-epochs": NotRequired[tuple[int, ...]]})
+QUICK: Profile = {"public-size": 1000, "public-batch-size": 250, "solo-epochs": 30, "train-cap": 500, "test-size": 300,
+         "local-epochs": (10, 10, 2, 2)}
+PAPER: Profile = {"public-size": 5000, "public-batch-size": 512, "solo-epochs": 40, "train-cap": 0, "test-size": 0}
+# Per-domain local epochs of the paper profile: Digits [FCCL code]; Office-Home [ours] (not in the spec).
+PAPER_LOCAL_EPOCHS = {"digits": (40, 35, 3, 4), "digits-offline": (40, 35, 3, 4), "office-home": (20, 20, 20, 20)}
+PAPER_PUBLIC_EPOCHS = {"digits": 1, "digits-offline": 1, "office-home": 2}
+
+# Purposes for derive_seed, so each random stream is independent of the others.
+_PUBLIC_ORDER, _PUBLIC_VIEW, _LOCAL, _SOLO = 11, 12, 13, 14
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a method does in the two phases of a round."""
+
+    collaborative: str | None  # "col" (FCCL), "l1" (FedMD), "kl" (FedDF) or None (SOLO)
+    distill_local: bool  # CE + KL(prev) + KL(SOLO) (FCCL) or CE only
+
+    def __post_init__(self):
+        if self.collaborative not in (None, *COLLABORATIVE):
+            raise ValueError(f"collaborative must be None or one of {COLLABORATIVE}, got {self.collaborative!r}")
+
+
+# The family's methods: what each does in the two phases of a round.
+FCCL = Recipe(collaborative="col", distill_local=True)  # cross-correlation, then CE + KL(prev) + KL(SOLO)
+FCCL_WITHOUT_CON = Recipe(collaborative="col", distill_local=False)  # ablation: cross-correlation, then CE
+FEDMD = Recipe(collaborative="l1", distill_local=False)  # L1 to the consensus logits, then CE
+FEDDF = Recipe(collaborative="kl", distill_local=False)  # KL(σ(consensus) ‖ σ(logits)), then CE
+SOLO = Recipe(collaborative=None, distill_local=False)  # the pretrained model alone, CE; nothing sent
+
+
+@dataclass(frozen=True)
+class LogitOptions:
+    """The logit family's run keys (``fccl-…``) as given, each declared once: default, range, help.
+    0 / "" mean "the profile's value" (``QUICK`` / ``PAPER``); :func:`resolve_settings` fills them in."""
+
+    public: str = setting("fccl-public", "", "choice", "unlabeled public set; empty = the task's default")
+    public_size: int = setting("fccl-public-size", 0, "int >= 0",
+                               "public samples N0; 0 = the profile's (quick 1000, paper 5000)")
+    public_batch_size: int = setting("fccl-public-batch-size", 0, "int >= 0",
+                                     "public batch; 0 = the profile's (quick 250, paper 512)")
+    public_epochs: int = setting("fccl-public-epochs", 0, "int >= 0",
+                                 "epochs of the collaborative step on the public set; 0 = the task's")
+    public_augment: bool = setting("fccl-public-augment", True, "bool",
+                                   "augment public images (crop, flip, rotation) as the official code")
+    lr: float = setting("fccl-lr", 0.001, "float > 0", "Adam learning rate of the logit methods")
+    batch_size: int = setting("fccl-batch-size", 32, "int >= 1", "private batch size")
+    local_epochs: str = setting("fccl-local-epochs", "", "string",
+                                "local epochs per domain, comma-separated (e.g. `10,10,2,2`); empty = the profile's")
+    solo_epochs: int = setting("fccl-solo-epochs", 0, "int >= 0",
+                               "SOLO pretraining epochs; 0 = the profile's (quick 30, paper 40)")
+    train_sizes: str = setting("fccl-train-sizes", "", "string",
+                               "private training samples per domain, comma-separated; empty = the task's")
+    test_size: int = setting("fccl-test-size", 0, "int >= 0",
+                             "test samples per domain; 0 = the profile's (quick 300, paper all)")
+    lambda_col: float = setting("fccl-lambda-col", 0.0051, "float >= 0",
+                                "off-diagonal weight of the cross-correlation loss")
+    lambda_loc: float = setting("fccl-lambda-loc", 1.0, "float >= 0", "weight of the local dual-domain distillation")
+    eps: float = setting("fccl-eps", 1e-06, "float >= 0", "added to the standard deviation when standardising logits")
+    target: str = setting("fccl-target", "mean", "choice",
+                          "consensus each client aligns to: the mean, or the mean without its own logits")
+    average_weights: bool = setting("fccl-average-weights", False, "bool",
+                                    "homogeneous mode (paper Table 3): also average model weights")
+    solo_cache: str = setting("fccl-solo-cache", "", "path",
+                              "folder caching SOLO-pretrained models across runs; empty = no cache")
+
+
+@dataclass(frozen=True)
+class LogitSettings:
+    """The ``fccl-…`` run keys resolved against the profile and the task."""
+
+    public: str
+    public_size: int
+    public_batch_size: int
+    public_epochs: int
+    public_augment: bool
+    lr: float
+    batch_size: int
+    local_epochs: tuple[int, ...]
+    solo_epochs: int
+    train_sizes: tuple[int, ...]
+    test_size: int
+    lambda_col: float
+    lambda_loc: float
+    eps: float
+    target: str
+    average_weights: bool
+    solo_cache: str
+
+
+def _int_list(text: str, key: str, length: int) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in str(text).split(","))
+    except ValueError as err:
+        raise ValueError(f"run config key '{key}' = {text!r}: expected {length} comma-separated integers") from err
+    if len(values) == 1:
+        values = values * length
+    if len(values) != length or any(v < 0 for v in values):
+        raise ValueError(f"run config key '{key}' = {text!r}: expected 1 or {length} non-negative integers")
+    return values
+
+
+def resolve_settings(o: LogitOptions, profile: str, task: DomainTask) -> LogitSettings:
+    """The options with 0 / "" replaced by the profile's (``quick`` or ``paper``) or the task's value."""
+    k = len(task.domains)
+    prof = QUICK if profile == "quick" else PAPER
+    if o.local_epochs:
+        local = _int_list(o.local_epochs, "fccl-local-epochs", k)
+    elif profile == "quick":
+        local = QUICK["local-epochs"][:k]
+    else:
+        local = PAPER_LOCAL_EPOCHS[task.name]
+    if o.train_sizes:
+        sizes = _int_list(o.train_sizes, "fccl-train-sizes", k)
+    else:
+        cap = prof["train-cap"]
+        sizes = tuple(min(s, cap) if cap else s for s in task.train_sizes)
+    return LogitSettings(
+        public=o.public or task.public_default,
+        public_size=o.public_size or prof["public-size"],
+        public_batch_size=o.public_batch_size or prof["public-batch-size"],
+        public_epochs=o.public_epochs or PAPER_PUBLIC_EPOCHS[task.name],
+        public_augment=o.public_augment, lr=o.lr, batch_size=o.batch_size, local_epochs=local,
+        solo_epochs=o.solo_epochs or prof["solo-epochs"], train_sizes=sizes,
+        test_size=o.test_size or prof["test-size"], lambda_col=o.lambda_col, lambda_loc=o.lambda_loc,
+        eps=o.eps, target=o.target, average_weights=o.average_weights, solo_cache=o.solo_cache,
+    )
+
+
+def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
+    """Fraction of rows whose label is among the ``k`` largest logits (top-1 = plain accuracy)."""
+    if len(labels) == 0:
+        return 0.0
+    k = min(k, logits.shape[1])
+    return float((logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).float().mean())
+
+
+def domain_accuracies(model: torch.nn.Module, data: ClientData, device: torch.device, k: int = 1
+                      ) -> dict[str, Any]:
+    """Intra-domain (own test set), per-domain and inter-domain (mean over the other domains) accuracy."""
+    own_logits = predict_logits(model, data.x_test, device)
+    loss = float(F.cross_entropy(own_logits, data.y_test)) if len(data.y_test) else 0.0
+    per = {data.domain: topk_accuracy(own_logits, data.y_test, k)}
+    for name, (x, y) in data.extra_tests.items():
+        per[name] = topk_accuracy(predict_logits(model, x, device), y, k)
+    others = [v for d, v in per.items() if d != data.domain]
+    out: dict[str, Any] = {"loss": loss, "intra-accuracy": per[data.domain],
+                           "inter-accuracy": float(np.mean(others)) if others else 0.0}
+    out.update({f"acc-{d}": v for d, v in per.items()})
+    return out
+
+
+def public_view(x_public: torch.Tensor, seed: int, server_round: int, enabled: bool) -> torch.Tensor:
+    """The public set as seen in ``server_round``: one seeded augmentation shared by all clients.
+
+    FCCL's code augments public batches with RandomCrop(32, pad 4), HFlip and Rotation(15); the view
+    depends only on (run seed, round), so every client's logits refer to the same images.
+    """
+    if not enabled:
+        return x_public
+    gen = torch.Generator().manual_seed(derive_seed(seed, server_round, _PUBLIC_VIEW))
+    return augment(x_public, gen, crop_pad=4, hflip=True, rotation=15.0)
+
+
+
+
+class LogitRound:
+    """One client's round of a public-logit method, apart from Flower.
+
+    ``seed`` and ``partition_id`` seed every random stream (SOLO pretraining, local order, the shared
+    public order and view); ``new_model`` builds this client's architecture; ``solo_cache_path`` is a
+    file shared by runs that would pretrain the identical SOLO model (or ``None``). The store also
+    keeps arrays (``load_arrays``/``save_arrays``: this client's last reply).
+    """
+
+    NET, SOLO, PREV, LAST = "fccl-net", "fccl-solo", "fccl-prev", "fccl-last-logits"
+
+    def __init__(self, recipe: Recipe, settings: LogitSettings, store: Any, data: ClientData,
+                 x_public: Callable[[], torch.Tensor], num_classes: int, top_k: int, device: torch.device,
+                 new_model: Callable[[], SplitModel], seed: int, partition_id: int,
+                 solo_cache_path: str | None = None):
+        self.recipe, self.settings, self.store, self.data = recipe, settings, store, data
+        self._x_public, self.num_classes, self.top_k, self.device = x_public, num_classes, top_k, device
+        self.new_model, self.seed, self.partition_id = new_model, seed, partition_id
+        self.solo_cache_path = solo_cache_path
+
+    @property
+    def x_public(self) -> torch.Tensor:
+        return self._x_public()
+
+    def generator(self, server_round: int, purpose: int) -> torch.Generator:
+        return seed_everything(derive_seed(self.seed, self.partition_id, server_round, purpose))
+
+    # models and state ----------------------------------------------------------------------
+    def pretrain_solo(self) -> SplitModel:
+        """CE-only training on private data from a seeded init (Adam, ``fccl-solo-epochs``) [FCCL code]."""
+        torch.manual_seed(self.seed)
+        model = self.new_model()
+        path = self.solo_cache_path
+        if path and os.path.exists(path):
+            model.load_state_dict(torch.load(path, map_location=self.device))
+            return model
+        s = self.settings
+        train_epochs(model, self.data.x_train, self.data.y_train, epochs=s.solo_epochs, batch_size=s.batch_size,
+                     optimizer=torch.optim.Adam(model.parameters(), lr=s.lr),
+                     generator=self.generator(0, _SOLO), device=self.device)
+        if path:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            torch.save(model.state_dict(), tmp)
+            os.replace(tmp, path)
+        return model
+
+    def models(self) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, bool]:
+        """(net, solo, prev, fresh): from state, or SOLO-pretrained when this client runs first."""
+        net, solo, prev = self.new_model(), self.new_model(), self.new_model()
+        if self.store.load_module(self.NET, net):
+            self.store.load_module(self.SOLO, solo)
+            self.store.load_module(self.PREV, prev)
+            return net, solo, prev, False
+        solo = self.pretrain_solo()
+        net.load_state_dict(solo.state_dict())
+        prev.load_state_dict(solo.state_dict())
+        self.store.save_module(self.SOLO, solo)
+        self.store.save_module(self.NET, net)
+        self.store.save_module(self.PREV, prev)
+        return net, solo, prev, True
+
+    # the round -----------------------------------------------------------------------------
+    def collaborative_target(self, consensus: np.ndarray, count: int, contributed: bool) -> np.ndarray | None:
+        if self.settings.target == "mean":
+            return consensus
+        own = None
+        if contributed:
+            stored = self.store.load_arrays(self.LAST)
+            own = None if stored is None else stored["logits"]
+        return leave_one_out_target(consensus, count, own)
+
+    def collaborative_loss(self, z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        kind = self.recipe.collaborative
+        if kind == "col":
+            return cross_correlation_loss(z, target, self.settings.lambda_col, self.settings.eps)
+        if kind == "l1":
+            return fedmd_l1_loss(z, target)
+        return feddf_kl_loss(z, target)
+
+    def collaborative_update(self, net: torch.nn.Module, target: np.ndarray, server_round: int) -> float:
+        """One pass (or ``public-epochs``) over X0 towards ``target``, one fresh-Adam step per batch."""
+        s = self.settings
+        x = public_view(self.x_public, self.seed, server_round, s.public_augment)
+        if target.shape != (len(x), self.num_classes):
+            raise ValueError(f"consensus logits have shape {target.shape}, expected {(len(x), self.num_classes)}")
+        z_bar = torch.from_numpy(np.asarray(target, dtype=np.float32))
+        order = torch.Generator().manual_seed(derive_seed(self.seed, server_round, _PUBLIC_ORDER))
+        net.train()
+        losses = []
+        for _ in range(s.public_epochs):
+            for idx in batches(len(x), s.public_batch_size, order, drop_last=True):
+                optimizer = torch.optim.Adam(net.parameters(), lr=s.lr)
+                loss = self.collaborative_loss(net(x[idx].to(self.device)), z_bar[idx].to(self.device))
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"collaborative loss became {float(loss)}")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss.detach()))
+        return float(np.mean(losses)) if losses else float("nan")
+
+    def local_update(self, net, solo, prev, server_round: int) -> dict[str, float]:
+        s = self.settings
+        distill = self.recipe.distill_local
+        if distill:
+            solo.eval()
+            prev.eval()
+
+        def loss_fn(model, x, y):
+            if not distill:
+                return fccl_local_loss(model(x), y, None, None)
+            with torch.no_grad():
+                prev_logits, solo_logits = prev(x), solo(x)
+            return fccl_local_loss(model(x), y, prev_logits, solo_logits, s.lambda_loc)
+
+        epochs = s.local_epochs[self.partition_id % len(s.local_epochs)]
+        history = train_epochs(net, self.data.x_train, self.data.y_train, epochs=epochs, batch_size=s.batch_size,
+                               optimizer=torch.optim.Adam(net.parameters(), lr=s.lr),
+                               generator=self.generator(server_round, _LOCAL), device=self.device,
+                               loss_fn=loss_fn)
+        if not history:
+            return {}
+        return {"train-loss": history[-1].loss, **{f"train-{k}": v for k, v in history[-1].parts.items()}}
+
+    def public_logits(self, net: torch.nn.Module, server_round: int) -> np.ndarray:
+        """Logits on the view of X0 that round ``server_round + 1`` trains on (eval mode)."""
+        x = public_view(self.x_public, self.seed, server_round + 1, self.settings.public_augment)
+        return predict_logits(net, x, self.device).numpy().astype(np.float32)
+
+    def fit(self, arrays: list[np.ndarray], server_round: int,
+            contributed: bool) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+        """Collaborative step towards the consensus (``arrays``: consensus, contributor count[, model
+        state]), local step, then this client's public logits (and model state when averaging)."""
+        s = self.settings
+        net, solo, prev, fresh = self.models()
+        metrics: dict[str, Any] = {"domain": self.data.domain}
+        if fresh:  # the SOLO row (round 0): the pretrained model before any collaboration
+            solo_acc = domain_accuracies(solo, self.data, self.device, self.top_k)
+            metrics.update({f"solo-{k}": v for k, v in solo_acc.items() if k != "loss"})
+        if s.average_weights and len(arrays) > 2:
+            load_model_arrays(net, arrays[2:])
+        if self.recipe.collaborative and len(arrays) >= 2:
+            target = self.collaborative_target(arrays[0], int(arrays[1][0]), contributed)
+            if target is not None:
+                metrics["collab-loss"] = self.collaborative_update(net, target, server_round)
+        metrics.update(self.local_update(net, solo, prev, server_round))
+        self.store.save_module(self.NET, net)
+        self.store.save_module(self.PREV, net)  # prev ← net: next round's inter-domain teacher
+        reply: list[np.ndarray] = []
+        if self.recipe.collaborative or s.average_weights:
+            logits = self.public_logits(net, server_round)
+            self.store.save_arrays(self.LAST, {"logits": logits})
+            reply.append(logits)
+            if s.average_weights:
+                reply.extend(model_arrays(net))
+        return reply, self.data.num_train, metrics
+
+    def evaluate(self) -> tuple[float, int, dict[str, Any]]:
+        net, _, _, _ = self.models()
+        acc = domain_accuracies(net, self.data, self.device, self.top_k)
+        loss = acc.pop("loss")
+        return loss, len(self.data.y_test), {"domain": self.data.domain, **acc}

@@ -241,7 +241,7 @@ def write_methods(results: dict, args) -> None:
 
 
 def bench_proxy(args) -> None:
-    from pollen.clients.glfc import build_lenet
+    from pollen.methods.glfc import build_lenet
     from pollen.datasets.incremental import stream_data
     from pollen.strategies.proxy import (LBFGSSettings, lenet_gradient, reconstruct_batched,
                                          reconstruct_one_by_one)

@@ -130,7 +130,7 @@ def part_proxy(args, device) -> list[dict]:
     """GLFC's proxy on the device: batched inversion vs the official loop on the first few images."""
     import torch
 
-    from pollen.clients.glfc import build_lenet
+    from pollen.methods.glfc import build_lenet
     from pollen.strategies.proxy import LBFGSSettings, lenet_gradient, reconstruct_batched, reconstruct_one_by_one
 
     lenet = build_lenet("mnist-fmnist-cil", 0).to(device)

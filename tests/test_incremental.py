@@ -117,7 +117,7 @@ def test_cifar100_stream_and_client_on_fixture_files(tmp_path, monkeypatch):
 
     from pollen.app.config import parse_node_config, parse_run_config
     from pollen.app.methods_glfc import make_client
-    from pollen.clients.glfc import build_lenet, build_stream_model
+    from pollen.methods.glfc import build_lenet, build_stream_model
     from pollen.methods.training import model_arrays
     from tests.conftest import make_context
     from tests.test_sources import write_cifar_batch

@@ -111,7 +111,7 @@ def test_proximal_term_is_half_mu_times_the_squared_distance_to_the_start():
         model.head.bias[2] -= 2.0
     loss, parts = objective([term])(model, x, y)
     assert parts["prox"] == pytest.approx(0.5**2 + 2.0**2)  # ||w - w_start||²
-    assert float(loss) == pytest.approx(0.15 * (0.25 + 4.0))  # mu/2 · that
+    assert float(loss.detach()) == pytest.approx(0.15 * (0.25 + 4.0))  # mu/2 · that
     loss.backward()  # gradient mu·(w - w_start)
     for p, s in zip(model.parameters(), start, strict=True):
         torch.testing.assert_close(p.grad, 0.3 * (p.detach() - s))

@@ -1,12 +1,13 @@
 """Registry entries for the class-incremental family: GLFC, its ablations, FedAvg + iCaRL, Finetune.
 
 All share :class:`~pollen.strategies.glfc.IncrementalFedAvg` (Message API) and
-:class:`~pollen.clients.glfc.IncrementalClient`, joined by :data:`GLFC_ADAPTER`, which translates the
+:class:`~pollen.clients.glfc.IncrementalClient` (an adapter around
+:class:`~pollen.methods.glfc.IncrementalRound`), joined by :data:`GLFC_ADAPTER`, which translates the
 named records of :mod:`pollen.protocol.glfc` to the client's arrays and back; the method name picks the
 objective, the memory, the old model and the proxy. The strategy learns each node's partition from a
 ``query`` message: the ClientApp answers it with :func:`answer_query`. They run on the class-incremental
 tasks of :mod:`pollen.datasets.incremental` (``mnist-fmnist-cil``, ``cifar100-cil``). Run keys are prefixed
-``glfc-`` (``docs/usage.md``).
+``glfc-`` (``docs/usage.md``), declared once by :class:`~pollen.methods.glfc.GlfcOptions`.
 Start the simulation with ``glfc-initial-clients + (glfc-tasks - 1) · glfc-new-clients`` SuperNodes and
 ``num-server-rounds = glfc-tasks · glfc-rounds-per-task``.
 """
@@ -24,8 +25,10 @@ from pollen.app.adapters import ClientAdapter, evaluate_reply
 from pollen.app.config import ConfigError, parse_node_config
 from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key, check
-from pollen.clients.glfc import IncrementalClient, IncrementalSettings, build_lenet, build_stream_model
+from pollen.clients.glfc import IncrementalClient
 from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, is_stream_task, plan_stream, stream_data
+from pollen.methods.glfc import GlfcOptions, IncrementalSettings, build_lenet, build_stream_model
+from pollen.methods.settings import declared_keys, from_values
 from pollen.methods.training import pick_device
 from pollen.protocol import glfc as protocol
 from pollen.strategies.glfc import IncrementalFedAvg, seeded_model
@@ -33,39 +36,8 @@ from pollen.strategies.glfc import IncrementalFedAvg, seeded_model
 if TYPE_CHECKING:
     from pollen.app.config import RunConfig
 
-# The class-incremental family's run keys: default, range, help (pyproject.toml repeats the defaults).
-GLFC_KEYS: dict[str, Key] = {
-    "glfc-tasks": Key(4, "int >= 1", "T: tasks in the class-incremental stream"),
-    "glfc-classes-per-task": Key(5, "int >= 1", "s: new classes per task"),
-    "glfc-rounds-per-task": Key(2, "int >= 1", "rounds per task (`num-server-rounds` = T × this)"),
-    "glfc-initial-clients": Key(4, "int >= 1", "clients at the first task"),
-    "glfc-new-clients": Key(2, "int >= 0", "clients joining at each new task"),
-    "glfc-clients-per-round": Key(3, "int >= 1", "clients sampled per round among those that exist"),
-    "glfc-old-fraction": Key(0.1, "float in [0, 1)",
-        "fraction of existing clients that keep their old classes at a new task"),
-    "glfc-class-fraction": Key(0.6, "float in (0, 1]", "fraction of a task's classes a learning client draws"),
-    "glfc-duplicate-data": Key(False, "bool",
-        "every client gets all images of its classes (the official code); false = disjoint shards"),
-    "glfc-max-per-class": Key(200, "int >= 0", "cap on a client's images per class; 0 = no cap"),
-    "glfc-class-order": Key("label", "choice", "classes in label order or shuffled by the seed"),
-    "glfc-memory-size": Key(100, "int >= 0", "exemplar memory per client (iCaRL herding)"),
-    "glfc-tau": Key(1.2, "float > 0", "entropy threshold of the task-transition detector (nats)"),
-    "glfc-oracle-boundary": Key(False, "bool", "clients know task boundaries instead of detecting them"),
-    "glfc-detect-all-clients": Key(False, "bool",
-        "every client runs detection every round (the official code); false = sampled clients only"),
-    "glfc-lr-schedule": Key("cosine", "choice",
-        "learning rate within a task: cosine, the official code's steps, or constant"),
-    "glfc-herding-distinct": Key(True, "bool", "herding never picks an image twice"),
-    "glfc-perturb-steps": Key(50, "int >= 0", "steps perturbing a client's class prototypes before sending gradients"),
-    "glfc-perturb-lr": Key(0.2, "float > 0", "learning rate of that perturbation"),
-    "glfc-proxy-iterations": Key(250, "int >= 1", "proxy server: L-BFGS iterations of gradient inversion"),
-    "glfc-proxy-keep": Key(20, "int >= 1", "proxy server: iterations whose reconstructions are kept (<= iterations)"),
-    "glfc-proxy-lr": Key(0.1, "float > 0", "proxy server: L-BFGS learning rate"),
-    "glfc-proxy-reset-per-task": Key(True, "bool",
-        "reset the best-old-model score at each task (false = the official code)"),
-    "glfc-proxy-chunk": Key(128, "int >= 1", "proxy server: gradients inverted per batch"),
-    "glfc-eval-per-class": Key(0, "int >= 0", "server test images per seen class; 0 = all"),
-}
+# The class-incremental family's run keys, from its typed options (pyproject.toml repeats the defaults).
+GLFC_KEYS: dict[str, Key] = {key: Key(*declared) for key, declared in declared_keys(GlfcOptions).items()}
 
 # method -> (objective, use_gc, use_rd, use_memory, old model source)
 VARIANTS = {
@@ -141,25 +113,28 @@ def validate_glfc(cfg: RunConfig) -> None:
                           f"glfc-proxy-iterations ({iters})")
 
 
+def options(cfg: RunConfig) -> GlfcOptions:
+    return from_values(GlfcOptions, cfg.extra)
+
+
 def settings_for(cfg: RunConfig) -> IncrementalSettings:
     objective, gc, rd, memory, old = VARIANTS[cfg.method]
-    e = cfg.extra
+    o = options(cfg)
     return IncrementalSettings(
-        task=cfg.task, stream=stream_config(cfg), rounds_per_task=int(e["glfc-rounds-per-task"]),
-        clients_per_round=int(e["glfc-clients-per-round"]), objective=objective, use_gc=gc, use_rd=rd,
-        use_memory=memory, old_model=old, memory_size=int(e["glfc-memory-size"]), tau=float(e["glfc-tau"]),
-        oracle_boundary=bool(e["glfc-oracle-boundary"]), lr_schedule=str(e["glfc-lr-schedule"]),
-        class_order=str(e["glfc-class-order"]), herding_distinct=bool(e["glfc-herding-distinct"]),
-        perturb_steps=int(e["glfc-perturb-steps"]), perturb_lr=float(e["glfc-perturb-lr"]))
+        task=cfg.task, stream=stream_config(cfg), rounds_per_task=o.rounds_per_task,
+        clients_per_round=o.clients_per_round, objective=objective, use_gc=gc, use_rd=rd, use_memory=memory,
+        old_model=old, memory_size=o.memory_size, tau=o.tau, oracle_boundary=o.oracle_boundary,
+        lr_schedule=o.lr_schedule, class_order=o.class_order, herding_distinct=o.herding_distinct,
+        perturb_steps=o.perturb_steps, perturb_lr=o.perturb_lr)
 
 
 def _test_set(cfg: RunConfig):
-    per_class = int(cfg.extra["glfc-eval-per-class"])
+    per_class = options(cfg).eval_per_class
     cache: dict[int, tuple] = {}
 
     def seen(num_classes: int):
         if num_classes not in cache:
-            data = stream_data(cfg.task, cfg.data_root, "test", str(cfg.extra["glfc-class-order"]), cfg.seed,
+            data = stream_data(cfg.task, cfg.data_root, "test", options(cfg).class_order, cfg.seed,
                                cfg.download)
             labels = data.y.numpy()
             idx = []
@@ -182,21 +157,21 @@ def _model_factory(cfg: RunConfig):
 def make_strategy(cfg: RunConfig) -> IncrementalFedAvg:
     s = settings_for(cfg)
     src = SOURCES[cfg.task]
-    e = cfg.extra
+    o = options(cfg)
     return IncrementalFedAvg(
         plan=plan_stream(s.stream), rounds_per_task=s.rounds_per_task, clients_per_round=s.clients_per_round,
         make_model=_model_factory(cfg), lenet=build_lenet(cfg.task, cfg.seed) if s.old_model == "proxy" else None,
-        test_data=_test_set(cfg), old_model=s.old_model, proxy_iterations=int(e["glfc-proxy-iterations"]),
-        proxy_keep=int(e["glfc-proxy-keep"]), proxy_lr=float(e["glfc-proxy-lr"]),
-        proxy_reset_per_task=bool(e["glfc-proxy-reset-per-task"]), proxy_chunk=int(e["glfc-proxy-chunk"]),
+        test_data=_test_set(cfg), old_model=s.old_model, proxy_iterations=o.proxy_iterations,
+        proxy_keep=o.proxy_keep, proxy_lr=o.proxy_lr, proxy_reset_per_task=o.proxy_reset_per_task,
+        proxy_chunk=o.proxy_chunk,
         image_shape=(src.fmt.channels, src.fmt.size, src.fmt.size), device=pick_device(cfg.device),
-        detect_all_clients=bool(e["glfc-detect-all-clients"]), **strategy_options(cfg))
+        detect_all_clients=o.detect_all_clients, **strategy_options(cfg))
 
 
 def initial_arrays(cfg: RunConfig) -> ArrayRecord:
     """The initial global model (head of ``glfc-classes-per-task``), drawn from the run seed exactly as
     the strategy draws its own."""
-    model = seeded_model(_model_factory(cfg), int(cfg.extra["glfc-classes-per-task"]), cfg.seed)
+    model = seeded_model(_model_factory(cfg), options(cfg).classes_per_task, cfg.seed)
     return ArrayRecord(model.state_dict())
 
 

@@ -46,7 +46,6 @@ def _bad(key, value, expected) -> ConfigError:
 
 def validate(cfg: RunConfig) -> None:
     """The task, and what the ranges of the ``fccl-…`` keys cannot say, before any training."""
-    x = cfg.extra
     if cfg.task not in DOMAIN_TASKS:
         raise _bad("task", cfg.task, f"a domain-per-client task for method '{cfg.method}': "
                    + ", ".join(DOMAIN_TASKS))
@@ -59,7 +58,7 @@ def validate(cfg: RunConfig) -> None:
                           f"= {s.public_size}: need 2 <= batch size <= public size (batches drop the remainder, "
                           "and the cross-correlation needs >= 2 rows)")
     if any(n < 1 for n in s.train_sizes):
-        raise _bad("fccl-train-sizes", x["fccl-train-sizes"], "positive sizes")
+        raise _bad("fccl-train-sizes", from_values(LogitOptions, cfg.extra).train_sizes, "positive sizes")
 
 
 def make_strategy(cfg: RunConfig) -> PollenStrategy:

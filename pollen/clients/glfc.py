@@ -1,135 +1,31 @@
-"""GLFC-family clients: GLFC, its ablations, FedAvg + iCaRL and Finetune on a class-incremental stream.
+"""The class-incremental family's NumPyClient: a thin adapter from Flower's ``fit``/``evaluate`` to
+:class:`pollen.methods.glfc.IncrementalRound` (GLFC, its ablations, FedAvg + iCaRL, Finetune).
 
-One class, :class:`IncrementalClient`, configured by :class:`IncrementalSettings` (the method decides
-the objective, whether there is an exemplar memory, which old model to distil from, whether to share
-prototype gradients with the proxy). Per round it
-
-1. rebuilds the received global model (head size ``num-classes``) and caches any old model the server
-   sent (slots 1 and 2, by version) in ``context.state``;
-2. finds its current data from the stream plan (partition ``i`` = stream client ``i``);
-3. runs task-transition detection (mean softmax entropy of the global model on its current data
-   jumping by more than ``tau``; or the oracle: the first round it sees a new task). On a transition
-   the classes it held before become learned classes: old exemplar sets shrink to the new quota
-   and the new ones are herded with the received model's features;
-4. trains on current data + exemplars with the method's loss (an old model only once it has learned
-   classes: on a transition round the slot the server designates — 2 until the task's gradients have
-   reached the proxy, then 1 — otherwise slot 1);
-5. on a transition (proxy methods), for each current class perturbs the image nearest its feature
-   mean and returns the LeNet gradient of ``CE(LeNet(x), c)`` after the model weights.
-
-On the wire everything travels by name (:mod:`pollen.protocol.glfc`); the ClientApp adapter
-(``pollen.app.methods_glfc.GLFC_ADAPTER``) hands this client positional arrays: the global state, then
-the old models sent (``config["model-arrays"]`` / ``config["old{n}-arrays"]`` entries each), and names
-its answer — the model's full state arrays, then one LeNet gradient set (8 arrays, ``parameters()``
-order) per new class. Everything remembered between rounds (learned classes, exemplar indices, last entropy,
-held classes, cached old models) lives in ``context.state``.
+The ClientApp adapter (``pollen.app.methods_glfc.GLFC_ADAPTER``) turns the named records of
+:mod:`pollen.protocol.glfc` into positional arrays in this client's own state-dict order
+(:meth:`IncrementalClient.state_keys`) and back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
-import numpy as np
-import torch
-import torch.nn.functional as F
 from flwr.common import Context, NDArrays, Scalar
 
 from pollen.clients.base import PollenClient, _state_keys
-from pollen.clients.memory import (
-    memory_from_arrays,
-    memory_to_arrays,
-    nearest_to_mean,
-    normalised_features,
-    update_memory,
-)
-from pollen.datasets.incremental import SOURCES, StreamConfig, client_task_data, plan_stream, shard_indices, stream_data
-from pollen.datasets.transforms import augment
-from pollen.methods.incremental_losses import incremental_loss, is_transition, learning_rate, mean_entropy
-from pollen.methods.training import load_model_arrays, model_arrays, predict_logits, train_epochs
-from pollen.models import LeNet, SplitModel, build_model
-
-OLD_MODEL_SOURCES = ("proxy", "previous-task", "none")
-
-
-@dataclass(frozen=True)
-class IncrementalSettings:
-    """What distinguishes the GLFC-family methods, plus the stream they run on."""
-
-    task: str
-    stream: StreamConfig
-    rounds_per_task: int
-    clients_per_round: int
-    objective: str = "glfc"  # glfc | icarl | ce
-    use_gc: bool = True
-    use_rd: bool = True
-    use_memory: bool = True
-    old_model: str = "proxy"  # proxy | previous-task | none
-    memory_size: int = 2000
-    tau: float = 1.2
-    oracle_boundary: bool = False
-    lr_schedule: str = "cosine"
-    class_order: str = "label"
-    herding_distinct: bool = True
-    perturb_steps: int = 50
-    perturb_lr: float = 0.2
-
-    @property
-    def shares_gradients(self) -> bool:
-        return self.old_model == "proxy"
-
-    @property
-    def distils(self) -> bool:
-        return self.old_model != "none" and (self.objective == "icarl" or self.use_rd)
-
-    def task_of_round(self, server_round: int) -> int:
-        return min(self.stream.num_tasks - 1, max(0, server_round - 1) // self.rounds_per_task)
-
-
-def build_stream_model(task: str, model_name: str, num_classes: int, width: float) -> SplitModel:
-    src = SOURCES[task]
-    return build_model(model_name, num_classes, in_channels=src.fmt.channels, image_size=src.fmt.size,
-                       width=width)
-
-
-def build_lenet(task: str, seed: int) -> LeNet:
-    """The proxy's fixed LeNet: one output per stream class, weights from the run seed (both sides)."""
-    src = SOURCES[task]
-    return LeNet(src.num_classes, in_channels=src.fmt.channels, image_size=src.fmt.size, seed=seed)
-
-
-def perturb_prototype(model: torch.nn.Module, x: torch.Tensor, label: int, num_classes: int, steps: int,
-                      lr: float, weight_decay: float = 1e-5) -> torch.Tensor:
-    """GLFC's perturbation: ``steps`` SGD steps on the image, lowering the model's BCE towards ``label``."""
-    model.eval()
-    data = x.detach().clone().unsqueeze(0).requires_grad_(True)
-    target = F.one_hot(torch.tensor([label]), num_classes).float().to(data.device)
-    opt = torch.optim.SGD([data], lr=lr, weight_decay=weight_decay)
-    for _ in range(steps):
-        opt.zero_grad()
-        F.binary_cross_entropy_with_logits(model(data), target).backward()
-        opt.step()
-    return data.detach().squeeze(0)
-
-
-def lenet_gradient_arrays(lenet: torch.nn.Module, x: torch.Tensor, label: int) -> list[np.ndarray]:
-    params = list(lenet.parameters())
-    out = lenet(x.unsqueeze(0).to(params[0].device))
-    loss = F.cross_entropy(out, torch.tensor([int(label)], device=out.device))
-    return [g.detach().cpu().numpy().astype(np.float32) for g in torch.autograd.grad(loss, params)]
+from pollen.datasets.incremental import SOURCES
+from pollen.methods.glfc import IncrementalRound, IncrementalSettings, build_stream_model
+from pollen.methods.training import model_arrays
+from pollen.models import SplitModel
 
 
 class IncrementalClient(PollenClient):
-    """GLFC / ablations / FedAvg+iCaRL / Finetune client (see the module docstring)."""
-
-    STATE = "cil-state"
-    MEMORY = "cil-memory"
+    """Learned classes, exemplar memory, detector state and cached old models in ``context.state``."""
 
     def __init__(self, cfg, node, context: Context, settings: IncrementalSettings):
         super().__init__(cfg, node, context)
         self.settings = settings
-        self.plan = plan_stream(settings.stream)
 
-    # helpers ------------------------------------------------------------------------------
     @property
     def stream_model_name(self) -> str:
         return self.node.model or self.cfg.model or SOURCES[self.settings.task].default_model
@@ -145,177 +41,19 @@ class IncrementalClient(PollenClient):
         name = self.stream_model_name
         return build_stream_model(self.settings.task, name, num_classes, self.cfg.width_for(name)).to(self.device)
 
-    def _root(self) -> str | None:
-        return self.node.data_root or self.cfg.data_root
+    @functools.cached_property
+    def core(self) -> IncrementalRound:
+        return IncrementalRound(self.settings, self.local_training(), self.state, self.partition_id, self.cfg.seed,
+                                self.device, self._model, self.node.data_root or self.cfg.data_root,
+                                self.cfg.download)
 
-    def _train_pool(self):
-        return stream_data(self.settings.task, self._root(), "train", self.settings.class_order,
-                           self.settings.stream.seed, self.cfg.download)
-
-    def _old_model(self, slot: int) -> SplitModel | None:
-        meta = self.state.load_values(f"old{slot}-meta", {"version": 0, "classes": 0})
-        if not meta["version"]:
-            return None
-        arrays = self.state.load_arrays(f"old{slot}")
-        assert arrays is not None  # _cache_old_models saves the arrays with their meta
-        model = self._model(int(meta["classes"]))
-        load_model_arrays(model, [arrays[str(i)] for i in range(len(arrays))])
-        model.eval()
-        return model
-
-    def _cache_old_models(self, parameters: list[np.ndarray], config: dict, offset: int) -> None:
-        for slot in (1, 2):
-            if not bool(config.get(f"old{slot}-sent", False)):
-                continue
-            n = int(config[f"old{slot}-arrays"])
-            arrays = parameters[offset:offset + n]
-            offset += n
-            self.state.save_arrays(f"old{slot}", {str(i): a for i, a in enumerate(arrays)})
-            self.state.save_values(f"old{slot}-meta", {"version": int(config[f"old{slot}-version"]),
-                                                       "classes": int(config[f"old{slot}-classes"])})
-
-    def _detect(self, model: SplitModel, task: int):
-        """Task-transition detection and, on a transition, learned classes + exemplar memory update.
-
-        Returns (transition, state values, memory, current x, current y, current classes, entropy);
-        the state and memory are already saved.
-        """
-        s = self.settings
-        st = self.state.load_values(self.STATE, {"learned": [], "held": [], "pending": [], "last-entropy": 0.0,
-                                                 "last-task": -1})
-        memory = memory_from_arrays(self.state.load_arrays(self.MEMORY))
-        classes = list(self.plan.client_classes(self.partition_id, task))
-        if not classes:
-            raise RuntimeError(f"partition {self.partition_id} was contacted at task {task} but joins later "
-                               f"(population {self.plan.population[task]}); the strategy must contact active clients")
-        if task != st["last-task"] and classes != st["held"]:
-            if st["held"]:  # the classes held before become the ones to learn at the next transition
-                st["pending"] = sorted(set(st["pending"]) | set(st["held"]))
-            st["held"] = classes
-        x_cur, y_cur, _ = client_task_data(s.task, self.plan, self._root(), self.partition_id, task,
-                                           s.class_order, self.cfg.download)
-        entropy = mean_entropy(predict_logits(model, x_cur, self.device))
-        if s.oracle_boundary:
-            transition = task != st["last-task"]
-        else:
-            transition = is_transition(entropy, float(st["last-entropy"]), s.tau)
-        st["last-entropy"] = entropy
-        st["last-task"] = task
-        if transition and st["pending"]:
-            learned_now = [c for c in st["pending"] if c not in st["learned"]]
-            st["learned"] = sorted(set(st["learned"]) | set(learned_now))
-            st["pending"] = []
-            if s.use_memory and learned_now:
-                pool = self._train_pool()
-                labels = pool.y.numpy()
-                new_sets = {}
-                for c in learned_now:
-                    idx = shard_indices(self.plan, labels, self.partition_id, c)
-                    xc, _ = pool.select(idx)
-                    new_sets[c] = (idx, normalised_features(model, xc, self.device))
-                memory = update_memory(memory, new_sets, s.memory_size, s.herding_distinct)
-                self.state.save_arrays(self.MEMORY, memory_to_arrays(memory))
-        self.state.save_values(self.STATE, st)
-        return transition, st, memory, x_cur, y_cur, classes, entropy
-
-    # Flower API ---------------------------------------------------------------------------
     def get_parameters(self, config):
         return model_arrays(self._model(self.settings.stream.classes_per_task))
 
     def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        s = self.settings
-        server_round = int(config.get("server-round", 0))
-        task = int(config.get("task", s.task_of_round(server_round)))
-        num_classes = int(config["num-classes"])
-        n_model = int(config["model-arrays"])
-        generator = self.round_generator(server_round)
-
-        model = self._model(num_classes)
-        load_model_arrays(model, parameters[:n_model])
-        self._cache_old_models(parameters, config, n_model)
-
-        transition, st, memory, x_cur, y_cur, classes, entropy = self._detect(model, task)
-
-        # training set: current data + exemplars
-        x_train, y_train = x_cur, y_cur
-        if s.use_memory and memory:
-            ex_idx = np.concatenate([v for v in memory.values()]) if memory else np.zeros(0, np.int64)
-            if len(ex_idx):
-                x_ex, y_ex = self._train_pool().select(ex_idx)
-                x_train, y_train = torch.cat([x_cur, x_ex]), torch.cat([y_cur, y_ex])
-
-        old = None
-        if s.distils and st["learned"]:
-            slot = int(config.get("transition-slot", 2)) if transition else 1
-            old = (self._old_model(slot) if slot == 2 else None) or self._old_model(1)
-        learned = list(st["learned"])
-
-        augment_batch = SOURCES[s.task].augment
-
-        def loss_fn(m, xb, yb):
-            if augment_batch:
-                xb = augment(xb, generator, crop_pad=4, hflip=True, brightness=0.247)
-            old_logits = None
-            if old is not None:
-                with torch.no_grad():
-                    old_logits = old(xb)
-            return incremental_loss(m(xb), yb, objective=s.objective, learned_classes=learned,
-                                    old_logits=old_logits, use_gc=s.use_gc, use_rd=s.use_rd)
-
-        round_in_task = int(config.get("round-in-task", 0))
-        history = []
-        opt = torch.optim.SGD(model.parameters(), lr=self.cfg.lr, momentum=self.cfg.momentum,
-                              weight_decay=self.cfg.weight_decay)
-        for epoch in range(self.cfg.local_epochs):
-            lr = learning_rate(s.lr_schedule, self.cfg.lr, round_in_task=round_in_task,
-                               rounds_per_task=s.rounds_per_task, epoch=epoch, epochs=self.cfg.local_epochs,
-                               global_round=max(0, server_round - 1), first_task=task == 0)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            history += train_epochs(model, x_train, y_train, epochs=1, batch_size=self.cfg.batch_size,
-                                    optimizer=opt, generator=generator, device=self.device, loss_fn=loss_fn)
-
-        grads: list[np.ndarray] = []
-        num_grads = 0
-        if transition and s.shares_gradients:
-            lenet = build_lenet(s.task, self.cfg.seed).to(self.device)
-            feats = normalised_features(model, x_cur, self.device)
-            for c in classes:
-                rows = torch.nonzero(y_cur == c).squeeze(1)
-                if len(rows) == 0:
-                    continue
-                proto = x_cur[rows[nearest_to_mean(feats[rows])]].to(self.device)
-                proto = perturb_prototype(model, proto, c, num_classes, s.perturb_steps, s.perturb_lr)
-                grads += lenet_gradient_arrays(lenet, proto, c)
-                num_grads += 1
-
-        self.state.save_values(self.STATE, st)
-        metrics = {**self.base_metrics(), "task": task, "transition": int(transition), "entropy": entropy,
-                   "num-gradients": num_grads, "learned-classes": len(st["learned"]),
-                   "exemplars": int(sum(len(v) for v in memory.values())), "distilled": int(old is not None),
-                   "old1-version": int(self.state.load_values("old1-meta", {"version": 0})["version"]),
-                   "old2-version": int(self.state.load_values("old2-meta", {"version": 0})["version"])}
-        if history:
-            metrics["train-loss"] = history[-1].loss
-        return model_arrays(model) + grads, int(len(y_train)), metrics
+        arrays, num, metrics = self.core.fit(list(parameters), dict(config))
+        return arrays, num, {**self.base_metrics(), **metrics}
 
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
-        """Accuracy of the global model on this client's current data (the server evaluates globally).
-
-        With ``detect-only`` (the code's every-client-every-round detection, ``glfc-detect-all-clients``)
-        the client instead runs task-transition detection and its memory update on the received model.
-        """
-        task = int(config.get("task", 0))
-        model = self._model(int(config["num-classes"]))
-        load_model_arrays(model, parameters[:int(config["model-arrays"])])
-        if bool(config.get("detect-only", False)):
-            transition, st, memory, _, y_cur, _, entropy = self._detect(model, task)
-            return 0.0, int(len(y_cur)), {**self.base_metrics(), "transition": int(transition), "entropy": entropy,
-                                          "learned-classes": len(st["learned"]),
-                                          "exemplars": int(sum(len(v) for v in memory.values()))}
-        x, y, _ = client_task_data(self.settings.task, self.plan, self._root(), self.partition_id, task,
-                                   self.settings.class_order, self.cfg.download)
-        logits = predict_logits(model, x, self.device)
-        loss = float(F.cross_entropy(logits, y)) if len(y) else 0.0
-        acc = float((logits.argmax(1) == y).float().mean()) if len(y) else 0.0
-        return loss, int(len(y)), {**self.base_metrics(), "accuracy": acc}
+        loss, num, metrics = self.core.evaluate(list(parameters), dict(config))
+        return loss, num, {**self.base_metrics(), **metrics}

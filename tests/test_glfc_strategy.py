@@ -261,7 +261,7 @@ def test_incremental_metrics():
 def test_config_validation():
     base = {"method": "glfc", "task": "mnist-fmnist-cil", "num-server-rounds": 8}
     assert parse_run_config(base).extra["glfc-tasks"] == 4
-    with pytest.raises(ConfigError, match="class-incremental task"):
+    with pytest.raises(ConfigError, match="needs a class-incremental stream: set task to one of .*mnist-fmnist-cil"):
         parse_run_config({**base, "task": "uci-dirichlet"})
     with pytest.raises(ConfigError, match="num-server-rounds"):
         parse_run_config({**base, "num-server-rounds": 5})

@@ -38,3 +38,32 @@ def test_mnist_shot_task_matches_fedproto_rules(data_root):
         assert 98 * len(d.classes) <= d.num_train <= 102 * len(d.classes)
         seen.append(d)
     assert len({tuple(d.classes) for d in seen}) > 5
+
+
+def test_every_task_declares_its_kind_and_methods_refuse_the_kinds_they_do_not_run_on():
+    from pollen.app.config import ConfigError, parse_run_config
+    from pollen.datasets.tasks import TASK_KINDS, TASKS, TaskSpec, register_task
+
+    kinds = {name: spec.kind for name, spec in TASKS.items()}
+    assert set(kinds.values()) == set(TASK_KINDS)
+    assert kinds["mnist-shot"] == "partitioned" and kinds["image-folder"] == "partitioned"
+    assert kinds["digits-offline"] == "domains" and kinds["mnist-fmnist-cil"] == "class-incremental"
+    # refused before any data or process, naming the tasks that fit
+    for method, task, fitting in (("fedavg", "mnist-fmnist-cil", "a partitioned task: set task to one of"),
+                                  ("fedproto", "digits-offline", "mnist-shot"),
+                                  ("fccl", "mnist-shot", "a domain-per-client task: set task to one of digits, "
+                                                         "digits-offline, office-home")):
+        with pytest.raises(ConfigError, match=f"method '{method}' needs .*{fitting}") as err:
+            parse_run_config({"method": method, "task": task})
+        assert f"task '{task}' is " in str(err.value)
+    # a stream task has no per-client build: asking for one says why
+    with pytest.raises(TaskError, match="stream plan"):
+        build_client_data("mnist-fmnist-cil", TaskOptions(), 0, 4)
+    spec = get_task("uci-dirichlet")
+    with pytest.raises(ValueError, match="kind 'other'"):
+        register_task(TaskSpec(**{**spec.__dict__, "name": "x-other", "kind": "other"}))
+    with pytest.raises(ValueError, match="stream plan"):
+        register_task(TaskSpec(**{**spec.__dict__, "name": "x-stream", "kind": "class-incremental"}))
+    with pytest.raises(ValueError, match="needs a build"):
+        register_task(TaskSpec(**{**spec.__dict__, "name": "x-none", "build": None}))
+    assert not {"x-other", "x-stream", "x-none"} & set(TASKS)

@@ -862,20 +862,27 @@ def _catalog() -> str:
         from pollen.app.registry import METHODS
 
         families: dict[str, list[str]] = {}
+        kinds: dict[str, tuple[str, ...]] = {}
         for spec in METHODS.values():
             families.setdefault(spec.family, []).append(spec.name)
-        lines.append("methods: (run key 'method', by family; README.md has the papers)")
-        lines += [f"  {family:<11} {', '.join(names)}" for family, names in families.items()]
+            kinds[spec.family] = spec.task_kinds
+        lines.append("methods: (run key 'method', by family, with the kinds of task they run on; README.md has "
+                     "the papers)")
+        lines += [f"  {family:<11} {', '.join(names)}  [{' / '.join(kinds[family])} tasks]"
+                  for family, names in families.items()]
     except Exception as err:  # noqa: BLE001 - help must print whatever is broken
         lines.append(f"methods: (not listed: {type(err).__name__}: {err})")
     try:
-        from pollen.datasets.tasks import TASKS
+        from pollen.datasets.tasks import TASK_KINDS, TASKS
 
-        lines.append("tasks: (run key 'task')")
+        lines.append("tasks: (run key 'task', by kind)")
         width = max(len(name) for name in TASKS)
-        for name, task in TASKS.items():
-            text = " ".join(str(getattr(task, "description", "")).split())
-            lines.append(f"  {name:<{width}}  {text}")
+        for kind, what in TASK_KINDS.items():
+            lines.append(f" {kind}: {what}")
+            for name, task in TASKS.items():
+                if task.kind == kind:
+                    text = " ".join(str(getattr(task, "description", "")).split())
+                    lines.append(f"  {name:<{width}}  {text}")
     except Exception as err:  # noqa: BLE001
         lines.append(f"tasks: (not listed: {type(err).__name__}: {err})")
     try:

@@ -26,7 +26,7 @@ from pollen.app.config import ConfigError, parse_node_config
 from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key, check
 from pollen.clients.glfc import IncrementalClient
-from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, is_stream_task, plan_stream, stream_data
+from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, plan_stream, stream_data
 from pollen.methods.glfc import GlfcOptions, IncrementalSettings, build_lenet, build_stream_model
 from pollen.methods.settings import declared_keys, from_values
 from pollen.methods.training import pick_device
@@ -83,9 +83,6 @@ def final_population(cfg: RunConfig) -> int:
 def validate_glfc(cfg: RunConfig) -> None:
     """The task and the stream's sizes, and what the ranges of the ``glfc-…`` keys cannot say, before any
     data is loaded."""
-    if not is_stream_task(cfg.task):
-        raise ConfigError(f"method '{cfg.method}' needs a class-incremental task: set task to one of "
-                          + ", ".join(sorted(SOURCES)) + f" (got {cfg.task!r})")
     try:
         stream = stream_config(cfg)
     except StreamError as err:
@@ -243,4 +240,4 @@ for _name, _desc in DESCRIPTIONS.items():
     register_method(MethodSpec(name=_name, family="glfc", description=_desc, make_strategy=make_strategy,
                                make_client=make_client, adapter=GLFC_ADAPTER, initial_arrays=initial_arrays,
                                required_nodes=final_population,
-                               keys=GLFC_KEYS, validate=validate_glfc))
+                               keys=GLFC_KEYS, validate=validate_glfc, task_kinds=("class-incremental",)))

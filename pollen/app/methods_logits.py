@@ -13,7 +13,7 @@ from pollen.app.config import ConfigError, RunConfig
 from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key
 from pollen.clients.logits import logit_client
-from pollen.datasets.domain_tasks import DOMAIN_TASKS, get_domain_task
+from pollen.datasets.domain_tasks import get_domain_task
 from pollen.methods.logits import (
     FCCL,
     FCCL_WITHOUT_CON,
@@ -45,10 +45,8 @@ def _bad(key, value, expected) -> ConfigError:
 
 
 def validate(cfg: RunConfig) -> None:
-    """The task, and what the ranges of the ``fccl-…`` keys cannot say, before any training."""
-    if cfg.task not in DOMAIN_TASKS:
-        raise _bad("task", cfg.task, f"a domain-per-client task for method '{cfg.method}': "
-                   + ", ".join(DOMAIN_TASKS))
+    """What the ranges of the ``fccl-…`` keys cannot say, before any training (the registry has checked
+    that the task is a domain-per-client one)."""
     try:
         s = settings(cfg)
     except ValueError as err:
@@ -81,4 +79,5 @@ for _name, _recipe, _descr in (
 ):
     register_method(MethodSpec(name=_name, family="logits", description=_descr, make_strategy=make_strategy,
                                make_client=logit_client(_recipe), adapter=LOGITS,
-                               personal_model=LogitRound.NET, keys=LOGIT_KEYS, validate=validate))
+                               personal_model=LogitRound.NET, keys=LOGIT_KEYS, validate=validate,
+                               task_kinds=("domains",)))

@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, Context
 
 from pollen.app.adapters import LOCAL, WEIGHTS, ClientAdapter
 from pollen.clients.weights import LocalClient, WeightClient
-from pollen.datasets.tasks import get_task, resolve_task
+from pollen.datasets.tasks import TASK_KINDS, TASKS, get_task, resolve_task
 from pollen.models import build_model
 from pollen.strategies.base import PollenStrategy
 from pollen.strategies.weights import LocalOnly, WeightAveraging
@@ -44,6 +44,8 @@ class MethodSpec:
     # Method run keys (prefixed, e.g. "fccl-..."): default, range, help; defaults also in pyproject.toml.
     keys: dict[str, Key] = field(default_factory=dict)
     validate: Callable[[RunConfig], None] | None = None
+    # The kinds of task the method runs on (pollen.datasets.tasks.TASK_KINDS), checked before anything starts.
+    task_kinds: tuple[str, ...] = ("partitioned",)
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -73,10 +75,24 @@ def validate_method_config(cfg: RunConfig) -> None:
     from pollen.app.run_keys import check
 
     spec = METHODS[cfg.method]
+    check_task_kind(spec, cfg.task)
     for key in spec.defaults:
         check(key, cfg.extra[key])
     if spec.validate is not None:
         spec.validate(cfg)
+
+
+def check_task_kind(spec: MethodSpec, task: str) -> None:
+    """Refuse a task of a kind the method does not run on, naming the tasks it does run on."""
+    from pollen.app.config import ConfigError
+
+    kind = get_task(task).kind
+    if kind in spec.task_kinds:
+        return
+    fitting = sorted(name for name, t in TASKS.items() if t.kind in spec.task_kinds)
+    wanted = " or ".join(TASK_KINDS[k].split(" (")[0] for k in spec.task_kinds)
+    raise ConfigError(f"method {spec.name!r} needs {wanted}: set task to one of {', '.join(fitting)} "
+                      f"(task {task!r} is {TASK_KINDS[kind].split(' (')[0]})")
 
 
 def strategy_options(cfg: RunConfig) -> dict[str, Any]:

@@ -142,4 +142,4 @@ for _spec in DOMAIN_TASKS.values():
     }[_spec.name]
     register_task(TaskSpec(name=_spec.name, description=_descr, num_classes=_spec.num_classes, fmt=_spec.fmt,
                            default_model=_spec.models[0], needs_data_root=True, build=_builder(_spec.name),
-                           fixed_partitions=len(_spec.domains), partition_models=_spec.models))
+                           fixed_partitions=len(_spec.domains), partition_models=_spec.models, kind="domains"))

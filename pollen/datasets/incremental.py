@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from pollen.datasets.sources import ImageSet, load_source
-from pollen.datasets.tasks import UCI_FORMAT, ClientData, TaskError, TaskOptions, TaskSpec, register_task
+from pollen.datasets.tasks import UCI_FORMAT, TaskError, TaskSpec, register_task
 from pollen.datasets.transforms import CIFAR100_FORMAT, ImageFormat, to_model_input
 
 GROUPS = ("new", "b", "o")  # S_n, S_b, S_o
@@ -273,19 +273,7 @@ def client_task_data(name: str, plan: StreamPlan, root: str | None, client: int,
     return x, y, idx
 
 
-def _generic_build(name: str):
-    def build(opts: TaskOptions, partition_id: int, num_partitions: int) -> ClientData:
-        raise TaskError(f"task {name!r} is a class-incremental stream: use it with a GLFC-family method "
-                        "(glfc, finetune, fedavg-icarl, glfc-wo-gc, glfc-wo-rd, glfc-wo-proxy)")
-    return build
-
-
-def is_stream_task(task: str) -> bool:
-    return task in SOURCES
-
-
 for _src in SOURCES.values():
     register_task(TaskSpec(name=_src.name, description=_src.description, num_classes=_src.num_classes,
                            fmt=_src.fmt, default_model=_src.default_model,
-                           needs_data_root=_src.needs_data_root,
-                           build=_generic_build(_src.name)))
+                           needs_data_root=_src.needs_data_root, build=None, kind="class-incremental"))

@@ -66,9 +66,22 @@ class ClientData:
         return int(self.y_train.shape[0])
 
 
+# What a task is, so that a method can say which tasks it runs on (``MethodSpec.task_kinds``):
+# kind -> how error messages name it.
+TASK_KINDS = {
+    "partitioned": "a partitioned task (one dataset split across any number of clients)",
+    "domains": "a domain-per-client task (one domain per client, a fixed number of clients)",
+    "class-incremental": "a class-incremental stream (clients and classes arrive task by task)",
+}
+
+
 @dataclass(frozen=True)
 class TaskSpec:
-    """Static facts about a task: enough to build models and validate sizes without loading data."""
+    """Static facts about a task: enough to build models and validate sizes without loading data.
+
+    ``build`` makes one client's :class:`ClientData`; a class-incremental stream has none (``None``):
+    its clients read their data per task from the stream plan (:mod:`pollen.datasets.incremental`).
+    """
 
     name: str
     description: str
@@ -76,7 +89,8 @@ class TaskSpec:
     fmt: ImageFormat
     default_model: str
     needs_data_root: bool
-    build: Callable[[TaskOptions, int, int], ClientData]
+    build: Callable[[TaskOptions, int, int], ClientData] | None
+    kind: str = "partitioned"
     # Fixed number of clients the task is defined for (e.g. one per domain); None = any number.
     fixed_partitions: int | None = None
     # Default architecture per partition for heterogeneous tasks (cycled when shorter).
@@ -188,6 +202,13 @@ def register_task(spec: TaskSpec) -> TaskSpec:
     """Add a task to the registry (method modules may register their own tasks); a name is taken once."""
     if spec.name in TASKS:
         raise ValueError(f"task {spec.name!r} is already registered")
+    if spec.kind not in TASK_KINDS:
+        raise ValueError(f"task {spec.name!r} has kind {spec.kind!r}; kinds: {', '.join(TASK_KINDS)}")
+    if spec.build is None and spec.kind != "class-incremental":
+        raise ValueError(f"task {spec.name!r}: a {spec.kind} task needs a build function")
+    if spec.build is not None and spec.kind == "class-incremental":
+        raise ValueError(f"task {spec.name!r}: a class-incremental task takes its data from the stream plan, "
+                         "not from a build function")
     TASKS[spec.name] = spec
     return spec
 
@@ -246,6 +267,9 @@ def build_client_data(task: str, opts: TaskOptions, partition_id: int, num_parti
                         f"(one per domain), got num-partitions = {num_partitions}")
     if not 0 <= partition_id < num_partitions:
         raise TaskError(f"partition id {partition_id} outside 0..{num_partitions - 1}")
+    if spec.build is None:
+        raise TaskError(f"task {task!r} is {TASK_KINDS[spec.kind]}: its clients read their data per task from "
+                        "the stream plan; run it with a class-incremental method (README's methods table)")
     return spec.build(opts, partition_id, num_partitions)
 
 from pollen.datasets import (

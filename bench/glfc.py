@@ -241,17 +241,16 @@ def write_methods(results: dict, args) -> None:
 
 
 def bench_proxy(args) -> None:
-    from pollen.methods.glfc import build_lenet
     from pollen.datasets.incremental import stream_data
-    from pollen.strategies.proxy import (LBFGSSettings, lenet_gradient, reconstruct_batched,
-                                         reconstruct_one_by_one)
+    from pollen.methods.glfc import build_lenet
+    from pollen.strategies.proxy import LBFGSSettings, reconstruct_batched, reconstruct_one_by_one
 
     lenet = build_lenet("mnist-fmnist-cil", args.seed)
     test = stream_data("mnist-fmnist-cil", args.data_root, "test")
     rng = np.random.default_rng(args.seed)
     idx = rng.choice(len(test.y), size=args.batch, replace=False)
     x, y = test.select(idx)
-    grads = [lenet_gradient(lenet, x[i], int(y[i])) for i in range(len(y))]
+    grads = [lenet.gradient(x[i], int(y[i])) for i in range(len(y))]
     seeds = [args.seed * 100_000 + i for i in range(len(y))]
     settings = LBFGSSettings()
     shape = tuple(x.shape[1:])

@@ -131,14 +131,14 @@ def part_proxy(args, device) -> list[dict]:
     import torch
 
     from pollen.methods.glfc import build_lenet
-    from pollen.strategies.proxy import LBFGSSettings, lenet_gradient, reconstruct_batched, reconstruct_one_by_one
+    from pollen.strategies.proxy import LBFGSSettings, reconstruct_batched, reconstruct_one_by_one
 
     lenet = build_lenet("mnist-fmnist-cil", 0).to(device)
     gen = torch.Generator().manual_seed(0)
     shape = (1, 28, 28)
     x = torch.rand(args.proxy_images, *shape, generator=gen).to(device)
     y = torch.randint(0, 20, (args.proxy_images,), generator=gen)
-    grads = [lenet_gradient(lenet, x[i], int(y[i])) for i in range(len(y))]
+    grads = [lenet.gradient(x[i], int(y[i])) for i in range(len(y))]
     seeds = list(range(len(grads)))
     n1 = min(args.proxy_one_by_one, len(grads))
     settings = LBFGSSettings()

@@ -144,8 +144,7 @@ def _load_into(model, arrays: dict[str, Any]) -> None:
 
 
 def _prepare(model, name: str):
-    from pollen.clients.base import SMALL_MODELS
-    from pollen.models import to_channels_last
+    from pollen.models import SMALL_MODELS, to_channels_last
 
     model.eval()
     return model if name in SMALL_MODELS else to_channels_last(model)  # the layout clients use

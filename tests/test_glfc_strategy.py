@@ -18,8 +18,8 @@ from pollen.app.methods_glfc import (
     make_strategy,
     settings_for,
 )
-from pollen.methods.glfc import build_lenet, build_stream_model
 from pollen.datasets.incremental import StreamConfig, plan_stream
+from pollen.methods.glfc import build_lenet, build_stream_model
 from pollen.protocol import glfc as protocol
 from pollen.protocol.records import ARRAYS, CONFIG, METRICS, array_record, metric_record
 from pollen.strategies.base import NoTrainingError

@@ -5,8 +5,16 @@ import math
 import numpy as np
 import pytest
 
-from pollen.datasets.incremental import (StreamConfig, StreamError, class_permutation, client_task_indices,
-                                         client_task_data, plan_stream, shard_indices, stream_data)
+from pollen.datasets.incremental import (
+    StreamConfig,
+    StreamError,
+    class_permutation,
+    client_task_data,
+    client_task_indices,
+    plan_stream,
+    shard_indices,
+    stream_data,
+)
 
 CFG = StreamConfig(num_tasks=4, classes_per_task=5, initial_clients=6, new_clients=3, old_fraction=0.2,
                    class_fraction=0.6, seed=4)

@@ -5,9 +5,18 @@ import pytest
 import torch
 
 from pollen.models import LeNet
-from pollen.strategies.proxy import (BatchedLBFGS, LBFGSSettings, ProxyState, infer_labels, lenet_gradient,
-                                     matching_losses, monitor_accuracy, per_sample_gradients,
-                                     reconstruct_batched, reconstruct_one_by_one, single_matching_loss)
+from pollen.strategies.proxy import (
+    BatchedLBFGS,
+    LBFGSSettings,
+    ProxyState,
+    infer_labels,
+    matching_losses,
+    monitor_accuracy,
+    per_sample_gradients,
+    reconstruct_batched,
+    reconstruct_one_by_one,
+    single_matching_loss,
+)
 
 torch.set_num_threads(1)
 
@@ -22,7 +31,7 @@ def test_label_inference_is_correct_for_every_class():
     grads = []
     for c in range(20):
         x = torch.randn(1, 28, 28, generator=gen)
-        g = lenet_gradient(lenet, x, c)
+        g = lenet.gradient(x, c)
         assert int(infer_labels(g[-2])) == c  # FC weight gradient, C×d
         grads.append(g[-2])
     assert infer_labels(torch.stack(grads)).tolist() == list(range(20))  # batched, B×C×d
@@ -37,7 +46,7 @@ def test_per_sample_gradients_match_autograd_one_at_a_time():
     y = torch.tensor([4, 0, 19])
     batched = per_sample_gradients(lenet, x, y)
     for b in range(3):
-        single = lenet_gradient(lenet, x[b], int(y[b]))
+        single = lenet.gradient(x[b], int(y[b]))
         for gb, gs in zip(batched, single):
             assert torch.allclose(gb[b], gs, atol=1e-12)
     targets = [torch.randn_like(g) for g in batched]
@@ -91,7 +100,7 @@ def test_batched_reconstruction_lowers_the_loss_and_equals_one_by_one():
     lenet = _lenet(torch.float64, classes=10, size=12)
     gen = torch.Generator().manual_seed(1)
     labels = [3, 7, 1]
-    grads = [lenet_gradient(lenet, torch.randn(1, 12, 12, generator=gen, dtype=torch.float64), c) for c in labels]
+    grads = [lenet.gradient(torch.randn(1, 12, 12, generator=gen, dtype=torch.float64), c) for c in labels]
     seeds = [11, 12, 13]
     settings = LBFGSSettings(max_iter=5)
     batched = reconstruct_batched(lenet, grads, (1, 12, 12), seeds, iterations=3, keep_last=2, settings=settings)
@@ -113,7 +122,7 @@ def test_batched_reconstruction_lowers_the_loss_and_equals_one_by_one():
 def test_float32_reconstruction_lowers_the_matching_loss():
     lenet = _lenet()
     gen = torch.Generator().manual_seed(2)
-    grads = [lenet_gradient(lenet, torch.randn(1, 28, 28, generator=gen), c) for c in (0, 5)]
+    grads = [lenet.gradient(torch.randn(1, 28, 28, generator=gen), c) for c in (0, 5)]
     rec = reconstruct_batched(lenet, grads, (1, 28, 28), [1, 2], iterations=2, keep_last=1,
                               settings=LBFGSSettings(max_iter=10))
     assert (rec.losses < 0.5 * rec.initial_losses).all()

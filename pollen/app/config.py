@@ -31,7 +31,6 @@ DEFAULTS: dict[str, Any] = {key: spec.default for key, spec in COMMON.items()}
 # Width used when ``model-width = 0`` ("let the profile decide"). The small nets (FedProto's CNN, DLG's
 # LeNet) are already CPU-sized and always keep their paper width unless ``model-width`` says otherwise.
 PROFILE_WIDTH = {"quick": 0.25, "paper": 1.0}
-FULL_WIDTH_MODELS = frozenset({"cnn_mnist", "lenet"})
 
 
 class ConfigError(ValueError):
@@ -105,7 +104,9 @@ class RunConfig:
         """Model width multiplier: explicit ``model-width``, else the profile's default."""
         if self.model_width > 0:
             return self.model_width
-        return 1.0 if model_name in FULL_WIDTH_MODELS else PROFILE_WIDTH[self.profile]
+        from pollen.models import SMALL_MODELS  # lazily: the launcher reads configs without torch
+
+        return 1.0 if model_name in SMALL_MODELS else PROFILE_WIDTH[self.profile]
 
     def task_options(self, node: NodeConfig | None = None):
         """The :class:`~pollen.datasets.tasks.TaskOptions` of this run, as seen by ``node`` (its data

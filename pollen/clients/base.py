@@ -17,11 +17,10 @@ from flwr.common import Context
 from pollen.clients.state import ClientState
 from pollen.datasets.tasks import ClientData, build_client_data, resolve_task
 from pollen.methods.training import LocalTraining, derive_seed, pick_device, seed_everything
-from pollen.models import SplitModel, build_model, to_channels_last
+from pollen.models import SMALL_MODELS, SplitModel, build_model, to_channels_last
 
 # Conv backbones are stored channels-last (NHWC): faster training on CPU as well as CUDA, see
-# bench/backbones.py and bench/results/backbones.md. The two small nets keep the default layout.
-SMALL_MODELS = frozenset({"cnn_mnist", "lenet"})
+# bench/backbones.py and bench/results/backbones.md. The small nets (SMALL_MODELS) keep the default layout.
 
 @functools.lru_cache(maxsize=32)
 def _state_keys(name: str, num_classes: int, channels: int, size: int, width: float) -> tuple[str, ...]:

@@ -167,13 +167,6 @@ def perturb_prototype(model: torch.nn.Module, x: torch.Tensor, label: int, num_c
     return data.detach().squeeze(0)
 
 
-def lenet_gradient_arrays(lenet: torch.nn.Module, x: torch.Tensor, label: int) -> list[np.ndarray]:
-    params = list(lenet.parameters())
-    out = lenet(x.unsqueeze(0).to(params[0].device))
-    loss = F.cross_entropy(out, torch.tensor([int(label)], device=out.device))
-    return [g.detach().cpu().numpy().astype(np.float32) for g in torch.autograd.grad(loss, params)]
-
-
 class IncrementalRound:
     """One client's round of a class-incremental method (see the module docstring), apart from Flower:
     ``store`` keeps what the client remembers, ``new_model(num_classes)`` builds its architecture on its
@@ -325,7 +318,7 @@ class IncrementalRound:
                     continue
                 proto = x_cur[rows[nearest_to_mean(feats[rows])]].to(self.device)
                 proto = perturb_prototype(model, proto, c, num_classes, s.perturb_steps, s.perturb_lr)
-                grads += lenet_gradient_arrays(lenet, proto, c)
+                grads += [g.cpu().numpy().astype(np.float32) for g in lenet.gradient(proto, c)]
                 num_grads += 1
 
         self.store.save_values(self.STATE, st)

@@ -2,7 +2,7 @@
 
 from .base import SplitModel, scale_channels, to_channels_last
 from .mobile import EfficientNetB0, GoogLeNet, MobileNetV2
-from .registry import MODEL_KWARGS, MODEL_NAMES, MODELS, build_model, register_model
+from .registry import MODEL_KWARGS, MODEL_NAMES, MODELS, SMALL_MODELS, build_model, register_model
 from .resnet import ResNet
 from .small import CNNMnist, LeNet
 
@@ -15,6 +15,7 @@ __all__ = [
     "MODEL_NAMES",
     "MODELS",
     "MobileNetV2",
+    "SMALL_MODELS",
     "ResNet",
     "SplitModel",
     "build_model",

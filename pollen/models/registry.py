@@ -24,6 +24,10 @@ class ModelEntry:
 
 MODELS: dict[str, ModelEntry] = {}
 
+# The two small nets: always full width (the profiles' width multipliers are for large backbones), and
+# kept in the default memory layout (channels-last pays off only for the conv backbones).
+SMALL_MODELS = frozenset({"cnn_mnist", "lenet"})
+
 
 def register_model(name: str, build: Callable[..., SplitModel], kwargs: tuple[str, ...] = ()) -> None:
     """Make ``name`` buildable by :func:`build_model` (and selectable by ``model``); a name is taken once."""

@@ -117,3 +117,11 @@ class LeNet(SplitModel):
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return torch.flatten(self.body(x), 1)
+
+    def gradient(self, x: torch.Tensor, label: int) -> list[torch.Tensor]:
+        """``grad_theta CE(LeNet(x), label)`` for one image ``x`` (C×H×W), detached, in ``parameters()``
+        order: what a GLFC client shares and what the proxy server inverts."""
+        params = list(self.parameters())
+        out = self(x.to(params[0].device, params[0].dtype).unsqueeze(0))
+        loss = F.cross_entropy(out, torch.tensor([int(label)], device=out.device))
+        return [g.detach() for g in torch.autograd.grad(loss, params)]

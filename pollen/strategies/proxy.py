@@ -47,15 +47,6 @@ def infer_labels(fc_weight_grads: torch.Tensor | np.ndarray) -> torch.Tensor:
 # gradients of the LeNet
 
 
-def lenet_gradient(lenet: torch.nn.Module, x: torch.Tensor, label: int) -> list[torch.Tensor]:
-    """``grad_theta CE(LeNet(x), label)`` for one image ``x`` (C×H×W), detached, in parameters() order."""
-    params = [p for p in lenet.parameters()]
-    dev = params[0].device
-    out = lenet(x.to(dev, params[0].dtype).unsqueeze(0))
-    loss = F.cross_entropy(out, torch.tensor([int(label)], device=dev))
-    return [g.detach() for g in torch.autograd.grad(loss, params)]
-
-
 def _sum_tensors(terms: Iterable[torch.Tensor]) -> torch.Tensor:
     """``sum(terms)`` of at least one tensor, typed as a tensor (the builtin's start 0 is absorbed)."""
     total = sum(terms)

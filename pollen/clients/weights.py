@@ -3,15 +3,8 @@
 from __future__ import annotations
 
 from pollen.clients.base import PollenClient
-from pollen.methods.training import (
-    cross_entropy_loss,
-    evaluate_classifier,
-    load_model_arrays,
-    make_sgd,
-    model_arrays,
-    proximal_term,
-    train_epochs,
-)
+from pollen.methods.terms import CrossEntropy, LossTerm, Proximal, objective
+from pollen.methods.training import evaluate_classifier, load_model_arrays, make_sgd, model_arrays, train_epochs
 
 
 class WeightClient(PollenClient):
@@ -26,20 +19,13 @@ class WeightClient(PollenClient):
         model = self.new_model()
         load_model_arrays(model, parameters)
         generator = self.round_generator(server_round)
-        anchor = [p.detach().clone() for p in model.parameters()]
-
-        def loss_fn(m, x, y):
-            loss, parts = cross_entropy_loss(m, x, y)
-            if mu > 0:
-                prox = proximal_term(m, anchor)
-                loss = loss + 0.5 * mu * prox
-                parts["prox"] = float(prox.detach())
-            return loss, parts
-
-        history = train_epochs(model, self.data.x_train, self.data.y_train, epochs=self.cfg.local_epochs,
-                               batch_size=self.cfg.batch_size, generator=generator, device=self.device,
-                               optimizer=make_sgd(model, self.cfg.lr, self.cfg.momentum, self.cfg.weight_decay),
-                               loss_fn=loss_fn)
+        terms: list[LossTerm] = [CrossEntropy()] + ([Proximal(mu)] if mu > 0 else [])
+        for term in terms:
+            term.start(model)
+        training = self.local_training()
+        history = train_epochs(model, self.data.x_train, self.data.y_train, epochs=training.epochs,
+                               batch_size=training.batch_size, generator=generator, device=self.device,
+                               optimizer=training.sgd(model), loss_fn=objective(terms))
         metrics = self.base_metrics()
         if history:
             metrics["train-loss"] = history[-1].loss

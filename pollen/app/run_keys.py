@@ -3,7 +3,8 @@
 :func:`check` is the one type-and-range check of every run key (common and method keys alike); the
 config and the method families add only checks that involve several keys or the data. Each key is
 declared once, as a :class:`Key` (default, range, help): the common keys here, a method family's keys
-in its module (``PROTO_KEYS``, ``LOGIT_KEYS``, ``GLFC_KEYS``). ``docs/gen_usage.py`` writes the page
+in its module (``PROTO_KEYS``, ``LOGIT_KEYS``, ``GLFC_KEYS``, derived from the typed settings classes of
+:mod:`pollen.methods`). ``docs/gen_usage.py`` writes the page
 from them, and
 ``tests/test_usage_doc.py`` fails when a run key has no entry here, when an entry names a key that no
 longer exists, or when a value outside a documented range is accepted.

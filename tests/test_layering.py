@@ -1,0 +1,86 @@
+"""The dependency direction of docs/development.md, read from the source: a layer that imports one above
+it fails here, naming the file, the line and the import."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import PROJECT_ROOT
+
+PACKAGE = PROJECT_ROOT / "pollen"
+
+# package -> the Pollen packages it must never import (at any depth, lazily or not)
+FORBIDDEN = {
+    "protocol": ("app", "clients", "methods", "strategies", "datasets", "models"),
+    "strategies": ("app", "clients", "methods"),
+    "methods": ("app", "clients", "strategies"),
+    "clients": ("app", "strategies"),
+    "datasets": ("app", "clients", "methods", "strategies"),
+    "models": ("app", "clients", "methods", "strategies", "datasets"),
+}
+
+
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:``: annotations only, never executed."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            out.update(id(n) for child in node.body for n in ast.walk(child))
+    return out
+
+
+def pollen_imports(path):
+    """(line, imported module) of every ``import pollen...`` / ``from pollen... import`` in ``path``,
+    including imports inside functions, but not those under ``if TYPE_CHECKING:``; relative imports are
+    resolved against the file's package."""
+    package = ".".join(path.relative_to(PROJECT_ROOT).with_suffix("").parts[:-1])
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            yield node.lineno, module
+            for alias in node.names:  # `from pollen import app` imports pollen.app
+                yield node.lineno, f"{module}.{alias.name}"
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_no_layer_imports_one_above_it(layer):
+    bad = []
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for line, module in pollen_imports(path):
+            parts = module.split(".")
+            if parts[0] == "pollen" and len(parts) > 1 and parts[1] in FORBIDDEN[layer]:
+                bad.append(f"{path.relative_to(PROJECT_ROOT)}:{line} imports {module}")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch):
+    """The rule above can fail: a lazy, relative import of the app from a method module is found."""
+    fake = tmp_path / "pollen" / "methods"
+    fake.mkdir(parents=True)
+    (fake / "bad.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pollen.app import x\n"
+                                 "def f():\n    from ..app import config\n    return config\n")
+    monkeypatch.setattr(sys.modules[__name__], "PROJECT_ROOT", tmp_path)
+    modules = [m for _, m in pollen_imports(fake / "bad.py")]
+    assert "pollen.app" in modules and "pollen.app.config" in modules and "pollen.app.x" not in modules
+
+
+def test_importing_the_strategies_does_not_import_torch():
+    """Flower projects import Pollen's strategies on servers that may have no torch at all."""
+    code = "import sys, pollen.strategies; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT_ROOT, check=True)
+    assert out.stdout.strip() == "False", out.stderr

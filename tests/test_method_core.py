@@ -170,7 +170,7 @@ def _global(reply: list[np.ndarray]) -> list[np.ndarray]:
 
 def _distance_moved(core: PrototypeRound, before: dict[str, torch.Tensor]) -> float:
     after = core.load_model()
-    return sum(float(((p - before[k]) ** 2).sum()) for k, p in after.named_parameters())
+    return sum(float(((p.detach() - before[k]) ** 2).sum()) for k, p in after.named_parameters())
 
 
 def test_fedproto_prox_pulls_the_private_model_towards_where_the_round_started():

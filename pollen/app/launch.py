@@ -877,8 +877,8 @@ def _catalog() -> str:
 
         lines.append("tasks: (run key 'task', by kind)")
         width = max(len(name) for name in TASKS)
-        for kind, what in TASK_KINDS.items():
-            lines.append(f" {kind}: {what}")
+        for kind, (name, meaning) in TASK_KINDS.items():
+            lines.append(f" {kind}: {name} ({meaning})")
             for name, task in TASKS.items():
                 if task.kind == kind:
                     text = " ".join(str(getattr(task, "description", "")).split())

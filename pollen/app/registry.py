@@ -90,9 +90,9 @@ def check_task_kind(spec: MethodSpec, task: str) -> None:
     if kind in spec.task_kinds:
         return
     fitting = sorted(name for name, t in TASKS.items() if t.kind in spec.task_kinds)
-    wanted = " or ".join(TASK_KINDS[k].split(" (")[0] for k in spec.task_kinds)
+    wanted = " or ".join(TASK_KINDS[k][0] for k in spec.task_kinds)
     raise ConfigError(f"method {spec.name!r} needs {wanted}: set task to one of {', '.join(fitting)} "
-                      f"(task {task!r} is {TASK_KINDS[kind].split(' (')[0]})")
+                      f"(task {task!r} is {TASK_KINDS[kind][0]})")
 
 
 def strategy_options(cfg: RunConfig) -> dict[str, Any]:

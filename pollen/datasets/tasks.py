@@ -67,11 +67,11 @@ class ClientData:
 
 
 # What a task is, so that a method can say which tasks it runs on (``MethodSpec.task_kinds``):
-# kind -> how error messages name it.
+# kind -> (how messages name it, what it means).
 TASK_KINDS = {
-    "partitioned": "a partitioned task (one dataset split across any number of clients)",
-    "domains": "a domain-per-client task (one domain per client, a fixed number of clients)",
-    "class-incremental": "a class-incremental stream (clients and classes arrive task by task)",
+    "partitioned": ("a partitioned task", "one dataset split across any number of clients"),
+    "domains": ("a domain-per-client task", "one domain per client, a fixed number of clients"),
+    "class-incremental": ("a class-incremental stream", "clients and classes arrive task by task"),
 }
 
 
@@ -268,7 +268,8 @@ def build_client_data(task: str, opts: TaskOptions, partition_id: int, num_parti
     if not 0 <= partition_id < num_partitions:
         raise TaskError(f"partition id {partition_id} outside 0..{num_partitions - 1}")
     if spec.build is None:
-        raise TaskError(f"task {task!r} is {TASK_KINDS[spec.kind]}: its clients read their data per task from "
+        name, meaning = TASK_KINDS[spec.kind]
+        raise TaskError(f"task {task!r} is {name} ({meaning}): its clients read their data per task from "
                         "the stream plan; run it with a class-incremental method (README's methods table)")
     return spec.build(opts, partition_id, num_partitions)
 

@@ -9,6 +9,7 @@ idea is one new :class:`LossTerm`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ class Batch:
     logits: torch.Tensor  # model.classify(z)
 
 
-class LossTerm:
+class LossTerm(ABC):
     """One part of a local objective: ``weight · value(batch)``; ``start`` runs before the round's
     first batch (e.g. to remember the starting weights)."""
 
@@ -38,10 +39,12 @@ class LossTerm:
     weight = 1.0
 
     def start(self, model: torch.nn.Module) -> None:
-        """Called once per round, before training; nothing by default."""
+        """Called once per round, before training; most terms need nothing."""
+        return None
 
+    @abstractmethod
     def value(self, batch: Batch) -> torch.Tensor:
-        raise NotImplementedError
+        """This term's unweighted loss on ``batch`` (a scalar tensor)."""
 
 
 class CrossEntropy(LossTerm):

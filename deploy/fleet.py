@@ -118,13 +118,16 @@ class NodeSpec:
 
 
 def plan_nodes(num_supernodes: int, *, data_root: str | None = None, models: Sequence[str] = (),
-               gpus: Sequence[str] = (), data_dirs: Sequence[str] = ()) -> list[NodeSpec]:
+               gpus: Sequence[str] = (), data_dirs: Sequence[str] = (),
+               public_dirs: Sequence[str] = ()) -> list[NodeSpec]:
     """Node configs for a fleet: partition ``i`` of ``num_supernodes`` on SuperNode ``i``.
 
     ``models`` is empty (the task decides), one name for every node, or one per node (heterogeneous
     methods); ``gpus`` is assigned round-robin, so 4 nodes on ``0,1`` put two SuperNodes per GPU.
     ``data_dirs`` is empty or one folder per node: node config ``data-dir``, that node's own data
-    (tasks image-folder, array; docs/data.md).
+    (the user-data tasks; docs/data.md). ``public_dirs`` is empty, one folder for every node or one per
+    node: node config ``public-dir``, each node's copy of the public images (logit methods with
+    ``fccl-public = "folder"``; the copies must hold the same files).
     """
     if isinstance(num_supernodes, bool) or not isinstance(num_supernodes, int) or num_supernodes < 1:
         raise ConfigError(f"--num-supernodes = {num_supernodes!r} is invalid: expected an integer >= 1")
@@ -139,15 +142,8 @@ def plan_nodes(num_supernodes: int, *, data_root: str | None = None, models: Seq
             raise ConfigError(f"--models lists {len(models)} names for {num_supernodes} SuperNodes: "
                               "give one name for all, or exactly one per SuperNode")
     gpus = [g.strip() for g in gpus if g.strip()]
-    data_dirs = [d.strip() for d in data_dirs if d.strip()]
-    if data_dirs:
-        if len(data_dirs) != num_supernodes:
-            raise ConfigError(f"--data-dirs lists {len(data_dirs)} folders for {num_supernodes} SuperNodes: "
-                              "give exactly one per SuperNode")
-        data_dirs = [str(Path(d).expanduser().resolve()) for d in data_dirs]
-        missing = [d for d in data_dirs if not Path(d).exists()]
-        if missing:
-            raise ConfigError(f"--data-dirs: no such file or folder: {', '.join(missing)}")
+    data_dirs = _folders("--data-dirs", data_dirs, num_supernodes, one_for_all=False)
+    public_dirs = _folders("--public-dirs", public_dirs, num_supernodes, one_for_all=True)
     nodes = []
     for i in range(num_supernodes):
         config: dict[str, Any] = {"partition-id": i, "num-partitions": num_supernodes}
@@ -157,8 +153,22 @@ def plan_nodes(num_supernodes: int, *, data_root: str | None = None, models: Seq
             config["model"] = models[i] if len(models) > 1 else models[0]
         if data_dirs:
             config["data-dir"] = data_dirs[i]
+        if public_dirs:
+            config["public-dir"] = public_dirs[i] if len(public_dirs) > 1 else public_dirs[0]
         nodes.append(NodeSpec(name=f"supernode_{i}", config=config, gpu=gpus[i % len(gpus)] if gpus else None))
     return nodes
+
+
+def _folders(option: str, values: Sequence[str], num_supernodes: int, *, one_for_all: bool) -> list[str]:
+    """Existing folders, absolute: none, one per SuperNode, or (``one_for_all``) one for every node."""
+    folders = [str(Path(v.strip()).expanduser().resolve()) for v in values if v.strip()]
+    if folders and len(folders) != num_supernodes and not (one_for_all and len(folders) == 1):
+        raise ConfigError(f"{option} lists {len(folders)} folders for {num_supernodes} SuperNodes: give "
+                          + ("one for all or " if one_for_all else "") + "exactly one per SuperNode")
+    missing = [f for f in folders if not Path(f).exists()]
+    if missing:
+        raise ConfigError(f"{option}: no such file or folder: {', '.join(missing)}")
+    return folders
 
 
 def compose_run_config(*, method: str | None, rounds: int | None, out_dir: str | Path | None,
@@ -509,7 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-root", default=None, help="dataset root given to every SuperNode (node config)")
     parser.add_argument("--data-dirs", default="",
                         help="comma-separated data folders, one per SuperNode: node config data-dir, each node's own "
-                             "data (tasks image-folder, array; see docs/data.md)")
+                             "data (the user-data tasks; see docs/data.md)")
+    parser.add_argument("--public-dirs", default="",
+                        help="comma-separated public image folders, one for all SuperNodes or one per SuperNode: "
+                             "node config public-dir (logit methods, fccl-public='folder'; same files everywhere)")
     parser.add_argument("--models", default="",
                         help="comma-separated model names: one for all SuperNodes or one per SuperNode")
     parser.add_argument("--gpus", default="",
@@ -529,7 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         nodes = plan_nodes(args.num_supernodes, data_root=args.data_root, models=args.models.split(","),
-                           gpus=args.gpus.split(","), data_dirs=args.data_dirs.split(","))
+                           gpus=args.gpus.split(","), data_dirs=args.data_dirs.split(","),
+                           public_dirs=args.public_dirs.split(","))
         values, cfg = compose_run_config(method=args.method, rounds=args.rounds, out_dir=args.out_dir,
                                          data_root=args.data_root, user=args.run_config,
                                          num_supernodes=args.num_supernodes)

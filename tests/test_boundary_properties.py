@@ -70,6 +70,10 @@ STATE = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.
          "steps": np.array(4, dtype=np.int64)}
 C, D = 4, 3  # prototypes: classes x embedding
 N0, K = 5, 3  # logits: public samples x classes
+# The public set's fingerprint the good logit reply sends. Hostile replies send it too, or a malformed one,
+# never another well-formed digest: a majority of those would make a different set the federation's
+# (that rule has its own test, tests/test_message_strategies.py).
+GOOD_DIGEST = 0x5EED
 EXPECTED = {
     "weights": {k: (v.shape, v.dtype) for k, v in STATE.items()},
     "prototypes": {"prototypes": ((C, D), np.dtype(np.float32)), "class-counts": ((C,), np.dtype(np.int64))},
@@ -120,7 +124,7 @@ def good_content(kind: str, stage: str) -> RecordDict:
         protos = np.arange(C * D, dtype=np.float32).reshape(C, D) / 10
         return encode_prototype_reply(protos, np.array([5, 0, 2, 1]), metrics)
     if kind == "logits":
-        return encode_logit_reply(np.full((N0, K), 1.0, np.float32), 7, metrics)
+        return encode_logit_reply(np.full((N0, K), 1.0, np.float32), 7, metrics, public_digest=GOOD_DIGEST)
     return reply_content({}, 3, metrics)
 
 
@@ -242,6 +246,7 @@ HOSTILE_PID = st.integers(1, 4)
 LOSS = st.one_of(st.floats(0.0, 10.0), st.sampled_from([0.0, METRIC_MAX, 5e-324]), st.floats(0.0, METRIC_MAX))
 ACCURACY = st.floats(0.0, 1.0)
 EXTRA_RECORDS = st.lists(st.sampled_from(["model", "proto-grads", "config", "x"]), max_size=1)
+DIGESTS = st.sampled_from([GOOD_DIGEST] * 3 + [None, -1, 2**52, 1.5, float(GOOD_DIGEST), [GOOD_DIGEST]])
 
 
 @functools.cache
@@ -263,6 +268,9 @@ def hostile_metrics(stage: str):
             values = draw(ARBITRARY_METRICS)
         else:
             values = {"num-examples": draw(COUNT), "partition-id": draw(HOSTILE_PID), keys[2]: draw(LOSS)}
+            digest = draw(DIGESTS)
+            if digest is not None:
+                values["public-digest"] = digest
             if stage == "evaluate":
                 values["accuracy"] = draw(ACCURACY)
             if draw(BOOL):  # half the templates stay valid
@@ -469,6 +477,10 @@ def oracle(kind: str, stage: str, replies: list[tuple[int, RecordDict | None]], 
             continue
         if stage == "train" and not arrays_ok(kind, content.get("arrays"), max_examples):
             out.rejected += 1
+            continue
+        if stage == "train" and kind == "logits" and not (type(metrics.get("public-digest")) is int
+                                                         and metrics["public-digest"] == GOOD_DIGEST):
+            out.rejected += 1  # logits on another (or an unnamed) public set
             continue
         if pid is not None:  # only an accepted reply binds its partition
             part_of[node], node_of[pid] = pid, node

@@ -143,6 +143,8 @@ def _family(values: dict) -> str:
 def _smoke(values: dict, rounds_option: bool = False) -> dict:
     family = _family(values)
     merged = {**values, **SMOKE_COMMON, **SMOKE.get(family, {})}
+    if family == "logits" and values.get("task") == "image-domains":  # trains and tests on whole folders
+        merged = {k: v for k, v in merged.items() if k not in ("fccl-train-sizes", "fccl-test-size")}
     if family == "glfc" and values.get("task") == "cifar100-cil":
         merged["glfc-classes-per-task"] = 10
     if rounds_option:  # make fleet passes ROUNDS itself

@@ -289,13 +289,17 @@ def test_prototype_reply_with_nan_for_a_held_class_or_huge_counts_is_rejected():
 
 
 # -- logits --------------------------------------------------------------------------------------------
-def _logit_node(pid, logits):
+DIGEST = 0x5EED  # the public set's fingerprint every well-behaved node reports
+
+
+def _logit_node(pid, logits, digest=DIGEST):
     def handle(msg):
         if msg.metadata.message_type == "evaluate":
             return RecordDict({"metrics": MetricRecord({"num-examples": 5, "accuracy": 0.4, "partition-id": pid})})
         handle.got.append((decode_consensus(msg.content["arrays"], 5, 3),
                            msg.content["config"]["contributed"]))
-        return encode_logit_reply(logits, 7, {"partition-id": pid})
+        metrics = {"partition-id": pid} if digest is None else {"partition-id": pid, "public-digest": digest}
+        return encode_logit_reply(logits, 7, metrics)
     handle.got = []
     return handle
 
@@ -311,6 +315,28 @@ def test_logit_strategy_averages_into_a_consensus_and_says_who_contributed():
     np.testing.assert_array_equal(consensus, mean_logits([a_logits, b_logits]))  # mean of 1 and 4: exact
     assert contributors == 2 and a.got[1][1] is True and bad.got[1][1] is False
     assert "'logits': shape 5x2 != expected 5x3" in strategy.reports[1].rejected[0]["reason"]
+
+
+def test_logit_strategy_refuses_logits_on_another_public_set_and_the_majority_decides_which():
+    """The node answering first with another copy of the public folder must not decide the federation's."""
+    ones = np.ones((5, 3), np.float32)
+    odd, a, b, silent = (_logit_node(0, 9 * ones, digest=0xBAD), _logit_node(1, ones), _logit_node(2, 3 * ones),
+                         _logit_node(3, ones, digest=None))
+    strategy = LogitAveraging(num_public=5, num_classes=3, min_available_nodes=4)
+    strategy.start(grid=InProcessGrid({11: odd, 12: a, 13: b, 14: silent}), initial_arrays=ArrayRecord(),
+                   num_rounds=2)
+    for server_round in (1, 2):
+        report = strategy.reports[server_round]
+        reasons = {r["client"]: r["reason"] for r in report.rejected}
+        assert report.accepted == 2 and sorted(reasons) == ["partition 0", "partition 3"]
+        assert f"digest {0xBAD:013x}, the federation's is {DIGEST:013x}" in reasons["partition 0"]
+        assert "'public-digest' (the public set's fingerprint) is missing" in reasons["partition 3"]
+    np.testing.assert_array_equal(strategy.consensus, 2 * ones)  # the mean of 1 and 3 only
+    assert "public-digest" not in strategy.reports[1].fit  # an identifier, never averaged
+    arrays, values = strategy.state()
+    again = LogitAveraging(num_public=5, num_classes=3)
+    again.restore(arrays, values)
+    assert again.public_digest == DIGEST  # a resumed run keeps the federation's public set
 
 
 def test_local_only_trains_every_node_and_refuses_arrays():
@@ -338,7 +364,7 @@ def test_without_an_initial_model_the_layout_most_clients_share_wins():
         def handle(msg):
             if msg.metadata.message_type == "evaluate":
                 return RecordDict({"metrics": MetricRecord({"num-examples": 5, "partition-id": pid})})
-            return encode_logit_reply(np.ones((5, 3), np.float32), 4, {"partition-id": pid},
+            return encode_logit_reply(np.ones((5, 3), np.float32), 4, {"partition-id": pid, "public-digest": DIGEST},
                                       model=_record({"w": np.ones(shape, np.float32)}))
         return handle
 

@@ -52,7 +52,7 @@ def test_every_task_declares_its_kind_and_methods_refuse_the_kinds_they_do_not_r
     for method, task, fitting in (("fedavg", "mnist-fmnist-cil", "a partitioned task: set task to one of"),
                                   ("fedproto", "digits-offline", "mnist-shot"),
                                   ("fccl", "mnist-shot", "a domain-per-client task: set task to one of digits, "
-                                                         "digits-offline, office-home")):
+                                                         "digits-offline, image-domains, office-home")):
         with pytest.raises(ConfigError, match=f"method '{method}' needs .*{fitting}") as err:
             parse_run_config({"method": method, "task": task})
         assert f"task '{task}' is " in str(err.value)

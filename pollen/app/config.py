@@ -295,7 +295,8 @@ class NodeConfig:
     data_root: str | None = None
     model: str | None = None
     state_dir: str | None = None
-    data_dir: str | None = None  # this node's own data folder (tasks image-folder, array), used whole
+    data_dir: str | None = None  # this node's own data folder (the user-data tasks), used whole
+    public_dir: str | None = None  # this node's copy of the public folder (logit methods, fccl-public = folder)
 
 
 def parse_node_config(raw: Mapping[str, Any]) -> NodeConfig:
@@ -322,14 +323,20 @@ def parse_node_config(raw: Mapping[str, Any]) -> NodeConfig:
     state_dir = raw.get("state-dir", "")
     if not isinstance(state_dir, str):
         raise ConfigError(f"node config 'state-dir' must be a path (string), got {state_dir!r}")
-    data_dir = raw.get("data-dir", "")
-    if not isinstance(data_dir, str):
-        raise ConfigError(f"node config 'data-dir' must be a path (string), got {data_dir!r}")
-    data_dir = str(Path(data_dir.strip()).expanduser().resolve()) if data_dir.strip() else None
-    if data_dir is not None and not os.path.exists(data_dir):
-        raise ConfigError(f"node config 'data-dir' = {data_dir!r}: no such file or folder on this node")
     return NodeConfig(partition_id=pid, num_partitions=num, data_root=data_root, model=model,
-                      state_dir=state_dir.strip() or None, data_dir=data_dir)
+                      state_dir=state_dir.strip() or None, data_dir=_node_path(raw, "data-dir"),
+                      public_dir=_node_path(raw, "public-dir"))
+
+
+def _node_path(raw: Mapping[str, Any], key: str) -> str | None:
+    """An optional node-config path that must exist on this node (absolute, ``~`` expanded)."""
+    value = raw.get(key, "")
+    if not isinstance(value, str):
+        raise ConfigError(f"node config {key!r} must be a path (string), got {value!r}")
+    path = str(Path(value.strip()).expanduser().resolve()) if value.strip() else None
+    if path is not None and not os.path.exists(path):
+        raise ConfigError(f"node config {key!r} = {path!r}: no such file or folder on this node")
+    return path
 
 
 def _own_keys(method: str) -> list[str]:

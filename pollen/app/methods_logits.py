@@ -14,6 +14,9 @@ from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key
 from pollen.clients.logits import logit_client
 from pollen.datasets.domain_tasks import get_domain_task
+from pollen.datasets.public import PUBLIC_FOLDER
+from pollen.datasets.tasks import resolve_task
+from pollen.datasets.user_data import UserDataError, count_unlabeled_images
 from pollen.methods.logits import (
     FCCL,
     FCCL_WITHOUT_CON,
@@ -57,13 +60,25 @@ def validate(cfg: RunConfig) -> None:
                           "and the cross-correlation needs >= 2 rows)")
     if any(n < 1 for n in s.train_sizes):
         raise _bad("fccl-train-sizes", from_values(LogitOptions, cfg.extra).train_sizes, "positive sizes")
+    if s.public_dir and s.public != PUBLIC_FOLDER:
+        raise ConfigError(f"run config key 'fccl-public-dir' is read only with fccl-public = '{PUBLIC_FOLDER}'; "
+                          f"the run's public set is {s.public!r}")
+    if s.public == PUBLIC_FOLDER and s.public_dir:  # else every node's node config 'public-dir' names it
+        try:
+            count = count_unlabeled_images(s.public_dir)
+        except UserDataError as err:
+            raise ConfigError(f"run config key 'fccl-public-dir': {err}") from err
+        if count < s.public_size:
+            raise ConfigError(f"run config key 'fccl-public-dir' = {s.public_dir!r} holds {count} images, fewer "
+                              f"than fccl-public-size = {s.public_size}: set fccl-public-size <= {count}")
 
 
 def make_strategy(cfg: RunConfig) -> PollenStrategy:
     s = settings(cfg)
     if cfg.method == "solo" and not s.average_weights:
         return LocalOnly(**strategy_options(cfg))
-    return LogitAveraging(num_public=s.public_size, num_classes=get_domain_task(cfg.task).num_classes,
+    num_classes = resolve_task(cfg.task, cfg.task_options()).num_classes  # image-domains: from the run
+    return LogitAveraging(num_public=s.public_size, num_classes=num_classes,
                           average_weights=s.average_weights, **strategy_options(cfg))
 
 

@@ -38,7 +38,8 @@ class MethodSpec:
     # The ServerApp's initial_arrays (weights: the shared starting model); empty by default.
     initial_arrays: Callable[[RunConfig], ArrayRecord] = lambda cfg: ArrayRecord()
     # The number of SuperNodes this configuration needs (None: any); the default asks the task.
-    required_nodes: Callable[[RunConfig], int | None] = lambda cfg: get_task(cfg.task).fixed_partitions
+    required_nodes: Callable[[RunConfig], int | None] = (
+        lambda cfg: resolve_task(cfg.task, cfg.task_options()).fixed_partitions)
     # The context.state key of the client's personal model, saved as the node's final-model.safetensors.
     personal_model: str | None = None
     # Method run keys (prefixed, e.g. "fccl-..."): default, range, help; defaults also in pyproject.toml.

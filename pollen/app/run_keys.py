@@ -142,9 +142,9 @@ def choices(key: str) -> tuple[str, ...]:
         return {"proto-negative": NEGATIVE_FORMS, "proto-weighting": PROTO_WEIGHTINGS,
                 "proto-local-protos": LOCAL_PROTO_MODES}[key]
     if key == "fccl-public":
-        from pollen.datasets.public import PUBLIC_SETS
+        from pollen.datasets.public import PUBLIC_CHOICES
 
-        return ("",) + tuple(PUBLIC_SETS)
+        return ("",) + tuple(PUBLIC_CHOICES)
     if key == "fccl-target":
         from pollen.methods.logits import TARGETS
 

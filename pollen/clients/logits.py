@@ -13,10 +13,12 @@ import os
 from flwr.common import Context, NDArrays, Scalar
 
 from pollen.clients.base import PollenClient
-from pollen.datasets.domain_tasks import domain_client_data, get_domain_task, public_inputs
-from pollen.datasets.tasks import ClientData, TaskOptions
+from pollen.datasets.domain_tasks import PublicSet, domain_client_data, get_domain_task, public_set
+from pollen.datasets.public import PUBLIC_FOLDER
+from pollen.datasets.tasks import ClientData, TaskOptions, build_client_data
 from pollen.methods.logits import FCCL, LogitOptions, LogitRound, Recipe, resolve_settings
 from pollen.methods.settings import from_values
+from pollen.protocol.logits import PUBLIC_DIGEST
 
 
 class LogitClient(PollenClient):
@@ -33,24 +35,34 @@ class LogitClient(PollenClient):
 
     @functools.cached_property
     def data(self) -> ClientData:  # type: ignore[override]
+        if not self.domain_task.domains:  # your own domains (image-domains): the user-data task builds them
+            return build_client_data(self.cfg.task, self.cfg.task_options(self.node), self.partition_id,
+                                     self.node.num_partitions)
         opts = TaskOptions(data_root=self.node.data_root or self.cfg.data_root, download=self.cfg.download,
                            seed=self.cfg.seed, max_train_samples=self.cfg.max_train_samples)
         return domain_client_data(self.cfg.task, opts, self.partition_id, self.node.num_partitions,
                                   self.settings.train_sizes, self.settings.test_size)
 
-    def x_public(self):
+    @functools.cached_property
+    def public(self) -> PublicSet:
+        """X0, normalised as this client's own data; node config ``public-dir`` beats run key ``fccl-public-dir``."""
         s = self.settings
-        return public_inputs(s.public, self.node.data_root or self.cfg.data_root, s.public_size, self.cfg.seed,
-                             self.domain_task.fmt)
+        folder = (self.node.public_dir or s.public_dir or None) if s.public == PUBLIC_FOLDER else None
+        fmt = self.data.fmt or self.domain_task.fmt
+        return public_set(s.public, self.node.data_root or self.cfg.data_root, s.public_size, self.cfg.seed, fmt,
+                          folder)
+
+    def x_public(self):
+        return self.public.inputs
 
     def _solo_cache_path(self) -> str | None:
         """A file shared by runs that would pretrain the identical SOLO model (benchmarks)."""
         if not self.settings.solo_cache:
             return None
         s = self.settings
+        size = s.train_sizes[self.partition_id] if s.train_sizes else self.node.data_dir or self.cfg.data_dir
         key = json.dumps([self.cfg.task, self.partition_id, self.model_name, self.cfg.width_for(self.model_name),
-                          self.cfg.seed, s.solo_epochs, s.train_sizes[self.partition_id], self.cfg.max_train_samples,
-                          s.lr, s.batch_size])
+                          self.cfg.seed, s.solo_epochs, size, self.cfg.max_train_samples, s.lr, s.batch_size])
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         return os.path.join(os.path.expanduser(s.solo_cache), f"solo-{self.cfg.task}-p{self.partition_id}-{digest}.pt")
 
@@ -69,6 +81,8 @@ class LogitClient(PollenClient):
     def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
         server_round = int(config.get("server-round", 0))
         reply, num, metrics = self.core.fit(list(parameters), server_round, self.contributed(config))
+        if reply:  # the server refuses logits on a public set other than the federation's
+            metrics[PUBLIC_DIGEST] = self.public.digest
         return reply, num, {**self.base_metrics(), **metrics}
 
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:

@@ -6,6 +6,7 @@ task               domains (one per client, in partition order)  public set (def
 ``digits-offline``  mnist, uci, mnistm, syn                      fashion_mnist          MNIST (+ FMNIST)
 ``digits``          mnist, usps, svhn, syndigits (the paper's)   cifar100               all four + CIFAR-100
 ``office-home``     Art, Clipart, Product, Real_World            cifar100               Office-Home + CIFAR-100
+``image-domains``   your folders, one per node                   your folder            your images
 =================  ===========================================  =====================  =============
 
 Private training sets are seeded random subsets of the paper's sizes (Digits: 150 / 80 / 5000 /
@@ -14,6 +15,10 @@ four stand-in domains. Callers (the FCCL clients) may ask for smaller sizes for 
 become 3×32×32 with ImageNet statistics (:data:`DIGITS_FORMAT`), with no augmentation on private data
 [FCCL code]. Each client's :attr:`ClientData.extra_tests` holds every *other* domain's test set, for
 inter-domain accuracy.
+
+``image-domains`` (registered with the other user-data tasks in :mod:`pollen.datasets.user_tasks`)
+has no fixed domains: :data:`USER_DOMAINS` describes it to the logit methods, with empty
+``domains`` and ``train_sizes`` meaning "whatever the folders hold".
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from pollen.datasets.domains import load_domain, seeded_subset
-from pollen.datasets.public import load_public
+from pollen.datasets.public import PUBLIC_FOLDER, load_public, public_digest
 from pollen.datasets.sources import ImageSet, load_source
 from pollen.datasets.tasks import ClientData, TaskError, TaskOptions, TaskSpec, register_task
 from pollen.datasets.transforms import DIGITS_FORMAT, ImageFormat, to_model_input
@@ -60,9 +65,17 @@ DOMAIN_TASKS: dict[str, DomainTask] = {
 }
 
 
+# Your own domains (task image-domains): as many as there are folders, every image of each, a public
+# folder of your own; input format and classes come from the run (pollen.datasets.user_tasks).
+USER_DOMAINS = DomainTask("image-domains", (), (), PUBLIC_FOLDER, 0, DIGITS_MODELS)
+
+
 def get_domain_task(name: str) -> DomainTask:
+    if name == USER_DOMAINS.name:
+        return USER_DOMAINS
     if name not in DOMAIN_TASKS:
-        raise TaskError(f"task {name!r} is not a domain-per-client task; allowed: {', '.join(DOMAIN_TASKS)}")
+        raise TaskError(f"task {name!r} is not a domain-per-client task; allowed: "
+                        f"{', '.join([*DOMAIN_TASKS, USER_DOMAINS.name])}")
     return DOMAIN_TASKS[name]
 
 
@@ -120,10 +133,21 @@ def domain_client_data(task: str, opts: TaskOptions, partition_id: int, num_part
                      for d, t in tests.items() if d != domain})
 
 
+@dataclass(frozen=True)
+class PublicSet:
+    """The public set X0 as normalised model input (N0×C×H×W float32) and the digest of its images."""
+
+    inputs: torch.Tensor
+    digest: int
+
+
 @functools.lru_cache(maxsize=4)
-def public_inputs(name: str, root: str | None, size: int, seed: int, fmt: ImageFormat = DIGITS_FORMAT) -> torch.Tensor:
-    """The public set X0 as normalised model input (N0×C×H×W float32), identical on every client."""
-    return to_model_input(load_public(name, root, size, seed).images, fmt)
+def public_set(name: str, root: str | None, size: int, seed: int, fmt: ImageFormat = DIGITS_FORMAT,
+               folder: str | None = None) -> PublicSet:
+    """X0 as this client feeds it to its model; the digest is of the images before normalisation, so it
+    is equal on every node holding the same images, whatever each node's own normalisation."""
+    images = load_public(name, root, size, seed, folder).images
+    return PublicSet(to_model_input(images, fmt), public_digest(images))
 
 
 def _builder(task: str):

@@ -8,12 +8,15 @@ name                      what it is                                            
                           (side 32..128 px, resized to 32): needs no files at all
 ``cifar100``              CIFAR-100 train split (needs the files; the paper's default)       3×32×32
 ``mnist``                 MNIST train split (needs the files)                                1×28×28
+``folder``                your own unlabeled images: every image under a folder (run key     any
+                          ``fccl-public-dir`` or node config ``public-dir``), sorted by path
 ========================  ================================================================  ========
 
 Every set is returned with all labels −1. ``load_public(name, root, size, seed)`` is a pure
 function of its arguments: every client and the server that ask with the same arguments get the
 same ``size`` images in the same order, which is what lets clients exchange per-sample logits
-aligned by public index.
+aligned by public index. :func:`public_digest` fingerprints the chosen images, so the server can
+refuse a node whose copy of the public set differs from the federation's.
 
 Caveats: ``photo_patches`` comes from the same two photographs as the backgrounds of the
 ``mnistm`` and ``syn`` digit domains (different crops, no digits); ``mnist`` as public data
@@ -30,8 +33,11 @@ import torch
 
 from pollen.datasets.domains import check_seed, crop_resized, keyed_rng, sample_photos, seeded_subset
 from pollen.datasets.sources import ImageSet, load_source
+from pollen.protocol.logits import public_fingerprint
 
 PUBLIC_SETS: tuple[str, ...] = ("fashion_mnist", "photo_patches", "cifar100", "mnist")
+PUBLIC_FOLDER = "folder"  # the user's own folder of unlabeled images
+PUBLIC_CHOICES: tuple[str, ...] = (*PUBLIC_SETS, PUBLIC_FOLDER)
 UNLABELED = -1
 
 PATCH_SIDE = 32
@@ -78,29 +84,46 @@ def _photo_patches_cached(size: int, seed: int) -> ImageSet:
     return photo_patches(size, seed)
 
 
-def load_public(name: str, root: str | None, size: int, seed: int) -> ImageSet:
+def public_digest(images: torch.Tensor) -> int:
+    """The wire fingerprint (``public-digest``) of the public images as stored (uint8 N×C×H×W)."""
+    return public_fingerprint(images.numpy())
+
+
+def load_public(name: str, root: str | None, size: int, seed: int, folder: str | None = None) -> ImageSet:
     """``size`` unlabeled public images (labels all −1), the same for every caller with these args.
 
     The file-based sets draw ``size`` training images without replacement from a stream keyed
-    by (seed, "public", name), kept in dataset order; ``photo_patches`` generates them.
+    by (seed, "public", name), kept in dataset order; ``photo_patches`` generates them; ``folder``
+    draws them the same way from every image under ``folder``.
     ``num_classes`` is the source dataset's (1 for ``photo_patches``), for information only.
     Raises ``ValueError`` for an unknown name or a size beyond the training split, and
     :class:`~pollen.datasets.sources.DatasetMissingError` when a file-based set has no root
     or files.
     """
-    if name not in PUBLIC_SETS:
-        raise ValueError(f"unknown public set {name!r}; allowed: {', '.join(PUBLIC_SETS)}")
+    if name not in PUBLIC_CHOICES:
+        raise ValueError(f"unknown public set {name!r}; allowed: {', '.join(PUBLIC_CHOICES)}")
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         raise ValueError(f"size for public set {name!r} must be a positive integer, got {size!r}")
     seed = check_seed(seed)
     size = int(size)
     if name == "photo_patches":
         return _photo_patches_cached(size, seed)
-    source = load_source(name, root, "train")
-    if size > len(source):
-        raise ValueError(
-            f"size {size} for public set {name!r} exceeds the {len(source)} training images available"
-        )
+    if name == PUBLIC_FOLDER:
+        if not folder:
+            raise ValueError("public set 'folder' needs a folder: node config 'public-dir' or run key "
+                             "'fccl-public-dir'")
+        from pollen.datasets.user_data import read_unlabeled_folder
+
+        source = read_unlabeled_folder(folder)
+        if size > len(source):
+            raise ValueError(f"the public folder {folder} holds {len(source)} images, fewer than the "
+                             f"{size} asked for: set run key 'fccl-public-size' <= {len(source)}")
+    else:
+        source = load_source(name, root, "train")
+        if size > len(source):
+            raise ValueError(
+                f"size {size} for public set {name!r} exceeds the {len(source)} training images available"
+            )
     chosen = seeded_subset(source, size, seed, "public", name)
     return ImageSet(
         chosen.images,

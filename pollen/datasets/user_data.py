@@ -206,6 +206,52 @@ def read_image_folder(data_dir: str, classes: tuple[str, ...]) -> tuple[ImageSet
     return train, test
 
 
+def _unlabeled_paths(folder: Path) -> list[Path]:
+    """Every image file under ``folder`` (any depth), in sorted relative-path order; anything else is refused."""
+    paths = []
+    for f in sorted(folder.rglob("*")):
+        rel = f.relative_to(folder)
+        if any(part.startswith(".") for part in rel.parts) or f.is_dir():
+            continue
+        if f.suffix.lower() not in IMAGE_EXTENSIONS:
+            raise UserDataError(f"{f}: not an image file (a public folder holds only "
+                                f"{', '.join(IMAGE_EXTENSIONS)} files)")
+        paths.append(f)
+    return paths
+
+
+def count_unlabeled_images(folder: str) -> int:
+    """How many images :func:`read_unlabeled_folder` would read (no file decoded)."""
+    if not Path(folder).is_dir():
+        raise UserDataError(f"public folder {folder!r} not found (expected a folder of images)")
+    return len(_unlabeled_paths(Path(folder)))
+
+
+@functools.lru_cache(maxsize=4)
+def read_unlabeled_folder(folder: str) -> ImageSet:
+    """Every image under ``folder`` (sub-folders included, sorted by relative path), labels −1.
+
+    The order depends only on the file names, so nodes holding copies of the same folder read the
+    same images in the same order — what lets them exchange per-image logits. All images must share
+    one size; grey images are repeated to RGB when the folder also holds colour ones.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise UserDataError(f"public folder {folder!r} not found (expected a folder of images)")
+    paths = _unlabeled_paths(root)
+    if not paths:
+        raise UserDataError(f"{folder}: the public folder holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    images: list[np.ndarray] = []
+    for path in paths:
+        arr = _decode(path)
+        if images and arr.shape[:2] != images[0].shape[:2]:
+            h, w = images[0].shape[:2]
+            raise UserDataError(f"{path}: image is {arr.shape[1]}x{arr.shape[0]} but {paths[0]} is {w}x{h}; "
+                                "all images of a public folder must have the same size")
+        images.append(arr)
+    return _stack(images, [-1] * len(images), 1, str(root))
+
+
 # ---------------------------------------------------------------------------------- arrays
 def npz_files(data_path: str | Path) -> tuple[Path, Path | None]:
     """``(train file, test file or None)``: the path itself when it is a ``.npz``, else ``train.npz``/``test.npz``."""
@@ -329,10 +375,31 @@ SAMPLE_NAMES = {
 }
 
 
+# How ``sample --styles`` renders a site's images: a domain shift for trying task image-domains.
+STYLES = ("plain", "inverted", "thick")
+
+
+def _styled(image: np.ndarray, style: str) -> np.ndarray:
+    """``plain`` as stored, ``inverted`` (255 − x: dark strokes on white), ``thick`` (3×3 maximum: bold strokes)."""
+    if style == "inverted":
+        return 255 - image
+    if style == "thick":
+        padded = np.pad(image, 1, mode="edge")
+        h, w = image.shape
+        return np.max([padded[dy:dy + h, dx:dx + w] for dy in range(3) for dx in range(3)], axis=0)
+    return image
+
+
 def write_sample(out: Path, source: str, data_root: str, sites: int, labels: list[int], train: int, test: int,
-                 fmt: str) -> list[Path]:
+                 fmt: str, styles: tuple[str, ...] = ()) -> list[Path]:
     """``out/site-<k>``: real images of ``source`` (different ones on every site), as PNG class folders
-    (``fmt = "png"``) or ``train.npz``/``test.npz`` — data to try the user-data tasks with."""
+    (``fmt = "png"``) or ``train.npz``/``test.npz`` — data to try the user-data tasks with. ``styles``
+    (one per site, from :data:`STYLES`) renders each site as its own domain."""
+    if styles and len(styles) != sites:
+        raise UserDataError(f"--styles lists {len(styles)} style(s) for {sites} site(s): give one per site")
+    bad = [s for s in styles if s not in STYLES]
+    if bad:
+        raise UserDataError(f"--styles {bad}: expected names from {', '.join(STYLES)}")
     from PIL import Image
 
     from pollen.datasets.sources import load_source
@@ -348,6 +415,7 @@ def write_sample(out: Path, source: str, data_root: str, sites: int, labels: lis
     for site in range(sites):
         folder = out / f"site-{site}"
         base = site * (train + test)
+        style = styles[site] if styles else "plain"
         for split, start, n in ((TRAIN, base, train), (TEST, base + train, test)):
             if n == 0:
                 continue
@@ -355,15 +423,31 @@ def write_sample(out: Path, source: str, data_root: str, sites: int, labels: lis
             if fmt == "npz":
                 folder.mkdir(parents=True, exist_ok=True)
                 remap = {c: i for i, c in enumerate(labels)}
-                np.savez(folder / f"{split}.npz", x=data.images[idx, 0].numpy(),
+                np.savez(folder / f"{split}.npz", x=np.stack([_styled(data.images[i, 0].numpy(), style) for i in idx]),
                          y=np.array([remap[int(v)] for v in y[idx]], dtype=np.int64))
                 continue
             for i in idx:
                 target = folder / split / SAMPLE_NAMES[source][int(y[i])]
                 target.mkdir(parents=True, exist_ok=True)
-                Image.fromarray(data.images[i, 0].numpy()).save(target / f"{source}-{i}.png")
+                Image.fromarray(_styled(data.images[i, 0].numpy(), style)).save(target / f"{source}-{i}.png")
         folders.append(folder)
     return folders
+
+
+def write_public(out: Path, source: str, data_root: str, count: int, offset: int = 0) -> int:
+    """``count`` unlabeled PNGs of ``source``'s training images from index ``offset`` on: a public folder
+    (the logit methods' ``fccl-public = "folder"``) to copy to every node."""
+    from PIL import Image
+
+    from pollen.datasets.sources import load_source
+
+    data = load_source(source, data_root, "train")
+    if offset + count > len(data):
+        raise UserDataError(f"{source} has {len(data)} training images: --offset + --count must not exceed it")
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(offset, offset + count):
+        Image.fromarray(data.images[i, 0].numpy()).save(out / f"{source}-{i:05d}.png")
+    return count
 
 
 def check(path: str, task: str, classes: tuple[str, ...]) -> str:
@@ -408,6 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--train", type=int, default=30, help="training images per class and site")
     s.add_argument("--test", type=int, default=10, help="test images per class and site (0: no test split)")
     s.add_argument("--format", choices=("png", "npz"), default="png")
+    s.add_argument("--styles", default="", help=f"one style per site, comma-separated ({', '.join(STYLES)}): each "
+                                                "site a domain of its own, for task image-domains")
+    p = sub.add_parser("public", help="write OUT/*.png: unlabeled real images, a public folder for the logit methods")
+    p.add_argument("out", type=Path)
+    p.add_argument("--source", choices=tuple(SAMPLE_NAMES), default="fashion_mnist")
+    p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT"),
+                   help="dataset root holding the source (default: $POLLEN_DATA_ROOT)")
+    p.add_argument("--count", type=int, default=200, help="how many images (default 200)")
+    p.add_argument("--offset", type=int, default=0, help="index of the first training image taken (default 0)")
     args = parser.parse_args(argv)
     try:
         if args.command == "check":
@@ -415,11 +508,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.data_root:
             raise UserDataError("no dataset root: pass --data-root or set POLLEN_DATA_ROOT")
+        if args.command == "public":
+            if args.count < 1 or args.offset < 0:
+                raise UserDataError("--count must be >= 1 and --offset >= 0")
+            write_public(args.out, args.source, args.data_root, args.count, args.offset)
+            print(f"{args.out}: {args.count} unlabeled {args.source} images")
+            return 0
         labels = [int(v) for v in args.labels.split(",")]
         if args.sites < 1 or args.train < 1 or args.test < 0 or any(not 0 <= v <= 9 for v in labels):
             raise UserDataError("--sites and --train must be >= 1, --test >= 0, --labels in 0..9")
         for folder in write_sample(args.out, args.source, args.data_root, args.sites, labels, args.train,
-                                   args.test, args.format):
+                                   args.test, args.format,
+                                   tuple(v.strip() for v in args.styles.split(",") if v.strip())):
             print(folder)
         return 0
     except (UserDataError, OSError) as err:

@@ -1,4 +1,5 @@
-"""The two user-data tasks, ``image-folder`` and ``array`` (readers in :mod:`pollen.datasets.user_data`).
+"""The user-data tasks, ``image-folder``, ``array`` and ``image-domains`` (readers in
+:mod:`pollen.datasets.user_data`).
 
 Where a client's data comes from:
 
@@ -6,6 +7,15 @@ Where a client's data comes from:
   fleet where every SuperNode trains and tests on its own files;
 * otherwise run key ``data-dir``: one folder split across the partitions (``data-split`` = iid or
   dirichlet, its test set IID), so a whole federation can be tried on one machine.
+
+``image-domains`` (the logit methods: FCCL, FedMD, FedDF, SOLO) is one image folder per *domain*:
+
+* node config ``data-dir`` set: that folder is this node's domain (its name is the folder's), and the
+  node tests on it alone — the other domains' test images never reach it, so only intra-domain
+  accuracy is measured;
+* otherwise run key ``data-dir`` holds one sub-folder per domain (sorted by name), partition ``i``
+  trains on the ``i``-th, and tests on every domain (intra- and inter-domain accuracy), so the run
+  needs exactly as many clients as there are sub-folders.
 
 Classes and the model's input (side, channels) must be the same on every node and on the server,
 which builds the model before any node has read a file: they come from the run keys ``classes``,
@@ -20,10 +30,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from pollen.datasets.domain_tasks import USER_DOMAINS
 from pollen.datasets.partition import PartitionError, dirichlet, iid
 from pollen.datasets.sources import ImageSet
 from pollen.datasets.tasks import ClientData, TaskError, TaskOptions, TaskSpec, _cap, register_task
@@ -37,7 +49,7 @@ from pollen.datasets.user_data import (
     read_image_folder,
 )
 
-USER_TASKS = ("image-folder", "array")
+USER_TASKS = ("image-folder", "array", "image-domains")
 DATA_SPLITS = ("iid", "dirichlet")
 # Run keys only the user-data tasks read (refused with other tasks when set away from their defaults).
 USER_KEYS = ("data-dir", "classes", "test-fraction", "image-size", "image-channels", "image-mean",
@@ -56,7 +68,10 @@ def _detect(name: str, opts: TaskOptions) -> tuple[tuple[str, ...], int, int]:
         raise TaskError(f"task {name!r}: run key(s) {missing} are empty and there is no run key 'data-dir' to "
                         "detect them from; every node and the server must agree on them, so set them in the run "
                         "config (nodes with their own folders: node config 'data-dir')")
-    if name == "image-folder":
+    if name == "image-domains":
+        info = peek_image_folder(domain_folders(opts.data_dir)[0])
+        found, h, w, c = info.classes, info.height, info.width, info.channels
+    elif name == "image-folder":
         info = peek_image_folder(opts.data_dir)
         found, h, w, c = info.classes, info.height, info.width, info.channels
     else:
@@ -73,7 +88,22 @@ def _resolve(name: str, opts: TaskOptions) -> TaskSpec:
             raise TaskError(f"run key {key!r} lists {len(values)} value(s) for {channels}-channel input "
                             "(image-channels): give one per channel")
     fmt = ImageFormat(channels, size, opts.image_mean or (0.0,) * channels, opts.image_std or (1.0,) * channels)
-    return replace(USER_SPECS[name], num_classes=len(classes), fmt=fmt, class_names=classes, resolve=None)
+    fixed = len(domain_folders(opts.data_dir)) if name == "image-domains" and opts.data_dir else None
+    return replace(USER_SPECS[name], num_classes=len(classes), fmt=fmt, class_names=classes, resolve=None,
+                   fixed_partitions=fixed)
+
+
+def domain_folders(data_dir: str) -> list[str]:
+    """The domain sub-folders of the run key ``data-dir`` (task image-domains), sorted by name."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise UserDataError(f"data folder {data_dir!r} not found (task image-domains expects "
+                            f"{data_dir}/<domain>/train/<class>/*.png)")
+    found = sorted(str(p) for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not found:
+        raise UserDataError(f"{data_dir}: no domain folders (task image-domains expects "
+                            f"{data_dir}/<domain>/train/<class>/*.png, one sub-folder per domain)")
+    return found
 
 
 def _resolver(name: str) -> Callable[[TaskOptions], TaskSpec]:
@@ -94,7 +124,7 @@ def _statistics(images: torch.Tensor, channels: int, size: int) -> tuple[tuple[f
 
 
 def _read(name: str, path: str, spec: TaskSpec, opts: TaskOptions) -> tuple[ImageSet, ImageSet]:
-    if name == "image-folder":
+    if name in ("image-folder", "image-domains"):
         train, test = read_image_folder(str(path), spec.class_names)
     else:
         train, test = read_arrays(str(path), spec.num_classes)
@@ -144,6 +174,39 @@ def _build(name: str) -> Callable[[TaskOptions, int, int], ClientData]:
     return build
 
 
+def _build_domains(opts: TaskOptions, partition_id: int, num_partitions: int) -> ClientData:
+    """Partition ``partition_id``'s domain: its own folder whole, plus (run key ``data-dir`` only) the
+    other domains' test sets for inter-domain accuracy, normalised as this node's own data."""
+    spec = _resolver("image-domains")(opts)
+    try:
+        if opts.node_data_dir:
+            own, others = opts.node_data_dir, []
+        elif opts.data_dir:
+            folders = domain_folders(opts.data_dir)
+            if num_partitions != len(folders):
+                raise TaskError(f"task 'image-domains' has one client per domain: {opts.data_dir} holds "
+                                f"{len(folders)} domain folder(s), so num-partitions must be {len(folders)}, "
+                                f"got {num_partitions}")
+            own, others = folders[partition_id], [f for i, f in enumerate(folders) if i != partition_id]
+        else:
+            raise TaskError("task 'image-domains' reads your data: set node config 'data-dir' (this node's "
+                            "domain folder) or run key 'data-dir' (one sub-folder per domain)")
+        train, test = _read("image-domains", own, spec, opts)
+        other_tests = {Path(f).name: _read("image-domains", f, spec, opts)[1] for f in others}
+    except UserDataError as err:
+        raise TaskError(f"task 'image-domains': {err}") from err
+    fmt = spec.fmt
+    if not opts.image_mean or not opts.image_std:
+        mean, std = _statistics(train.images, fmt.channels, fmt.size)
+        fmt = ImageFormat(fmt.channels, fmt.size, opts.image_mean or mean, opts.image_std or std)
+    train = train.subset(_cap(np.arange(len(train)), opts.max_train_samples, opts.seed + partition_id))
+    return ClientData(x_train=to_model_input(train.images, fmt), y_train=train.labels.clone(),
+                      x_test=to_model_input(test.images, fmt), y_test=test.labels.clone(),
+                      num_classes=spec.num_classes, classes=tuple(range(spec.num_classes)), domain=Path(own).name,
+                      fmt=fmt, extra_tests={name: (to_model_input(t.images, fmt), t.labels.clone())
+                                            for name, t in other_tests.items()})
+
+
 USER_SPECS: dict[str, TaskSpec] = {}
 for _name, _description in (
         ("image-folder", "your images: <data-dir>/train/<class>/*.png|jpg (+ optional test/); classes, size and "
@@ -153,3 +216,9 @@ for _name, _description in (
     USER_SPECS[_name] = register_task(TaskSpec(
         name=_name, description=_description, num_classes=0, fmt=_UNRESOLVED, default_model="cnn_mnist",
         needs_data_root=False, build=_build(_name), resolve=_resolver(_name)))
+USER_SPECS["image-domains"] = register_task(TaskSpec(
+    name="image-domains", description="your domains, one image folder per client: node config data-dir, or "
+                                      "run key data-dir with one sub-folder per domain; public set: a folder "
+                                      "of unlabeled images (docs/data.md)",
+    num_classes=0, fmt=_UNRESOLVED, default_model="resnet10", needs_data_root=False, build=_build_domains,
+    resolve=_resolver("image-domains"), partition_models=USER_DOMAINS.models, kind="domains"))

@@ -66,6 +66,8 @@ PAPER: Profile = {"public-size": 5000, "public-batch-size": 512, "solo-epochs": 
 # Per-domain local epochs of the paper profile: Digits [FCCL code]; Office-Home [ours] (not in the spec).
 PAPER_LOCAL_EPOCHS = {"digits": (40, 35, 3, 4), "digits-offline": (40, 35, 3, 4), "office-home": (20, 20, 20, 20)}
 PAPER_PUBLIC_EPOCHS = {"digits": 1, "digits-offline": 1, "office-home": 2}
+# Your own domains (no fixed domains, so one value for every node) [ours]: both profiles.
+USER_LOCAL_EPOCHS, USER_PUBLIC_EPOCHS = 2, 1
 
 # Purposes for derive_seed, so each random stream is independent of the others.
 _PUBLIC_ORDER, _PUBLIC_VIEW, _LOCAL, _SOLO = 11, 12, 13, 14
@@ -97,6 +99,9 @@ class LogitOptions:
     0 / "" mean "the profile's value" (``QUICK`` / ``PAPER``); :func:`resolve_settings` fills them in."""
 
     public: str = setting("fccl-public", "", "choice", "unlabeled public set; empty = the task's default")
+    public_dir: str = setting("fccl-public-dir", "", "path",
+                              "public set `folder`: the folder of unlabeled images, the same on every node "
+                              "(node config `public-dir` overrides it)")
     public_size: int = setting("fccl-public-size", 0, "int >= 0",
                                "public samples N0; 0 = the profile's (quick 1000, paper 5000)")
     public_batch_size: int = setting("fccl-public-batch-size", 0, "int >= 0",
@@ -132,6 +137,7 @@ class LogitSettings:
     """The ``fccl-…`` run keys resolved against the profile and the task."""
 
     public: str
+    public_dir: str
     public_size: int
     public_batch_size: int
     public_epochs: int
@@ -163,25 +169,40 @@ def _int_list(text: str, key: str, length: int) -> tuple[int, ...]:
 
 
 def resolve_settings(o: LogitOptions, profile: str, task: DomainTask) -> LogitSettings:
-    """The options with 0 / "" replaced by the profile's (``quick`` or ``paper``) or the task's value."""
-    k = len(task.domains)
+    """The options with 0 / "" replaced by the profile's (``quick`` or ``paper``) or the task's value.
+
+    A task without fixed domains (your own, ``image-domains``) takes one epoch count for every node
+    and all of each node's images (``train_sizes`` empty; cap them with ``max-train-samples``).
+    """
+    k = len(task.domains) or 1
     prof = QUICK if profile == "quick" else PAPER
     if o.local_epochs:
         local = _int_list(o.local_epochs, "fccl-local-epochs", k)
+    elif not task.domains:
+        local = (USER_LOCAL_EPOCHS,)
     elif profile == "quick":
         local = QUICK["local-epochs"][:k]
     else:
         local = PAPER_LOCAL_EPOCHS[task.name]
-    if o.train_sizes:
+    if not task.domains:
+        if o.train_sizes:
+            raise ValueError(f"run config key 'fccl-train-sizes' is for the built-in domain tasks; task "
+                             f"{task.name!r} trains on every image of each node's folder (cap them with "
+                             "'max-train-samples')")
+        if o.test_size:
+            raise ValueError(f"run config key 'fccl-test-size' is for the built-in domain tasks; task "
+                             f"{task.name!r} tests on every test image of each node's folder")
+        sizes: tuple[int, ...] = ()
+    elif o.train_sizes:
         sizes = _int_list(o.train_sizes, "fccl-train-sizes", k)
     else:
         cap = prof["train-cap"]
         sizes = tuple(min(s, cap) if cap else s for s in task.train_sizes)
     return LogitSettings(
-        public=o.public or task.public_default,
+        public=o.public or task.public_default, public_dir=o.public_dir,
         public_size=o.public_size or prof["public-size"],
         public_batch_size=o.public_batch_size or prof["public-batch-size"],
-        public_epochs=o.public_epochs or PAPER_PUBLIC_EPOCHS[task.name],
+        public_epochs=o.public_epochs or PAPER_PUBLIC_EPOCHS.get(task.name, USER_PUBLIC_EPOCHS),
         public_augment=o.public_augment, lr=o.lr, batch_size=o.batch_size, local_epochs=local,
         solo_epochs=o.solo_epochs or prof["solo-epochs"], train_sizes=sizes,
         test_size=o.test_size or prof["test-size"], lambda_col=o.lambda_col, lambda_loc=o.lambda_loc,
@@ -206,8 +227,9 @@ def domain_accuracies(model: torch.nn.Module, data: ClientData, device: torch.de
     for name, (x, y) in data.extra_tests.items():
         per[name] = topk_accuracy(predict_logits(model, x, device), y, k)
     others = [v for d, v in per.items() if d != data.domain]
-    out: dict[str, Any] = {"loss": loss, "intra-accuracy": per[data.domain],
-                           "inter-accuracy": float(np.mean(others)) if others else 0.0}
+    out: dict[str, Any] = {"loss": loss, "intra-accuracy": per[data.domain]}
+    if others:  # a node with only its own data (node config data-dir) has no other domain to test on
+        out["inter-accuracy"] = float(np.mean(others))
     out.update({f"acc-{d}": v for d, v in per.items()})
     return out
 

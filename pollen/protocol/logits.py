@@ -10,12 +10,14 @@
 | client → server | ``arrays["logits"]`` | N0×C | float32 | rows in public-sample order, finite |
 | client → server | ``model`` (ArrayRecord) | state dict | any | homogeneous mode only |
 | client → server | ``metrics["num-examples"]`` | | int | private training samples |
+| client → server | ``metrics["public-digest"]`` | | int | ``public_fingerprint`` of the client's public set as stored (before normalisation); a reply whose digest is not the federation's (most replies' in round 1) is refused |
 
 Round 1 the server sends an **empty** ``arrays`` record (no consensus yet).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +31,7 @@ CONSENSUS = "consensus"
 CONTRIBUTORS = "contributors"
 LOGITS = "logits"
 MODEL = "model"  # the extra ArrayRecord of homogeneous mode
+PUBLIC_DIGEST = "public-digest"  # metric: which public images the logits are on
 
 
 def encode_consensus(consensus: np.ndarray, contributors: int) -> ArrayRecord:
@@ -47,10 +50,25 @@ def decode_consensus(record: ArrayRecord, num_public: int, num_classes: int) -> 
     return arrays[CONSENSUS], int(arrays[CONTRIBUTORS][0])
 
 
+def public_fingerprint(public: np.ndarray) -> int:
+    """52 bits of SHA-256 over the public set's dtype, shape and bytes: equal sets, equal fingerprints.
+
+    Fingerprint the images as every node stores them (e.g. uint8 before normalisation), so nodes that
+    normalise differently still agree. 52 bits: an integer metric that a float64 also holds exactly.
+    """
+    data = np.ascontiguousarray(public)
+    header = f"{data.dtype}:{data.shape}".encode()
+    return int(hashlib.sha256(header + data.tobytes()).hexdigest()[:13], 16)
+
+
 def encode_logit_reply(logits: np.ndarray, num_examples: int, metrics: Mapping[str, Any] | None = None,
-                       model: ArrayRecord | None = None) -> RecordDict:
-    """Client side: public-set logits (+ the model state in homogeneous mode)."""
+                       model: ArrayRecord | None = None, *, public_digest: int | None = None) -> RecordDict:
+    """Client side: public-set logits (+ the model state in homogeneous mode). ``public_digest``
+    (:func:`public_fingerprint` of the public set) is required by the server; it may also come in
+    ``metrics["public-digest"]``."""
     extra = {MODEL: model} if model is not None else {}
+    if public_digest is not None:
+        metrics = {**(metrics or {}), PUBLIC_DIGEST: int(public_digest)}
     return reply_content({LOGITS: np.asarray(logits, dtype=np.float32)}, num_examples, metrics, **extra)
 
 

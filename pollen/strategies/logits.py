@@ -15,8 +15,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from pollen.protocol.logits import MODEL, decode_logit_reply, encode_consensus
-from pollen.protocol.records import ARRAYS, CONFIG, array_record
+from pollen.protocol.logits import MODEL, PUBLIC_DIGEST, decode_logit_reply, encode_consensus
+from pollen.protocol.records import ARRAYS, CONFIG, METRICS, array_record
 from pollen.protocol.weights import decode_weights_reply
 from pollen.strategies.base import PollenStrategy
 from pollen.strategies.weights import average_arrays
@@ -34,6 +34,11 @@ def mean_logits(client_logits: Sequence[np.ndarray]) -> np.ndarray:
     for arr in client_logits:
         total += arr
     return (total / len(client_logits)).astype(np.float32)
+
+
+def _digest(value: object) -> bool:
+    """A well-formed ``public-digest``: a 52-bit non-negative integer."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 52
 
 
 class LogitAveraging(PollenStrategy):
@@ -59,6 +64,8 @@ class LogitAveraging(PollenStrategy):
         self.contributors: set[int] = set()  # node ids whose logits are in the consensus
         self.contributor_partitions: set[int] = set()  # the same, by partition: survives a restart
         self.weights: ArrayRecord | None = None
+        # The federation's public images (their digest): fixed by the first round's majority.
+        self.public_digest: int | None = None
 
     def __repr__(self) -> str:
         return (f"LogitAveraging(num_public={self.num_public}, num_classes={self.num_classes}, "
@@ -73,6 +80,7 @@ class LogitAveraging(PollenStrategy):
             arrays.update({f"model.{k}": a.numpy() for k, a in self.weights.items()})
         values["contributor-partitions"] = sorted(self.contributor_partitions)
         values["contributors"] = len(self.contributors)
+        values["public-digest"] = self.public_digest
         return arrays, values
 
     def restore(self, arrays: dict[str, np.ndarray], values: dict) -> None:
@@ -84,6 +92,8 @@ class LogitAveraging(PollenStrategy):
         # the partitions tell each node whether its own logits are in the mean.
         self.contributors = set(range(-int(values["contributors"]), 0))
         self.contributor_partitions = {int(p) for p in values.get("contributor-partitions", [])}
+        digest = values.get("public-digest")
+        self.public_digest = None if digest is None else int(digest)
 
     def consensus_record(self) -> ArrayRecord:
         if self.consensus is None:
@@ -111,7 +121,31 @@ class LogitAveraging(PollenStrategy):
 
         return self.build_messages(server_round, nodes, MessageType.TRAIN, content)
 
-    def _decode(self, msg: Message, reference: ArrayRecord | None) -> tuple[object, str | None]:
+    def _check_public(self, metrics: dict) -> str | None:
+        digest = metrics.get(PUBLIC_DIGEST)
+        if not _digest(digest):
+            return f"metric '{PUBLIC_DIGEST}' (the public set's fingerprint) is missing or not a 52-bit integer"
+        if digest != self.public_digest:
+            return (f"its logits are on other public images (digest {digest:013x}, the federation's is "
+                    f"{self.public_digest:013x}): every node must hold the same public set (same "
+                    "fccl-public, fccl-public-size, seed, and for 'folder' the same files)")
+        return None
+
+    def _majority_digest(self, replies: list[Message]) -> int | None:
+        """The public-set digest most replies share (smallest on a tie): one node with another copy of the
+        public folder, answering first, must not decide what the federation's public set is."""
+        counts: dict[int, int] = {}
+        for msg in replies:
+            metrics = None if msg.has_error() else msg.content.get(METRICS)
+            digest = metrics.get(PUBLIC_DIGEST) if isinstance(metrics, MetricRecord) else None
+            if isinstance(digest, int) and _digest(digest):
+                counts[digest] = counts.get(digest, 0) + 1
+        return min(counts, key=lambda d: (-counts[d], d)) if counts else None
+
+    def _decode(self, msg: Message, reference: ArrayRecord | None, metrics: dict) -> tuple[object, str | None]:
+        reason = self._check_public(metrics)
+        if reason is not None:
+            return None, reason
         logits, reason = decode_logit_reply(msg.content.get(ARRAYS), self.num_public, self.num_classes)
         if reason is not None or not self.average_weights:
             return (logits, None), reason
@@ -141,9 +175,11 @@ class LogitAveraging(PollenStrategy):
         reference = self.weights
         if self.average_weights and reference is None:
             reference = self._majority_state(replies)
+        if self.public_digest is None:
+            self.public_digest = self._majority_digest(replies)
 
-        def decode(msg: Message, _metrics: dict) -> tuple[object, str | None]:
-            return self._decode(msg, reference)
+        def decode(msg: Message, metrics: dict) -> tuple[object, str | None]:
+            return self._decode(msg, reference, metrics)
 
         accepted = self.screen(server_round, "train", replies, decode)
         metrics = self.train_metrics(server_round, accepted)

@@ -13,7 +13,8 @@ from typing import TypeGuard
 
 import numpy as np
 
-ID_KEYS = frozenset({"partition-id", "num-partitions", "server-round", "num-examples"})
+# Identifiers, not quantities: never averaged (public-digest: which public images a logit reply is on).
+ID_KEYS = frozenset({"partition-id", "num-partitions", "server-round", "num-examples", "public-digest"})
 
 
 def _number(value: object) -> TypeGuard[int | float]:

@@ -13,7 +13,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from pollen.protocol import decode_consensus, encode_logit_reply
+from pollen.protocol import decode_consensus, encode_logit_reply, public_fingerprint
 
 app = ClientApp()
 
@@ -72,8 +72,8 @@ def train(msg: Message, context: Context) -> Message:
     (dump / f"meta-r{rnd}-p{pid}.json").write_text(json.dumps(
         {"contributors": None if received is None else received[1], "contributed": contributed}))
     acc = float(((x @ w).argmax(axis=1) == y).mean())
-    return Message(content=encode_logit_reply(logits, len(y), {"partition-id": pid, "train-accuracy": acc}),
-                   reply_to=msg)
+    return Message(content=encode_logit_reply(logits, len(y), {"partition-id": pid, "train-accuracy": acc},
+                                              public_digest=public_fingerprint(public)), reply_to=msg)
 
 
 @app.evaluate()

@@ -123,6 +123,14 @@ def _statistics(images: torch.Tensor, channels: int, size: int) -> tuple[tuple[f
     return tuple(round(v, 6) for v in mean), tuple(round(v, 6) for v in std)
 
 
+def _data_format(fmt: ImageFormat, train: ImageSet, opts: TaskOptions) -> ImageFormat:
+    """The run's normalisation, its gaps filled with this folder's own training statistics."""
+    if opts.image_mean and opts.image_std:
+        return fmt
+    mean, std = _statistics(train.images, fmt.channels, fmt.size)
+    return ImageFormat(fmt.channels, fmt.size, opts.image_mean or mean, opts.image_std or std)
+
+
 def _read(name: str, path: str, spec: TaskSpec, opts: TaskOptions) -> tuple[ImageSet, ImageSet]:
     if name in ("image-folder", "image-domains"):
         train, test = read_image_folder(str(path), spec.class_names)
@@ -148,10 +156,7 @@ def _build(name: str) -> Callable[[TaskOptions, int, int], ClientData]:
             train, test = _read(name, path, spec, opts)
         except UserDataError as err:
             raise TaskError(f"task {name!r}: {err}") from err
-        fmt = spec.fmt
-        if not opts.image_mean or not opts.image_std:
-            mean, std = _statistics(train.images, fmt.channels, fmt.size)
-            fmt = ImageFormat(fmt.channels, fmt.size, opts.image_mean or mean, opts.image_std or std)
+        fmt = _data_format(spec.fmt, train, opts)
         if opts.node_data_dir:  # the node's own folder: all of it
             mine, test_part = np.arange(len(train)), np.arange(len(test))
         else:
@@ -195,10 +200,7 @@ def _build_domains(opts: TaskOptions, partition_id: int, num_partitions: int) ->
         other_tests = {Path(f).name: _read("image-domains", f, spec, opts)[1] for f in others}
     except UserDataError as err:
         raise TaskError(f"task 'image-domains': {err}") from err
-    fmt = spec.fmt
-    if not opts.image_mean or not opts.image_std:
-        mean, std = _statistics(train.images, fmt.channels, fmt.size)
-        fmt = ImageFormat(fmt.channels, fmt.size, opts.image_mean or mean, opts.image_std or std)
+    fmt = _data_format(spec.fmt, train, opts)
     train = train.subset(_cap(np.arange(len(train)), opts.max_train_samples, opts.seed + partition_id))
     return ClientData(x_train=to_model_input(train.images, fmt), y_train=train.labels.clone(),
                       x_test=to_model_input(test.images, fmt), y_test=test.labels.clone(),

@@ -84,3 +84,42 @@ def test_importing_the_strategies_does_not_import_torch():
     code = "import sys, pollen.strategies; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT_ROOT, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+IMPORT_EACH_FIRST = r"""
+import importlib, os, pkgutil, sys, traceback
+import numpy, torch, flwr  # third-party loaded once; each child imports Pollen from nothing
+import pollen
+names = sorted(m.name for m in pkgutil.walk_packages(pollen.__path__, "pollen."))
+for name in list(sys.modules):
+    if name == "pollen" or name.startswith("pollen."):
+        del sys.modules[name]
+failed = []
+for name in names:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            importlib.import_module(name)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        failed.append(name)
+print("modules:", len(names))
+print("failed:", " ".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    """A user (or a benchmark) may import any module first: registration must not hide an import cycle.
+
+    ``pollen.datasets.domain_tasks`` imported first used to fail with a circular ImportError while the
+    usual entry points (``pollen.datasets.tasks`` first) worked.
+    """
+    proc = subprocess.run([sys.executable, "-c", IMPORT_EACH_FIRST], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert int(proc.stdout.split("modules:")[1].split()[0]) > 50

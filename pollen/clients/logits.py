@@ -6,9 +6,6 @@ there; which one is the :class:`~pollen.methods.logits.Recipe` the client is bui
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import os
 
 from flwr.common import Context, NDArrays, Scalar
 
@@ -16,7 +13,7 @@ from pollen.clients.base import PollenClient
 from pollen.datasets.domain_tasks import PublicSet, domain_client_data, get_domain_task, public_set
 from pollen.datasets.public import PUBLIC_FOLDER
 from pollen.datasets.tasks import ClientData, TaskOptions, build_client_data
-from pollen.methods.logits import FCCL, LogitOptions, LogitRound, Recipe, resolve_settings
+from pollen.methods.logits import FCCL, LogitOptions, LogitRound, Recipe, resolve_settings, solo_cache_file
 from pollen.methods.settings import from_values
 from pollen.protocol.logits import PUBLIC_DIGEST
 
@@ -57,14 +54,13 @@ class LogitClient(PollenClient):
 
     def _solo_cache_path(self) -> str | None:
         """A file shared by runs that would pretrain the identical SOLO model (benchmarks)."""
-        if not self.settings.solo_cache:
-            return None
         s = self.settings
-        size = s.train_sizes[self.partition_id] if s.train_sizes else self.node.data_dir or self.cfg.data_dir
-        key = json.dumps([self.cfg.task, self.partition_id, self.model_name, self.cfg.width_for(self.model_name),
-                          self.cfg.seed, s.solo_epochs, size, self.cfg.max_train_samples, s.lr, s.batch_size])
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        return os.path.join(os.path.expanduser(s.solo_cache), f"solo-{self.cfg.task}-p{self.partition_id}-{digest}.pt")
+        if not s.solo_cache:
+            return None
+        data = s.train_sizes[self.partition_id] if s.train_sizes else self.node.data_dir or self.cfg.data_dir
+        return solo_cache_file(s.solo_cache, self.cfg.task, self.partition_id, self.model_name,
+                               self.cfg.width_for(self.model_name), self.cfg.seed, s, data,
+                               self.cfg.max_train_samples)
 
     @functools.cached_property
     def core(self) -> LogitRound:

@@ -31,7 +31,7 @@ import torch
 from pollen.datasets.domains import load_domain, seeded_subset
 from pollen.datasets.public import PUBLIC_FOLDER, load_public, public_digest
 from pollen.datasets.sources import ImageSet, load_source
-from pollen.datasets.tasks import ClientData, TaskError, TaskOptions, TaskSpec, register_task
+from pollen.datasets.tasks import DOMAIN_MODELS, ClientData, TaskError, TaskOptions, TaskSpec, register_task
 from pollen.datasets.transforms import DIGITS_FORMAT, ImageFormat, to_model_input
 
 
@@ -53,12 +53,11 @@ class DomainTask:
         return self.domains[partition_id]
 
 
-DIGITS_MODELS = ("resnet10", "resnet12", "efficientnet_b0", "mobilenet_v2")
 DOMAIN_TASKS: dict[str, DomainTask] = {
     "digits-offline": DomainTask("digits-offline", ("mnist", "uci", "mnistm", "syn"), (150, 80, 5000, 1800),
-                                 "fashion_mnist", 10, DIGITS_MODELS),
+                                 "fashion_mnist", 10, DOMAIN_MODELS),
     "digits": DomainTask("digits", ("mnist", "usps", "svhn", "syndigits"), (150, 80, 5000, 1800),
-                         "cifar100", 10, DIGITS_MODELS),
+                         "cifar100", 10, DOMAIN_MODELS),
     "office-home": DomainTask("office-home", ("Art", "Clipart", "Product", "Real_World"), (1400, 2000, 2500, 2000),
                               "cifar100", 65, ("resnet10", "resnet12", "resnet18", "resnet34"), top_k=5,
                               kind="officehome"),
@@ -67,7 +66,7 @@ DOMAIN_TASKS: dict[str, DomainTask] = {
 
 # Your own domains (task image-domains): as many as there are folders, every image of each, a public
 # folder of your own; input format and classes come from the run (pollen.datasets.user_tasks).
-USER_DOMAINS = DomainTask("image-domains", (), (), PUBLIC_FOLDER, 0, DIGITS_MODELS)
+USER_DOMAINS = DomainTask("image-domains", (), (), PUBLIC_FOLDER, 0, DOMAIN_MODELS)
 
 
 def get_domain_task(name: str) -> DomainTask:

@@ -194,6 +194,8 @@ def _shot_splits(source: str, opts: TaskOptions, num_partitions: int):
 FMNIST_FORMAT = ImageFormat(1, 28, (0.2860,), (0.3530,))
 # UCI digits are 8x8; upsampled to 28x28 so the same MNIST CNN serves both.
 UCI_FORMAT = ImageFormat(channels=1, size=28, mean=(0.305,), std=(0.32,))
+# One architecture per domain client, by partition (the FCCL paper's Digits assignment).
+DOMAIN_MODELS = ("resnet10", "resnet12", "efficientnet_b0", "mobilenet_v2")
 
 TASKS: dict[str, TaskSpec] = {}
 

@@ -35,10 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pollen.datasets.domain_tasks import USER_DOMAINS
 from pollen.datasets.partition import PartitionError, dirichlet, iid
 from pollen.datasets.sources import ImageSet
-from pollen.datasets.tasks import ClientData, TaskError, TaskOptions, TaskSpec, _cap, register_task
+from pollen.datasets.tasks import DOMAIN_MODELS, ClientData, TaskError, TaskOptions, TaskSpec, _cap, register_task
 from pollen.datasets.transforms import ImageFormat, to_model_input
 from pollen.datasets.user_data import (
     UserDataError,
@@ -223,4 +222,4 @@ USER_SPECS["image-domains"] = register_task(TaskSpec(
                                       "run key data-dir with one sub-folder per domain; public set: a folder "
                                       "of unlabeled images (docs/data.md)",
     num_classes=0, fmt=_UNRESOLVED, default_model="resnet10", needs_data_root=False, build=_build_domains,
-    resolve=_resolver("image-domains"), partition_models=USER_DOMAINS.models, kind="domains"))
+    resolve=_resolver("image-domains"), partition_models=DOMAIN_MODELS, kind="domains"))

@@ -24,6 +24,8 @@ consensus a client distils from in round t was computed from the models at the e
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -246,6 +248,19 @@ def public_view(x_public: torch.Tensor, seed: int, server_round: int, enabled: b
     return augment(x_public, gen, crop_pad=4, hflip=True, rotation=15.0)
 
 
+
+
+def solo_cache_file(folder: str, task: str, partition_id: int, model: str, width: float, seed: int,
+                    settings: LogitSettings, data: int | str, max_train_samples: int) -> str:
+    """Where a SOLO model is cached: one file per everything that decides its weights.
+
+    ``data`` is the partition's training size (built-in domain tasks) or its data folder (your own).
+    """
+    s = settings
+    key = json.dumps([task, partition_id, model, width, seed, s.solo_epochs, data, max_train_samples, s.lr,
+                      s.batch_size])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return os.path.join(os.path.expanduser(folder), f"solo-{task}-p{partition_id}-{digest}.pt")
 
 
 class LogitRound:

@@ -156,3 +156,20 @@ def test_paper_tasks_need_their_files(tmp_path):
         domain_client_data("office-home", TaskOptions(data_root=str(tmp_path)), 0, 4)
     with pytest.raises(TaskError, match="one client per domain"):
         domain_client_data("digits-offline", TaskOptions(data_root=str(tmp_path)), 0, 3)
+
+
+def test_solo_cache_is_shared_by_identical_runs_only(data_root, tmp_path):
+    """``fccl-solo-cache``: a second run with the same SOLO recipe loads the first one's model; another
+    training size pretrains (and caches) its own."""
+    rc = {**TINY, "method": "fccl", "data-root": data_root, "fccl-solo-cache": str(tmp_path)}
+    first = _client("fccl", rc, make_context(rc, partition_id=0, num_partitions=4))
+    first.fit([], {"server-round": 1})
+    files = sorted(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].name.startswith("solo-digits-offline-p0-")
+    again = _client("fccl", rc, make_context(rc, partition_id=0, num_partitions=4))  # a new node state
+    again.fit([], {"server-round": 1})
+    assert sorted(tmp_path.iterdir()) == files
+    assert _same(_state(again, "fccl-solo"), _state(first, "fccl-solo"))
+    other = {**rc, "fccl-train-sizes": "30,24,24,24"}
+    _client("fccl", other, make_context(other, partition_id=0, num_partitions=4)).fit([], {"server-round": 1})
+    assert len(list(tmp_path.iterdir())) == 2

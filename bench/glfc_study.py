@@ -1,0 +1,365 @@
+"""GLFC against its baselines and ablations in a trained regime, three seeds, with a joint-training bound.
+
+The offline MNIST + Fashion-MNIST class-incremental stream (4 tasks × 5 classes), run through the
+real Message-API strategy and ClientApp handlers (``bench/glfc.py``'s in-process grid). The regime
+is chosen so that the global model learns task 1 (≥ 95 % at its end): 10 rounds per task (the
+paper's R), ResNet-18 width 0.125, 2 local epochs, SGD lr 0.5 (``bench/results/glfc_study.md``
+shows the search). Per seed, every method sees the same stream plan and client shards, so
+differences are paired by seed.
+
+Also measured:
+
+* **joint training** on the same data budget: a model trained centrally on the union of every
+  client's images of the tasks so far (the upper bound of any incremental method);
+* the **entropy detector** at the paper's τ = 1.2 (``glfc-detect``): the rounds where clients declared
+  a new task, against the true boundaries;
+* the **proxy's choice**: whether the old model the proxy keeps (best score on the reconstructed
+  set) ever differs from the previous task's last global model (what GLFC w/o proxy uses).
+
+One file per finished run under ``bench/results/glfc_study/``; finished runs are skipped, so the
+study resumes. The report goes to ``bench/results/glfc_methods.{md,json,png}``::
+
+    POLLEN_DATA_ROOT=../shared/data nohup .venv/bin/python bench/glfc_study.py > /tmp/glfc_study.log 2>&1 &
+    .venv/bin/python bench/glfc_study.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+for p in (str(ROOT), str(BENCH)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+RUNS_DIR = BENCH / "results" / "glfc_study"
+STEM = "glfc_methods"
+# arm -> (method, oracle boundaries)
+ARMS = {
+    "glfc": ("glfc", True), "fedavg-icarl": ("fedavg-icarl", True), "finetune": ("finetune", True),
+    "glfc-wo-gc": ("glfc-wo-gc", True), "glfc-wo-rd": ("glfc-wo-rd", True), "glfc-wo-proxy": ("glfc-wo-proxy", True),
+    "glfc-detect": ("glfc", False),
+}
+LABELS = {"glfc": "GLFC", "fedavg-icarl": "FedAvg + iCaRL", "finetune": "Finetune", "glfc-wo-gc": "GLFC w/o GC",
+          "glfc-wo-rd": "GLFC w/o RD", "glfc-wo-proxy": "GLFC w/o proxy", "glfc-detect": "GLFC, entropy detector",
+          "joint": "Joint training (upper bound)"}
+BASELINES = ("fedavg-icarl", "finetune", "glfc-wo-gc", "glfc-wo-rd", "glfc-wo-proxy")
+DEFAULTS = {"tasks": 4, "rounds_per_task": 10, "initial_clients": 4, "new_clients": 2, "clients_per_round": 4,
+            "max_per_class": 100, "memory": 60, "eval_per_class": 200, "proxy_iterations": 20, "proxy_keep": 5,
+            "width": 0.125, "epochs": 2, "batch_size": 32, "lr": 0.5, "tau": 1.2, "joint_epochs": 10}
+SETTING_KEYS = tuple(DEFAULTS)
+TASK1_BAR = 0.95
+
+
+def setting_of(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in SETTING_KEYS}
+
+
+def run_path(arm: str, seed: int) -> Path:
+    return RUNS_DIR / f"{arm}-seed{seed}.json"
+
+
+def bench_args(args: argparse.Namespace, seed: int, oracle: bool) -> argparse.Namespace:
+    """The namespace ``bench/glfc.py``'s ``method_config`` reads."""
+    return argparse.Namespace(**setting_of(args), data_root=args.data_root, seed=seed, oracle=oracle)
+
+
+def run_method(arm: str, seed: int, args: argparse.Namespace) -> dict:
+    from glfc import method_config, run_inprocess, summarise
+
+    method, oracle = ARMS[arm]
+    rc = method_config(method, bench_args(args, seed, oracle))
+    t0 = time.perf_counter()
+    rounds = run_inprocess(rc)
+    wall = time.perf_counter() - t0
+    per_round = [{"round": r["round"], "accuracy": r["server-evaluate"]["accuracy"],
+                  "transitions": int(r["fit"].get("transitions", 0)),
+                  "proxy-new-best": r["fit"].get("proxy-new-best"),
+                  "proxy-gradients": r["fit"].get("proxy-gradients"),
+                  "proxy-monitor-accuracy": r["fit"].get("proxy-monitor-accuracy"),
+                  "rejected": len(r["rejected"]), "failures": r["failures"]} for r in rounds]
+    return {"arm": arm, "method": method, "oracle": oracle, "seed": seed, "setting": setting_of(args),
+            "wall-s": round(wall, 1), "summary": summarise(rounds, args.tasks, args.rounds_per_task),
+            "rounds": per_round}
+
+
+def run_joint(seed: int, args: argparse.Namespace) -> dict:
+    """Central training on the union of all clients' images of tasks ≤ t, for each task end t."""
+    import numpy as np
+    import torch
+    from glfc import method_config
+
+    from pollen.app.config import parse_run_config
+    from pollen.app.registry import METHODS
+    from pollen.datasets.incremental import shard_indices, stream_data
+    from pollen.methods.training import train_epochs
+    from pollen.strategies.glfc import aia, average_forgetting
+
+    torch.set_num_threads(1)
+    cfg = parse_run_config(method_config("finetune", bench_args(args, seed, True)))
+    strategy = METHODS[cfg.method].make_strategy(cfg)
+    plan, s = strategy.plan, strategy.schedule.classes_per_task
+    train = stream_data(cfg.task, cfg.data_root, "train", "label", seed)
+    labels = train.y.numpy()
+    t0 = time.perf_counter()
+    seen_acc, matrix = [], []
+    for t in range(args.tasks):
+        classes = range((t + 1) * s)
+        idx = np.unique(np.concatenate([shard_indices(plan, labels, c, k) for k in classes
+                                        for c in plan.holders(k)]))
+        x, y = train.select(idx)
+        torch.manual_seed(seed)
+        model = strategy.make_model(len(classes))
+        train_epochs(model, x, y, epochs=args.joint_epochs, batch_size=args.batch_size,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=args.lr, weight_decay=1e-5),
+                     generator=torch.Generator().manual_seed(seed), device=torch.device("cpu"))
+        model.eval()
+        xt, yt = strategy.test_data(len(classes))
+        with torch.no_grad():
+            pred = torch.cat([model(xt[i:i + 1024]).argmax(1) for i in range(0, len(yt), 1024)])
+        seen_acc.append(float((pred == yt).float().mean()))
+        matrix.append([float((pred[(yt >= j * s) & (yt < (j + 1) * s)] == yt[(yt >= j * s) & (yt < (j + 1) * s)])
+                             .float().mean()) for j in range(t + 1)])
+        print(f"[glfc-study] joint seed {seed}: task {t + 1}, {len(idx)} images, accuracy {seen_acc[-1]:.4f}",
+              flush=True)
+    return {"arm": "joint", "method": "joint", "oracle": True, "seed": seed, "setting": setting_of(args),
+            "wall-s": round(time.perf_counter() - t0, 1),
+            "summary": {"seen-accuracy-at-task-end": seen_acc, "task-accuracy-matrix": matrix, "aia": aia(seen_acc),
+                        "forgetting": average_forgetting(matrix), "final-accuracy": seen_acc[-1]},
+            "rounds": []}
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+def mean_se(vals: list[float]) -> tuple[float, float | None]:
+    m = statistics.fmean(vals)
+    return m, (statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else None)
+
+
+def fmt(vals: list[float], digits: int = 3) -> str:
+    if not vals:
+        return "–"
+    m, se = mean_se(vals)
+    return f"{m:.{digits}f}" if se is None else f"{m:.{digits}f} ± {se:.{digits}f}"
+
+
+def verdict(diffs: list[float], higher_is_better: bool = True) -> str:
+    if len(diffs) < 2:
+        return f"{len(diffs)} seed: no standard error yet"
+    m, se = mean_se(diffs)
+    if se == 0 or abs(m) >= 2 * se:
+        return "**GLFC better**" if (m > 0) == higher_is_better else "**GLFC worse**"
+    return "no difference shown (|Δ| < 2 s.e.)"
+
+
+def boundaries(setting: dict) -> list[int]:
+    """The first round of each task after the first (where a new task's data arrives)."""
+    return [t * setting["rounds_per_task"] + 1 for t in range(1, setting["tasks"])]
+
+
+def detector_findings(rec: dict) -> dict:
+    """Where clients declared transitions, against where tasks really changed."""
+    r = rec["setting"]["rounds_per_task"]
+    fired = {x["round"]: x["transitions"] for x in rec["rounds"] if x["transitions"]}
+    return {"fired-rounds": fired, "at-boundary-rounds": {b: fired.get(b, 0) for b in boundaries(rec["setting"])},
+            "task-1-false-alarms": sum(v for k, v in fired.items() if k <= r),
+            "later-task-transitions": sum(v for k, v in fired.items() if k > r)}
+
+
+def proxy_findings(rec: dict) -> list[dict]:
+    """Per task before the last: did the proxy keep that task's last model, or an earlier, better-scored one?"""
+    r, out = rec["setting"]["rounds_per_task"], []
+    for t in range(rec["setting"]["tasks"] - 1):
+        task_rounds = rec["rounds"][t * r:(t + 1) * r]
+        best = [x["round"] for x in task_rounds if x.get("proxy-new-best")]
+        kept = best[-1] if best else None
+        out.append({"task": t + 1, "kept-round": kept, "last-round": (t + 1) * r,
+                    "differs": kept is not None and kept != (t + 1) * r,
+                    "accuracy-kept": next((x["accuracy"] for x in task_rounds if x["round"] == kept), None),
+                    "accuracy-last": task_rounds[-1]["accuracy"] if task_rounds else None})
+    return out
+
+
+def markdown(records: list[dict], setting: dict) -> str:
+    by_arm: dict[str, dict[int, dict]] = {}
+    for r in records:
+        by_arm.setdefault(r["arm"], {})[r["seed"]] = r
+    T = setting["tasks"]
+    lines = [
+        "# GLFC family on MNIST + Fashion-MNIST, trained regime, paired seeds",
+        "",
+        f"{T} tasks × {20 // T} classes (MNIST digits, then Fashion-MNIST), {setting['rounds_per_task']} rounds per "
+        f"task (the paper's R), {setting['initial_clients']} clients + {setting['new_clients']} per new task, "
+        f"{setting['clients_per_round']} sampled per round, each client 60 % of a task's classes with ≤ "
+        f"{setting['max_per_class']} images per class, memory {setting['memory']}, ResNet-18 width {setting['width']}, "
+        f"{setting['epochs']} local epochs, batch {setting['batch_size']}, SGD lr {setting['lr']}, proxy "
+        f"{setting['proxy_iterations']} L-BFGS steps (paper 250). Test: {setting['eval_per_class']} images per seen "
+        "class. Every method of a seed sees the same stream plan and shards. Mean ± standard error over seeds.",
+        "",
+        "## Accuracy on the seen classes at each task end, AIA and forgetting",
+        "",
+        "| method | seeds | " + " | ".join(f"task {t + 1}" for t in range(T)) + " | AIA | forgetting | wall s |",
+        "|---|---|" + "---|" * (T + 3),
+    ]
+    order = ["joint", "glfc", "glfc-detect", "glfc-wo-proxy", "glfc-wo-gc", "glfc-wo-rd", "fedavg-icarl", "finetune"]
+    for arm in (a for a in order if a in by_arm):
+        runs = list(by_arm[arm].values())
+        ends = [r["summary"]["seen-accuracy-at-task-end"] for r in runs]
+        lines.append(f"| {LABELS[arm]} | {len(runs)} | " + " | ".join(fmt([e[t] for e in ends]) for t in range(T))
+                     + f" | **{fmt([r['summary']['aia'] for r in runs])}** | "
+                     f"{fmt([r['summary']['forgetting'] for r in runs])} | "
+                     f"{statistics.fmean(r['wall-s'] for r in runs):.0f} |")
+    task1 = [r["summary"]["seen-accuracy-at-task-end"][0] for a, rs in by_arm.items() if a != "joint"
+             for r in rs.values()]
+    if task1:
+        lines += ["", f"Task-1 accuracy of the federated global model over all runs: min {min(task1):.3f}, "
+                  f"median {statistics.median(task1):.3f} (bar: ≥ {TASK1_BAR})."]
+    lines += ["", "## GLFC − each baseline and ablation (paired by seed)", "",
+              "| GLFC − | seeds | Δ AIA | verdict | Δ forgetting | verdict (lower forgetting is better) |",
+              "|---|---|---|---|---|---|"]
+    glfc = by_arm.get("glfc", {})
+    for base in BASELINES:
+        other = by_arm.get(base, {})
+        seeds = sorted(set(glfc) & set(other))
+        if not seeds:
+            continue
+        d_aia = [glfc[s]["summary"]["aia"] - other[s]["summary"]["aia"] for s in seeds]
+        d_fgt = [glfc[s]["summary"]["forgetting"] - other[s]["summary"]["forgetting"] for s in seeds]
+        lines.append(f"| {LABELS[base]} | {len(seeds)} | {fmt(d_aia)} | {verdict(d_aia)} | {fmt(d_fgt)} | "
+                     f"{verdict(d_fgt, higher_is_better=False)} |")
+    if "glfc-detect" in by_arm:
+        lines += ["", f"## The entropy detector at τ = {setting['tau']}", "",
+                  f"True task boundaries: rounds {', '.join(map(str, boundaries(setting)))} (a client can only "
+                  "detect when it is sampled, so a boundary shows up over the task's first rounds).", "",
+                  "| seed | rounds with declared transitions (count) | false alarms in task 1 | transitions in "
+                  "tasks 2-4 | oracle run's transitions |", "|---|---|---|---|---|"]
+        for seed, rec in sorted(by_arm["glfc-detect"].items()):
+            f = detector_findings(rec)
+            oracle = by_arm.get("glfc", {}).get(seed)
+            oracle_n = sum(x["transitions"] for x in oracle["rounds"]) if oracle else "–"
+            fired = ", ".join(f"{k} ({v})" for k, v in f["fired-rounds"].items()) or "none"
+            lines.append(f"| {seed} | {fired} | {f['task-1-false-alarms']} | {f['later-task-transitions']} | "
+                         f"{oracle_n} |")
+    if "glfc" in by_arm:
+        lines += ["", "## The proxy's choice of old model", "",
+                  "At each task's end the proxy keeps the global model that scored best on its reconstructed set; "
+                  "GLFC w/o proxy keeps the task's last global model.", "",
+                  "| seed | task | kept round | last round | accuracy kept / last | differs |",
+                  "|---|---|---|---|---|---|"]
+        differs = 0
+        for seed, rec in sorted(by_arm["glfc"].items()):
+            for f in proxy_findings(rec):
+                differs += int(f["differs"])
+                acc = (f"{f['accuracy-kept']:.3f} / {f['accuracy-last']:.3f}" if f["accuracy-kept"] is not None
+                       else "–")
+                lines.append(f"| {seed} | {f['task']} | {f['kept-round']} | {f['last-round']} | {acc} | "
+                             f"{'**yes**' if f['differs'] else 'no'} |")
+        same = [s for s in sorted(set(by_arm["glfc"]) & set(by_arm.get("glfc-wo-proxy", {})))
+                if [x["accuracy"] for x in by_arm["glfc"][s]["rounds"]]
+                == [x["accuracy"] for x in by_arm["glfc-wo-proxy"][s]["rounds"]]]
+        lines += ["", f"The proxy's choice differed from the last model in {differs} task end(s); GLFC and GLFC w/o "
+                  f"proxy have identical per-round accuracies on seed(s) {same or 'none'}."]
+    lines += ["", f"![accuracy vs round]({STEM}.png)", "",
+              "Reproduce: `bench/glfc_study.py` (one file per run in `glfc_study/`; resumes).", ""]
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], setting: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    by_arm: dict[str, list[dict]] = {}
+    for r in records:
+        if r["rounds"]:
+            by_arm.setdefault(r["arm"], []).append(r)
+    for arm, runs in by_arm.items():
+        curves = [[x["accuracy"] for x in r["rounds"]] for r in runs]
+        n = min(len(c) for c in curves)
+        xs = list(range(1, n + 1))
+        mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
+        sd = [statistics.stdev(c[i] for c in curves) if len(curves) > 1 else 0.0 for i in range(n)]
+        (line,) = ax.plot(xs, mean, lw=1.2, ls="--" if arm == "glfc-detect" else "-",
+                          label=f"{LABELS[arm]} ({len(curves)} seeds)")
+        low = [a - b for a, b in zip(mean, sd, strict=True)]
+        high = [a + b for a, b in zip(mean, sd, strict=True)]
+        ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.12)
+    for b in boundaries(setting):
+        ax.axvline(b - 0.5, color="grey", ls=":", lw=1)
+    ax.set_xlabel("round (dotted: task boundary)")
+    ax.set_ylabel("global accuracy on seen classes")
+    ax.set_title("mean over seeds, band: seed std", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(setting: dict, out: Path) -> None:
+    records = [json.loads(p.read_text()) for p in sorted(RUNS_DIR.glob("*-seed*.json"))]
+    records = [r for r in records if r["setting"] == setting]
+    if not records:
+        print("[glfc-study] no finished runs with this setting yet")
+        return
+    (out / f"{STEM}.json").write_text(json.dumps({"setting": setting, "runs": records}, indent=1) + "\n")
+    (out / f"{STEM}.md").write_text(markdown(records, setting))
+    plot(records, setting, out / f"{STEM}.png")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arms", default=",".join(["joint", *ARMS]))
+    p.add_argument("--seeds", default="0,1,2")
+    for key, value in DEFAULTS.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
+    p.add_argument("--report", action="store_true", help="only rewrite the report from the finished runs")
+    p.add_argument("--dry-run", action="store_true", help="list the runs still to do")
+    args = p.parse_args(argv)
+    args.data_root = str(Path(args.data_root).resolve())
+    setting, out = setting_of(args), BENCH / "results"
+    if args.report:
+        write_report(setting, out)
+        return 0
+    RUNS_DIR.mkdir(parents=True, exist_ok=True)
+    todo = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for arm in (a.strip() for a in args.arms.split(",") if a.strip()):
+            if arm != "joint" and arm not in ARMS:
+                raise SystemExit(f"unknown arm {arm!r}; arms: joint, {', '.join(ARMS)}")
+            path = run_path(arm, seed)
+            if path.exists():
+                if json.loads(path.read_text())["setting"] != setting:
+                    raise SystemExit(f"{path} was run with another setting; move it away or use that setting")
+                continue
+            todo.append((arm, seed))
+    print(f"[glfc-study] {len(todo)} runs to do: " + ", ".join(f"{a}/{s}" for a, s in todo), flush=True)
+    if args.dry_run:
+        return 0
+    for arm, seed in todo:
+        print(f"[glfc-study] start {arm} seed {seed}", flush=True)
+        rec = run_joint(seed, args) if arm == "joint" else run_method(arm, seed, args)
+        tmp = run_path(arm, seed).with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec, indent=1) + "\n")
+        os.replace(tmp, run_path(arm, seed))
+        s = rec["summary"]
+        print(f"[glfc-study] {arm} seed {seed}: task ends {[round(a, 3) for a in s['seen-accuracy-at-task-end']]}, "
+              f"AIA {s['aia']:.4f}, forgetting {s['forgetting']:.4f} in {rec['wall-s']:.0f} s", flush=True)
+        write_report(setting, out)
+    write_report(setting, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

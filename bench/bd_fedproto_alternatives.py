@@ -1,0 +1,227 @@
+"""BD-FedProto's documented alternatives, chosen on held-out seeds and reported on fresh ones (issue 17, item 2).
+
+When neither CPA nor DA helps in the main study (``bench/bd_fedproto_study.py``), the reconstruction's
+documented alternatives get one fair chance, on the hardest cell (Fashion-MNIST, 5-way):
+
+1. **select**: FedProto, BD-FedProto (defaults: hinge negatives, β = 0.5, α = 0.5 — the paper's best
+   α = β = 0.5 *is* the default) and each alternative below on the selection seeds 100-102;
+2. **choose**, by a rule fixed before any run: the arm with the largest mean paired Δ local accuracy
+   to FedProto on the selection seeds (ties: Δ proto);
+3. **confirm**: FedProto and the chosen arm on the fresh seeds 200-204, which took no part in the choice.
+   Only these numbers are reported as the chosen setting's effect.
+
+Same setting as the main study (20 clients, 100 shots, 50 rounds, …); every run is a real
+``flwr run`` through the main study's worker. Results: ``bench/results/bd_fedproto_alternatives.json``
+(one entry per run, resumable) and ``.md``::
+
+    nohup .venv/bin/python bench/bd_fedproto_alternatives.py --data-root ../shared/data > /tmp/bd_alt.log 2>&1 &
+    .venv/bin/python bench/bd_fedproto_alternatives.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+for p in (str(ROOT), str(BENCH)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from bd_fedproto_study import (  # noqa: E402  (bench/bd_fedproto_study.py)
+    arm_of,
+    check_setting,
+    entry_key,
+    fmt_ms,
+    fmt_paired,
+    load_results,
+    metric,
+    paired,
+    study_setting,
+)
+from bd_fedproto_study import run_config as study_run_config  # noqa: E402
+
+RESULTS_PATH = BENCH / "results" / "bd_fedproto_alternatives.json"
+DATASET, WAYS = "fmnist-shot", 5
+SELECT_SEEDS = (100, 101, 102)
+CONFIRM_SEEDS = (200, 201, 202, 203, 204)
+# arm -> (method, extra run config); the variant stored with each run is the arm's name
+CANDIDATES: dict[str, tuple[str, dict]] = {
+    "bd-fedproto": ("bd-fedproto", {}),
+    "infonce": ("bd-fedproto", {"proto-negative": "infonce"}),
+    "beta-0.25": ("bd-fedproto", {"proto-beta": 0.25}),
+    "beta-1": ("bd-fedproto", {"proto-beta": 1.0}),
+    "da-kappa-0.99": ("bd-fedproto", {"proto-da-kappa": 0.99}),  # slower annealing of DA's temperature
+}
+ARMS = {"fedproto": ("fedproto", {}), **CANDIDATES}
+
+
+def variant_of(arm: str) -> str:
+    return "default" if arm in ("fedproto", "bd-fedproto") else arm
+
+
+def run_config(arm: str, seed: int, args: argparse.Namespace, out_dir: Path) -> dict:
+    method, extra = ARMS[arm]
+    return {**study_run_config(DATASET, WAYS, method, seed, args, out_dir), **extra}
+
+
+def cell_key(arm: str, seed: int) -> tuple:
+    return (DATASET, WAYS, ARMS[arm][0], variant_of(arm), seed)
+
+
+def by_arm(results: dict, seeds: tuple[int, ...]) -> dict[str, dict[int, dict]]:
+    out: dict[str, dict[int, dict]] = {}
+    for e in results.get("runs", []):
+        if e["seed"] in seeds:
+            out.setdefault(arm_of(e), {})[e["seed"]] = e
+    return out
+
+
+def mean_diff(base: dict, other: dict, what: str) -> float | None:
+    d = paired(base, other, what)
+    return statistics.fmean(d) if d else None
+
+
+def choose(results: dict) -> str | None:
+    """The rule fixed in advance: best mean paired Δ local (then Δ proto) on all selection seeds."""
+    arms = by_arm(results, SELECT_SEEDS)
+    base = arms.get("fedproto", {})
+    if set(base) != set(SELECT_SEEDS):
+        return None
+    scored = []
+    for arm in CANDIDATES:
+        g = arms.get(arm, {})
+        if set(g) != set(SELECT_SEEDS):
+            return None  # not every candidate has every selection seed yet
+        scored.append((mean_diff(base, g, "accuracy"), mean_diff(base, g, "proto-accuracy"), arm))
+    return max(scored)[2]
+
+
+def run_cell(arm: str, seed: int, args: argparse.Namespace, stop: dict) -> bool:
+    """One run through the main study's worker (its own process session); False if it failed."""
+    label = f"{DATASET}:{WAYS}:{arm}:{seed}"
+    run_dir = Path(args.work_dir) / f"alt-{arm}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"label": label, "variant": variant_of(arm), "clients": args.clients,
+            "config": run_config(arm, seed, args, run_dir / "runs"), "out-dir": str(run_dir / "runs"),
+            "results": str(args.results), "setting": study_setting(args), "timeout": args.timeout, "echo": True}
+    (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
+    print(f"[alternatives] start {label} (log {run_dir / 'worker.log'})", flush=True)
+    with open(run_dir / "worker.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(BENCH / "bd_fedproto_study.py"), "--worker",
+                                 str(run_dir / "spec.json")], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+    while proc.poll() is None:
+        if stop["signal"] is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+            return False
+        time.sleep(2)
+    lines = (run_dir / "worker.log").read_text(errors="replace").splitlines()
+    print(next((ln for ln in reversed(lines) if ln.startswith("[study]")), f"[alternatives] {label} exit "
+               f"{proc.returncode}").replace("[study]", "[alternatives]"), flush=True)
+    return proc.returncode == 0
+
+
+def markdown(results: dict) -> str:
+    lines = ["# BD-FedProto's alternatives: chosen on held-out seeds, reported on fresh seeds", "",
+             f"{DATASET}, {WAYS}-way, the main study's setting (`bd_fedproto_study.md`). Selection seeds "
+             f"{', '.join(map(str, SELECT_SEEDS))}; rule fixed in advance: the largest mean paired Δ local accuracy "
+             f"to FedProto (ties: Δ proto). Confirmation seeds {', '.join(map(str, CONFIRM_SEEDS))}, unused by the "
+             "choice. Accuracy in %, per run the client mean at the last round; mean ± s.d. over seeds, Δ = arm − "
+             "FedProto paired by seed ± standard error.", ""]
+    for title, seeds in (("Selection (held-out seeds)", SELECT_SEEDS), ("Confirmation (fresh seeds)", CONFIRM_SEEDS)):
+        arms = by_arm(results, seeds)
+        if not arms:
+            continue
+        base = arms.get("fedproto", {})
+        lines += [f"## {title}", "",
+                  "| arm | run keys | seeds | local | proto | Δ local | Δ proto | Δ round std local |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for arm in ARMS:
+            g = arms.get(arm)
+            if not g:
+                continue
+            keys = ", ".join(f"`{k}={v}`" for k, v in ARMS[arm][1].items()) or "defaults"
+            vals = {w: [v for v in (metric(e, w) for e in g.values()) if v is not None]
+                    for w in ("accuracy", "proto-accuracy")}
+            deltas = ["–"] * 3 if arm == "fedproto" else [
+                fmt_paired(paired(base, g, w)) for w in ("accuracy", "proto-accuracy", "accuracy-last-std")]
+            lines.append(f"| {arm} | {keys} | {len(g)} | {fmt_ms(vals['accuracy'])} | "
+                         f"{fmt_ms(vals['proto-accuracy'])} | " + " | ".join(deltas) + " |")
+        lines.append("")
+    chosen = choose(results)
+    lines.append(f"Chosen arm: **{chosen}**." if chosen else "Chosen arm: not yet (the selection is incomplete).")
+    if chosen:
+        arms = by_arm(results, CONFIRM_SEEDS)
+        d = paired(arms.get("fedproto", {}), arms.get(chosen, {}), "accuracy")
+        if len(d) >= 2:
+            m, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+            word = ("better than" if m > 0 else "worse than") if abs(m) >= 2 * se else "not distinguishable from"
+            lines.append(f"On the fresh seeds ({len(d)}), {chosen} is {word} FedProto in local accuracy: "
+                         f"Δ {m:+.2f} ± {se:.2f} (2 s.e. rule).")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-root", default=str((ROOT / ".." / "shared" / "data").resolve()))
+    p.add_argument("--results", type=Path, default=RESULTS_PATH)
+    p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--clients", type=int, default=20)
+    p.add_argument("--evaluate-every", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=3 * 3600)
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/pollen-bd-study"))
+    p.add_argument("--report", action="store_true", help="only rewrite the Markdown")
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    args.results = args.results.resolve()
+    args.data_root = str(Path(args.data_root).resolve())
+    md_path = args.results.with_suffix(".md")
+    if args.report:
+        md_path.write_text(markdown(load_results(args.results)))
+        return 0
+    check_setting(args.results, study_setting(args))
+    stop = {"signal": None}
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda signum, _f: stop.__setitem__("signal", signum))
+    for phase in ("select", "confirm"):
+        results = load_results(args.results)
+        done = {entry_key(e) for e in results["runs"]}
+        if phase == "select":
+            cells = [(arm, seed) for seed in SELECT_SEEDS for arm in ARMS]
+        else:
+            chosen = choose(results)
+            if chosen is None:
+                print("[alternatives] selection incomplete: no confirmation yet", flush=True)
+                break
+            print(f"[alternatives] chosen by the selection rule: {chosen}", flush=True)
+            cells = [(arm, seed) for seed in CONFIRM_SEEDS for arm in ("fedproto", chosen)]
+        todo = [c for c in cells if cell_key(*c) not in done]
+        print(f"[alternatives] {phase}: {len(cells) - len(todo)} of {len(cells)} runs done", flush=True)
+        if args.dry_run:
+            for arm, seed in todo:
+                print(f"  todo {arm} seed {seed}")
+            continue
+        for arm, seed in todo:
+            if stop["signal"] is not None or not run_cell(arm, seed, args, stop):
+                break
+            md_path.write_text(markdown(load_results(args.results)))
+        if stop["signal"] is not None:
+            return 128 + int(stop["signal"])
+    if args.results.exists():
+        md_path.write_text(markdown(load_results(args.results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,9 +2,9 @@
 
 The offline MNIST + Fashion-MNIST class-incremental stream (4 tasks × 5 classes), run through the
 real Message-API strategy and ClientApp handlers (``bench/glfc.py``'s in-process grid). The regime
-is chosen so that the global model learns task 1 (≥ 95 % at its end): 10 rounds per task (the
-paper's R), ResNet-18 width 0.125, 2 local epochs, SGD lr 0.5 (``bench/results/glfc_study.md``
-shows the search). Per seed, every method sees the same stream plan and client shards, so
+is chosen so that the global model learns task 1 (≥ 95 % at its end): 20 rounds per task (the
+paper has 10, with 30 clients), ResNet-18 width 0.125, 2 local epochs, SGD lr 0.5; the search is in
+``bench/results/glfc_regime.md``. Per seed, every method sees the same stream plan and client shards, so
 differences are paired by seed.
 
 Also measured:
@@ -52,7 +52,7 @@ LABELS = {"glfc": "GLFC", "fedavg-icarl": "FedAvg + iCaRL", "finetune": "Finetun
           "glfc-wo-rd": "GLFC w/o RD", "glfc-wo-proxy": "GLFC w/o proxy", "glfc-detect": "GLFC, entropy detector",
           "joint": "Joint training (upper bound)"}
 BASELINES = ("fedavg-icarl", "finetune", "glfc-wo-gc", "glfc-wo-rd", "glfc-wo-proxy")
-DEFAULTS = {"tasks": 4, "rounds_per_task": 10, "initial_clients": 4, "new_clients": 2, "clients_per_round": 4,
+DEFAULTS = {"tasks": 4, "rounds_per_task": 20, "initial_clients": 4, "new_clients": 2, "clients_per_round": 4,
             "max_per_class": 100, "memory": 60, "eval_per_class": 200, "proxy_iterations": 20, "proxy_keep": 5,
             "width": 0.125, "epochs": 2, "batch_size": 32, "lr": 0.5, "tau": 1.2, "joint_epochs": 10}
 SETTING_KEYS = tuple(DEFAULTS)
@@ -198,7 +198,8 @@ def markdown(records: list[dict], setting: dict) -> str:
         "# GLFC family on MNIST + Fashion-MNIST, trained regime, paired seeds",
         "",
         f"{T} tasks × {20 // T} classes (MNIST digits, then Fashion-MNIST), {setting['rounds_per_task']} rounds per "
-        f"task (the paper's R), {setting['initial_clients']} clients + {setting['new_clients']} per new task, "
+        f"task (paper: 10 with 30 clients; why 20: `glfc_regime.md`), {setting['initial_clients']} clients + "
+        f"{setting['new_clients']} per new task, "
         f"{setting['clients_per_round']} sampled per round, each client 60 % of a task's classes with ≤ "
         f"{setting['max_per_class']} images per class, memory {setting['memory']}, ResNet-18 width {setting['width']}, "
         f"{setting['epochs']} local epochs, batch {setting['batch_size']}, SGD lr {setting['lr']}, proxy "

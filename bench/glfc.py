@@ -53,10 +53,17 @@ def method_config(method: str, args) -> dict:
     }
 
 
-def run_inprocess(run_config: dict) -> list[dict]:
+class _StopAfter(Exception):
+    pass
+
+
+def run_inprocess(run_config: dict, offline=None, stop_after: int | None = None) -> list[dict]:
     """Drive the method's Message-API strategy through ``strategy.start`` in this process, each node a real
     ClientApp (Pollen's ``train``/``evaluate`` handlers, ``answer_query``) with its own ``Context``, over an
-    in-process grid: the same messages ``flwr run`` carries, without Ray."""
+    in-process grid: the same messages ``flwr run`` carries, without Ray.
+
+    ``offline(server_round, partition_id)`` -> True makes that node miss that round's training message (no
+    reply, as a node that is not connected); ``stop_after`` ends the run after that round."""
     from flwr.app import Context, Error, Message, MessageType, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
@@ -84,6 +91,9 @@ def run_inprocess(run_config: dict) -> list[dict]:
             replies = []
             for msg in messages:
                 ctx = contexts[msg.metadata.dst_node_id]
+                if (offline is not None and msg.metadata.message_type == MessageType.TRAIN
+                        and offline(int(msg.content["config"]["server-round"]), msg.metadata.dst_node_id - 1000)):
+                    continue
                 try:
                     replies.append(answer_query(msg, ctx) if msg.metadata.message_type == MessageType.QUERY
                                    else client_app(msg, ctx))
@@ -102,12 +112,17 @@ def run_inprocess(run_config: dict) -> list[dict]:
                            "rejected": rep.rejected, "failures": len(rep.failures),
                            "wall-time-s": time.perf_counter() - clock["t"]})
             print(f"  round {rnd}: acc {ev['accuracy']:.4f} ({time.perf_counter() - clock['t']:.1f}s)", flush=True)
+            if stop_after is not None and rnd >= stop_after:
+                raise _StopAfter
         clock["t"] = time.perf_counter()
         return ev
 
     with tmp:
-        strategy.start(grid=InProcessGrid(), initial_arrays=spec.initial_arrays(cfg),
-                       num_rounds=cfg.num_server_rounds, evaluate_fn=end_of_round)
+        try:
+            strategy.start(grid=InProcessGrid(), initial_arrays=spec.initial_arrays(cfg),
+                           num_rounds=cfg.num_server_rounds, evaluate_fn=end_of_round)
+        except _StopAfter:
+            pass
     return rounds
 
 

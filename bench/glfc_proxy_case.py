@@ -1,0 +1,124 @@
+"""The case GLFC's proxy exists for: a task whose last global model degraded. Does the proxy keep a better one?
+
+GLFC keeps as its old model the global model that scored best on the proxy's reconstructed set; GLFC w/o
+proxy keeps the task's last global model. When training goes well the two are the same model
+(``glfc_methods.md``). Here the last round of task 1 degrades the model the way a real federation
+can: only one client is online in that round, so the new global model is that client's update alone,
+trained on 3 of the 5 classes. Everything else is the study's setting (``bench/glfc_study.py``), run
+through the real strategy and ClientApp handlers (``bench/glfc.py``'s in-process grid) up to the end
+of task 2.
+
+Reported per seed and arm: the accuracy of the last task-1 model, the round and accuracy of the old
+model the arm keeps, and the accuracy on task 1's classes at the end of task 2 (what distilling from a
+better old model should protect). Writes ``bench/results/glfc_proxy_case.{json,md}``; finished
+(arm, seed) pairs are skipped::
+
+    POLLEN_DATA_ROOT=../shared/data .venv/bin/python bench/glfc_proxy_case.py --seeds 0,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+for p in (str(ROOT), str(BENCH)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from glfc_study import DEFAULTS, bench_args  # noqa: E402  (bench/glfc_study.py)
+
+OUT = BENCH / "results" / "glfc_proxy_case.json"
+ARMS = ("glfc", "glfc-wo-proxy")
+ONLINE = 0  # the one partition that answers in task 1's last round
+
+
+def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
+    import torch
+    from glfc import method_config, run_inprocess
+
+    torch.set_num_threads(1)
+    r = args.rounds_per_task
+    rc = method_config(arm, bench_args(args, seed, oracle=True))
+    t0 = time.perf_counter()
+    rounds = run_inprocess(rc, offline=lambda rnd, pid: rnd == r and pid != ONLINE, stop_after=2 * r)
+    per_round = [{"round": x["round"], "accuracy": x["server-evaluate"]["accuracy"],
+                  "task0-accuracy": x["server-evaluate"].get("task0-accuracy"),
+                  "accepted": int(x["fit"].get("accepted", 0)),
+                  "proxy-new-best": x["fit"].get("proxy-new-best"),
+                  "proxy-monitor-accuracy": x["fit"].get("proxy-monitor-accuracy")} for x in rounds]
+    task1 = per_round[:r]
+    if arm == "glfc":
+        kept = max((x["round"] for x in task1 if x["proxy-new-best"]), default=None)
+    else:
+        kept = r  # w/o proxy: the task's last global model
+    kept_acc = next((x["accuracy"] for x in task1 if x["round"] == kept), None)
+    return {"arm": arm, "seed": seed, "setting": {k: getattr(args, k) for k in DEFAULTS},
+            "wall-s": round(time.perf_counter() - t0, 1), "rounds": per_round,
+            "before-last-accuracy": task1[-2]["accuracy"], "last-accuracy": task1[-1]["accuracy"],
+            "kept-round": kept, "kept-accuracy": kept_acc,
+            "task1-accuracy-end-of-task2": per_round[-1]["task0-accuracy"],
+            "seen-accuracy-end-of-task2": per_round[-1]["accuracy"]}
+
+
+def report(records: list[dict], rounds_per_task: int) -> str:
+    lines = ["# GLFC's proxy when the last model of a task degrades", "",
+             f"The study's setting ({rounds_per_task} rounds per task, `glfc_methods.md`); in round "
+             f"{rounds_per_task}, the last of task 1, only partition {ONLINE} is online, so the new global model is "
+             "its update alone (3 of the 5 classes). GLFC keeps as old model the global model with the best score "
+             "on the proxy's reconstructed set; GLFC w/o proxy keeps the last one. Accuracies on the 5 classes of "
+             "task 1 (1,000 test images) unless said otherwise.", "",
+             "| seed | arm | task 1, round before last | task 1, last round | old model kept: round (accuracy) | "
+             "task-1 classes at the end of task 2 | all 10 seen classes at the end of task 2 |",
+             "|---|---|---|---|---|---|---|"]
+    for rec in sorted(records, key=lambda x: (x["seed"], ARMS.index(x["arm"]))):
+        kept = "–" if rec["kept-round"] is None else f"{rec['kept-round']} ({rec['kept-accuracy']:.3f})"
+        lines.append(f"| {rec['seed']} | {rec['arm']} | {rec['before-last-accuracy']:.3f} | "
+                     f"{rec['last-accuracy']:.3f} | {kept} | {rec['task1-accuracy-end-of-task2']:.3f} | "
+                     f"{rec['seen-accuracy-end-of-task2']:.3f} |")
+    by = {(x["arm"], x["seed"]): x for x in records}
+    seeds = sorted({s for a, s in by if ("glfc", s) in by and ("glfc-wo-proxy", s) in by})
+    if seeds:
+        key = "task1-accuracy-end-of-task2"
+        diffs = [by[("glfc", s)][key] - by[("glfc-wo-proxy", s)][key] for s in seeds]
+        picks = sum(1 for s in seeds if (by[("glfc", s)]["kept-round"] or 0) < rounds_per_task)
+        lines += ["", f"The proxy kept an earlier model than the degraded last one on {picks} of {len(seeds)} seed(s). "
+                  "Task-1 accuracy at the end of task 2, GLFC − GLFC w/o proxy, per seed: "
+                  + ", ".join(f"{d:+.3f}" for d in diffs)
+                  + (f" (mean {statistics.fmean(diffs):+.3f})" if len(diffs) > 1 else "") + "."]
+    lines += ["", "Reproduce: `bench/glfc_proxy_case.py`.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0")
+    for key, value in DEFAULTS.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
+    p.add_argument("--report", action="store_true")
+    args = p.parse_args(argv)
+    args.data_root = str(Path(args.data_root).resolve())
+    setting = {k: getattr(args, k) for k in DEFAULTS}
+    records = [r for r in (json.loads(OUT.read_text()) if OUT.exists() else []) if r["setting"] == setting]
+    if not args.report:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for arm in ARMS:
+                if any(r["arm"] == arm and r["seed"] == seed for r in records):
+                    continue
+                print(f"[proxy-case] {arm} seed {seed}", flush=True)
+                records.append(run(arm, seed, args))
+                OUT.write_text(json.dumps(records, indent=1) + "\n")
+                OUT.with_suffix(".md").write_text(report(records, args.rounds_per_task))
+    OUT.with_suffix(".md").write_text(report(records, args.rounds_per_task))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -64,6 +64,37 @@ def load_runs() -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(RUNS_DIR.glob("*-seed*.json"))]
 
 
+FIT_KEYS = ("collab-loss", "train-ce", "train-kl-inter", "train-kl-intra", "train-loss")
+
+
+def fit_curves(run_dir: Path) -> list[dict]:
+    """Per round, each domain's training terms (the evidence behind the accuracies): the collaborative
+    loss on the public set and the local CE and KL terms."""
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    out = []
+    for rec in rounds:
+        clients = {}
+        for m in rec["fit-clients"].values():
+            clients[DOMAINS[int(m["partition-id"])]] = {k: m[k] for k in FIT_KEYS if k in m}
+        out.append({"round": rec["round"], "clients": clients})
+    return out
+
+
+def backfill_fit(work: Path) -> None:
+    """Add the training terms to finished runs that lack them, from their run folders under ``work``."""
+    for path in sorted(RUNS_DIR.glob("*-seed*.json")):
+        record = json.loads(path.read_text())
+        if "fit" in record:
+            continue
+        dirs = sorted((work / f"{record['method']}-seed{record['seed']}").glob("*/metrics.jsonl"))
+        if len(dirs) != 1:
+            continue
+        record["fit"] = fit_curves(dirs[0].parent)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+
+
 def run_one(method: str, seed: int, args: argparse.Namespace) -> dict:
     """One ``flwr run``; returns its record (per-round per-domain accuracies, SOLO round 0, wall)."""
     from pollen.app.launch import simulate
@@ -80,7 +111,7 @@ def run_one(method: str, seed: int, args: argparse.Namespace) -> dict:
         print(outcome.log[-4000:], file=sys.stderr)
         raise SystemExit(f"{method} seed {seed}: run {outcome.run_id} ended {outcome.status}")
     return {"method": method, "seed": seed, "setting": setting_of(args), "wall-s": round(wall, 1),
-            "run": read_run(out_dir / str(outcome.run_id))}
+            "run": read_run(out_dir / str(outcome.run_id)), "fit": fit_curves(out_dir / str(outcome.run_id))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +260,7 @@ def markdown(records: list[dict], summary: dict, setting: dict) -> str:
             lines.append(f"| {m} | " + " | ".join(f"{statistics.fmean(c[i] for c in curves):.1f}"
                                                   for i in range(n)) + " |")
         lines.append("")
+    lines += diagnostics(records)
     walls = {}
     for r in records:
         walls.setdefault(LABELS[r["method"]], []).append(r["wall-s"])
@@ -238,6 +270,33 @@ def markdown(records: list[dict], summary: dict, setting: dict) -> str:
               "Reproduce: `bench/fccl_solo_sizes.py` (the size choice), then `bench/fccl_study.py` "
               "(one file per run in `fccl_study/`; resumes).", ""]
     return "\n".join(lines)
+
+
+def diagnostics(records: list[dict]) -> list[str]:
+    """The training terms per round (mean over seeds and domains): does the collaborative loss fall, and
+    how large are the KL terms next to the CE?"""
+    rows = []
+    for method in ("fccl", "fccl-wo-con", "fedmd", "feddf", "solo"):
+        runs = [r for r in records if r["method"] == method and "fit" in r]
+        if not runs:
+            continue
+        n = min(len(r["fit"]) for r in runs)
+        for key in FIT_KEYS[:-1]:
+            vals = []
+            for i in range(n):
+                pts = [c[key] for r in runs for c in r["fit"][i]["clients"].values() if key in c]
+                vals.append(f"{statistics.fmean(pts):.3f}" if pts else "–")
+            if any(v != "–" for v in vals):
+                rows.append(f"| {LABELS[method]} | {key} | " + " | ".join(vals) + " |")
+    if not rows:
+        return []
+    n = max(len(r["fit"]) for r in records if "fit" in r)
+    return ["## Training terms per round (mean over seeds and domains)", "",
+            "*collab-loss*: the collaborative step's loss on the public set (FCCL: cross-correlation; FedMD: L1; "
+            "FedDF: KL), measured while it trains (none in round 1: no consensus yet); *train-ce*, "
+            "*train-kl-inter*, *train-kl-intra*: the local step's CE and its two distillation terms (λ_loc = 1).",
+            "", "| method | term | " + " | ".join(str(i + 1) for i in range(n)) + " |", "|---|---|" + "---|" * n,
+            *rows, ""]
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -268,7 +327,9 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(setting: dict, out: Path) -> None:
+def write_report(setting: dict, out: Path, work: Path | None = None) -> None:
+    if work is not None:
+        backfill_fit(work)
     records = [r for r in load_runs() if r["setting"] == setting]
     if not records:
         print("[fccl-study] no finished runs with this setting yet")
@@ -298,7 +359,7 @@ def main(argv=None) -> int:
     setting = setting_of(args)
     out = BENCH / "results"
     if args.report:
-        write_report(setting, out)
+        write_report(setting, out, args.work)
         return 0
     RUNS_DIR.mkdir(parents=True, exist_ok=True)
     todo = []

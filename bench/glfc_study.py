@@ -269,11 +269,13 @@ def markdown(records: list[dict], setting: dict) -> str:
                        else "–")
                 lines.append(f"| {seed} | {f['task']} | {f['kept-round']} | {f['last-round']} | {acc} | "
                              f"{'**yes**' if f['differs'] else 'no'} |")
-        same = [s for s in sorted(set(by_arm["glfc"]) & set(by_arm.get("glfc-wo-proxy", {})))
-                if [x["accuracy"] for x in by_arm["glfc"][s]["rounds"]]
-                == [x["accuracy"] for x in by_arm["glfc-wo-proxy"][s]["rounds"]]]
-        lines += ["", f"The proxy's choice differed from the last model in {differs} task end(s); GLFC and GLFC w/o "
-                  f"proxy have identical per-round accuracies on seed(s) {same or 'none'}."]
+        lines += ["", f"The proxy's choice differed from the last model in {differs} task end(s)."]
+        both = sorted(set(by_arm["glfc"]) & set(by_arm.get("glfc-wo-proxy", {})))
+        if both:
+            same = [s for s in both if [x["accuracy"] for x in by_arm["glfc"][s]["rounds"]]
+                    == [x["accuracy"] for x in by_arm["glfc-wo-proxy"][s]["rounds"]]]
+            lines[-1] += (f" GLFC and GLFC w/o proxy have identical per-round accuracies on seed(s) "
+                          f"{', '.join(map(str, same)) or 'none'} of {', '.join(map(str, both))}.")
     lines += ["", f"![accuracy vs round]({STEM}.png)", "",
               "Reproduce: `bench/glfc_study.py` (one file per run in `glfc_study/`; resumes).", ""]
     return "\n".join(lines)

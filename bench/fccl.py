@@ -107,7 +107,7 @@ def fmt_row(name: str, vals: dict) -> str:
     return f"| {name} | " + " | ".join(f"{vals.get(d, float('nan')):.2f}" for d in (*DOMAINS, "AVG")) + " |"
 
 
-def write_outputs(results: dict, out: Path, stem: str = "fccl_digits_offline") -> None:
+def write_outputs(results: dict, out: Path, stem: str = "fccl_single_run") -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     s = results["settings"]
@@ -267,7 +267,8 @@ def main(argv=None) -> int:
     p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--work", type=Path, default=None, help="run folders and SOLO cache (default: a temp dir)")
-    p.add_argument("--stem", default="fccl_digits_offline", help="output file name stem")
+    p.add_argument("--stem", default="fccl_single_run",
+                   help="output file name stem (fccl_digits_offline.* is bench/fccl_study.py's 3-seed study)")
     p.add_argument("--render", type=Path, default=None,
                    help="only rewrite the Markdown and PNG from an existing results JSON")
     args = p.parse_args(argv)

@@ -2,7 +2,8 @@
 
 (a) ``methods``: GLFC vs FedAvg + iCaRL vs Finetune (+ ablations) — per-task accuracy matrix, average
     incremental accuracy (AIA), average forgetting, accuracy vs round. Writes
-    ``bench/results/glfc_methods.{json,md,png}``.
+    ``bench/results/glfc_runs.{json,md,png}`` (the 3-seed study in ``glfc_methods.*`` is
+    ``bench/glfc_study.py``'s).
 (b) ``proxy``: gradient inversion throughput, batched vs the official one-by-one loop at equal L-BFGS
     iterations, with the final gradient-matching loss and the label accuracy of both. Writes
     ``bench/results/glfc_proxy.{json,md}``.
@@ -160,7 +161,7 @@ def bench_methods(args) -> None:
     global RESULTS
     RESULTS = Path(args.out)
     results = {}
-    out_json = RESULTS / "glfc_methods.json"
+    out_json = RESULTS / "glfc_runs.json"
     if args.table_only:
         write_methods(json.loads(out_json.read_text())["methods"], args)
         return
@@ -190,7 +191,7 @@ def write_methods(results: dict, args) -> None:
     per_row = ("method", "data-root", "seed", "glfc-oracle-boundary", "glfc-tau")  # stored with each row
     meta = {k: v for k, v in method_config("glfc", args).items() if k not in per_row}
     meta.update({"engine": args.engine, "torch": torch.__version__, "machine": platform.machine()})
-    (RESULTS / "glfc_methods.json").write_text(json.dumps({"config": meta, "methods": results}, indent=2) + "\n")
+    (RESULTS / "glfc_runs.json").write_text(json.dumps({"config": meta, "methods": results}, indent=2) + "\n")
     lines = ["# GLFC family on MNIST + Fashion-MNIST (20 classes, class-incremental)", "",
              f"{args.tasks} tasks × {20 // args.tasks} classes, {args.rounds_per_task} rounds per task, "
              f"{args.initial_clients} clients + {args.new_clients} per new task, {args.clients_per_round} per round, "
@@ -227,7 +228,7 @@ def write_methods(results: dict, args) -> None:
             for m, v in seeds.items()) + ".")
     if notes:
         lines += [""] + notes
-    (RESULTS / "glfc_methods.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "glfc_runs.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,7 +248,7 @@ def write_methods(results: dict, args) -> None:
     ax.set_title("seed 0; dashed: boundaries detected by entropy", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(RESULTS / "glfc_methods.png", dpi=100)
+    fig.savefig(RESULTS / "glfc_runs.png", dpi=100)
     plt.close(fig)
 
 
@@ -372,9 +373,9 @@ def main() -> None:
     pm.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
                     help="known task boundaries (default: at CPU scale the entropy jump stays below tau = 1.2)")
     pm.add_argument("--label", default="", help="suffix of the result rows' names (e.g. -detect)")
-    pm.add_argument("--resume", action="store_true", help="keep methods already in glfc_methods.json")
+    pm.add_argument("--resume", action="store_true", help="keep methods already in glfc_runs.json")
     pm.add_argument("--out", default=str(RESULTS), help="results folder (default bench/results)")
-    pm.add_argument("--table-only", action="store_true", help="re-render the table and plot from glfc_methods.json")
+    pm.add_argument("--table-only", action="store_true", help="re-render the table and plot from glfc_runs.json")
     pp = sub.add_parser("proxy", help="(b) batched vs one-by-one gradient inversion")
     pp.add_argument("--data-root", required=True)
     pp.add_argument("--batch", type=int, default=64)

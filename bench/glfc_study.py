@@ -145,11 +145,12 @@ def mean_se(vals: list[float]) -> tuple[float, float | None]:
     return m, (statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else None)
 
 
-def fmt(vals: list[float], digits: int = 3) -> str:
+def fmt(vals: list[float], digits: int = 3, signed: bool = False) -> str:
     if not vals:
         return "–"
     m, se = mean_se(vals)
-    return f"{m:.{digits}f}" if se is None else f"{m:.{digits}f} ± {se:.{digits}f}"
+    head = f"{m:+.{digits}f}" if signed else f"{m:.{digits}f}"
+    return head if se is None else f"{head} ± {se:.{digits}f}"
 
 
 def verdict(diffs: list[float], higher_is_better: bool = True) -> str:
@@ -219,6 +220,12 @@ def markdown(records: list[dict], setting: dict) -> str:
                      + f" | **{fmt([r['summary']['aia'] for r in runs])}** | "
                      f"{fmt([r['summary']['forgetting'] for r in runs])} | "
                      f"{statistics.fmean(r['wall-s'] for r in runs):.0f} |")
+    lines += ["", "Accuracy on each task's classes at the end of the stream (mean over seeds): where forgetting is.",
+              "", "| method | " + " | ".join(f"task {t + 1} classes" for t in range(T)) + " |", "|---|" + "---|" * T]
+    for arm in (a for a in order if a in by_arm):
+        rows = [r["summary"]["task-accuracy-matrix"][-1] for r in by_arm[arm].values()]
+        lines.append(f"| {LABELS[arm]} | " + " | ".join(f"{statistics.fmean(row[t] for row in rows):.3f}"
+                                                       for t in range(T)) + " |")
     if "joint" in by_arm:
         lines += ["", f"*Joint training*: one model trained centrally at each task end, from scratch, on the union of "
                   f"every client's images of the tasks so far ({setting['joint_epochs']} epochs, same model, batch and "
@@ -240,7 +247,8 @@ def markdown(records: list[dict], setting: dict) -> str:
             continue
         d_aia = [glfc[s]["summary"]["aia"] - other[s]["summary"]["aia"] for s in seeds]
         d_fgt = [glfc[s]["summary"]["forgetting"] - other[s]["summary"]["forgetting"] for s in seeds]
-        lines.append(f"| {LABELS[base]} | {len(seeds)} | {fmt(d_aia)} | {verdict(d_aia)} | {fmt(d_fgt)} | "
+        lines.append(f"| {LABELS[base]} | {len(seeds)} | {fmt(d_aia, signed=True)} | {verdict(d_aia)} | "
+                     f"{fmt(d_fgt, signed=True)} | "
                      f"{verdict(d_fgt, higher_is_better=False)} |")
     if "glfc-detect" in by_arm:
         lines += ["", f"## The entropy detector at τ = {setting['tau']}", "",

@@ -122,6 +122,53 @@ def test_fashion_mnist_fixture(tmp_path):
     assert np.array_equal(ds.images[:, 0].numpy(), arrays["t10k"][0])
 
 
+@needs_real_data
+def test_idx_reader_equals_torchvision_on_the_real_files():
+    """MNIST / Fashion-MNIST are read from the IDX files directly; torchvision's decoder gives the same bytes."""
+    import torchvision.datasets as tvd
+
+    for name, cls in (("mnist", tvd.MNIST), ("fashion_mnist", tvd.FashionMNIST)):
+        for split in ("train", "test"):
+            ours = load_source(name, DATA_ROOT, split)
+            theirs = cls(DATA_ROOT, train=split == "train", download=False)
+            assert np.array_equal(ours.images[:, 0].numpy(), theirs.data.numpy())
+            assert np.array_equal(ours.labels.numpy(), theirs.targets.numpy())
+
+
+def test_damaged_idx_files_are_named(tmp_path):
+    write_mnist_like(str(tmp_path), "MNIST", np.random.default_rng(0), n_train=4)
+    images = tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    labels = tmp_path / "MNIST" / "raw" / "train-labels-idx1-ubyte"
+    whole = images.read_bytes()
+    images.write_bytes(whole[:-5])
+    with pytest.raises(DatasetMissingError, match="truncated or corrupted") as err:
+        load_source("mnist", str(tmp_path), "train")
+    assert str(images) in str(err.value)
+    clear_cache()
+    images.write_bytes(b"PK\x03\x04" + whole[4:])  # e.g. a zip saved under the IDX name
+    with pytest.raises(DatasetMissingError, match="not an IDX file"):
+        load_source("mnist", str(tmp_path), "train")
+    clear_cache()
+    images.write_bytes(whole)
+    write_idx_labels(str(labels), np.zeros(3, dtype=np.uint8))
+    with pytest.raises(DatasetMissingError, match="4 images but .* 3 labels"):
+        load_source("mnist", str(tmp_path), "train")
+
+
+def test_reading_mnist_does_not_import_torchvision(tmp_path):
+    """Every simulation actor reads its data; importing torchvision there only costs start-up time."""
+    import subprocess
+    import sys
+
+    write_mnist_like(str(tmp_path), "FashionMNIST", np.random.default_rng(2))
+    code = ("import sys\nfrom pollen.datasets.sources import load_source\n"
+            f"assert len(load_source('fashion_mnist', {str(tmp_path)!r}, 'test')) == 3\n"
+            "print('torchvision' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_cache_returns_same_object_per_key(tmp_path):
     write_mnist_like(str(tmp_path), "MNIST", np.random.default_rng(0))
     a = load_source("mnist", str(tmp_path), "train")

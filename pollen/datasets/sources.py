@@ -224,6 +224,21 @@ def _as_uint8_nchw(data: Any, layout: str) -> torch.Tensor:
     return t.contiguous()
 
 
+def read_idx(path: str, ndim: int) -> np.ndarray:
+    """An uncompressed IDX file of unsigned bytes (MNIST's format) as a read-only ``ndim``-d uint8 array."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    header = 4 + 4 * ndim
+    if len(data) < header or data[0] != 0 or data[1] != 0 or data[2] != 0x08 or data[3] != ndim:
+        raise DatasetMissingError(f"{path} is not an IDX file of {ndim}-d unsigned bytes (header "
+                                  f"{data[:4].hex() or 'empty'}): replace it with the original, uncompressed file")
+    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    if len(data) - header != int(np.prod(dims)):
+        raise DatasetMissingError(f"{path} declares {dims} bytes of data but holds {len(data) - header}: "
+                                  "the file is truncated or corrupted; replace it with the original")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
+
+
 def _load_torchvision(name: str, root: str, split: str) -> ImageSet:
     spec = _TORCHVISION[name]
     expected = [os.path.join(root, f) for f in spec.files[split]]
@@ -232,6 +247,14 @@ def _load_torchvision(name: str, root: str, split: str) -> ImageSet:
         raise DatasetMissingError(
             _missing_message(name, root, expected, _torchvision_how(name), f"missing: {', '.join(missing)}")
         )
+    if name in ("mnist", "fashion_mnist"):  # IDX files: read directly, no torchvision import per process
+        images_np = read_idx(expected[0], ndim=3)
+        labels_np = read_idx(expected[1], ndim=1)
+        if len(images_np) != len(labels_np):
+            raise DatasetMissingError(f"{expected[0]} holds {len(images_np)} images but {expected[1]} "
+                                      f"{len(labels_np)} labels: the files do not belong together")
+        images = torch.from_numpy(images_np.copy()).unsqueeze(1)
+        return ImageSet(images, torch.from_numpy(labels_np.astype(np.int64)), spec.num_classes, name)
     ds = _torchvision_dataset(name, root, split, download=False)
     if name in ("mnist", "fashion_mnist", "usps"):
         images = _as_uint8_nchw(ds.data, "NHW")

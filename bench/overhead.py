@@ -125,8 +125,7 @@ def markdown(data: dict) -> str:
              f"rounds, seed {cfg['seed']}; plain loop = `bench/fedproto_reference.py` (1 process, 1 thread); "
              f"Pollen = `python -m pollen.app.launch --num-supernodes {cfg['clients']}` (1 CPU per client, "
              f"{cfg['cores']} cores), evaluation after the last round only in both, prototypes from the training "
-             "pass and averaged unweighted in both (`proto-local-protos='training'`, `proto-weighting='uniform'`; "
-             "results written before these keys were set compared Pollen's extra post-training pass too). "
+             "pass and averaged unweighted in both (`proto-local-protos='training'`, `proto-weighting='uniform'`). "
              "Interleaved pairs, plain "
              f"first. CPU-seconds: the whole process tree of each run. {cfg['date']}, load average at start "
              f"{cfg['load-at-start']}.", "",

@@ -151,11 +151,12 @@ def mean_se(vals: list[float]) -> tuple[float, float | None]:
     return m, (statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else None)
 
 
-def fmt(vals: list[float]) -> str:
+def fmt(vals: list[float], signed: bool = False) -> str:
     if not vals:
         return "–"
     m, se = mean_se(vals)
-    return f"{m:.2f}" if se is None else f"{m:.2f} ± {se:.2f}"
+    head = f"{m:+.2f}" if signed else f"{m:.2f}"
+    return head if se is None else f"{head} ± {se:.2f}"
 
 
 def verdict(diffs: list[float]) -> str:
@@ -209,8 +210,8 @@ def markdown(records: list[dict], summary: dict, setting: dict) -> str:
         "",
         "**Why these sizes.** `fccl_solo_sizes.md`: at width 0.25, MNIST with the paper's 150 images reaches "
         "SOLO 0.63-0.66 (below the 0.65 bar on two seeds of three), so MNIST gets 300; MNIST-M reaches the "
-        "band with 2,000 images, a third of the paper's 5,000 and of the cost. UCI (80) and SYN (1,800) are "
-        "the paper's. Width 0.25 because width 1.0 costs about 10× on 2 CPU cores.",
+        "band with 2,000 images, 40 % of the paper's 5,000 (and of its training cost). UCI (80) and SYN (1,800) "
+        "are the paper's. Width 0.25, the quick profile's, for CPU cost.",
         "",
         "## SOLO at round 0 (every method's start): intra-domain accuracy per seed",
         "",
@@ -246,9 +247,9 @@ def markdown(records: list[dict], summary: dict, setting: dict) -> str:
     for base, d in summary["paired"].items():
         if not d["seeds"]:
             continue
-        lines.append(f"| {base} | {len(d['seeds'])} | {fmt(d['inter-avg'])} | {verdict(d['inter-avg'])} | "
-                     f"{fmt(d['intra-avg'])} | {verdict(d['intra-avg'])} | {fmt(d['inter-avg-last3'])} | "
-                     f"{fmt(d['intra-avg-last3'])} |")
+        lines.append(f"| {base} | {len(d['seeds'])} | {fmt(d['inter-avg'], True)} | {verdict(d['inter-avg'])} | "
+                     f"{fmt(d['intra-avg'], True)} | {verdict(d['intra-avg'])} | {fmt(d['inter-avg-last3'], True)} | "
+                     f"{fmt(d['intra-avg-last3'], True)} |")
     lines += ["", "## Client-mean accuracy per round (mean over seeds, %)", ""]
     for key in ("inter", "intra"):
         rounds = setting["rounds"]

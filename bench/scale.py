@@ -17,6 +17,7 @@ finished N is skipped when the study is run again (``--force`` reruns it). ``sca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -30,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PAGE = os.sysconf("SC_PAGE_SIZE")
+TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _pss_bytes(entry: Path) -> int:
@@ -43,8 +45,20 @@ def _pss_bytes(entry: Path) -> int:
     return int((entry / "statm").read_text().split()[1]) * PAGE  # RSS where smaps_rollup is not readable
 
 
+def _cpu_seconds(entry: Path) -> float:
+    """utime + stime of one process (fields 14 and 15 of /proc/PID/stat, after the parenthesised name)."""
+    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _title(entry: Path) -> str:
+    return (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+
+
 class TreeMemory:
-    """Peak of the summed PSS of every process whose environment carries ``POLLEN_SCALE_MARK=<token>``."""
+    """Peak of the summed PSS of every process whose environment carries ``POLLEN_SCALE_MARK=<token>``,
+    and a CPU-time trace of the Ray actors that run the ClientApps (``ray::ClientAppActor…``): the
+    busiest actor's CPU-seconds within a round is the client work that round's wall cannot go below."""
 
     def __init__(self) -> None:
         self.token = uuid.uuid4().hex
@@ -54,6 +68,8 @@ class TreeMemory:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._members: set[int] = set()
         self._checked: set[int] = set()
+        self._actors: set[int] = set()
+        self.cpu_trace: list[tuple[float, dict[int, float]]] = []  # (monotonic time, actor pid -> CPU s)
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "POLLEN_SCALE_MARK": self.token}
@@ -82,11 +98,30 @@ class TreeMemory:
                     if pid in self._members:
                         total += _pss_bytes(entry)
                         count += 1
+                        if pid not in self._actors and _title(entry).startswith("ray::ClientAppActor"):
+                            self._actors.add(pid)
                 except OSError:
                     continue
             if total > self.peak_bytes:
                 self.peak_bytes, self.peak_processes = total, count
-            self._stop.wait(0.5)
+            for _ in range(4):  # the actors' CPU time four times per scan: rounds last seconds
+                cpu: dict[int, float] = {}
+                for pid in self._actors:
+                    with contextlib.suppress(OSError):
+                        cpu[pid] = _cpu_seconds(Path("/proc") / str(pid))
+                self.cpu_trace.append((time.monotonic(), cpu))
+                if self._stop.wait(0.125):
+                    return
+
+    def busiest_actor_cpu(self, start: float, end: float) -> float | None:
+        """The largest CPU-seconds one actor spent between two monotonic times (nearest samples)."""
+        before = [c for t, c in self.cpu_trace if t <= start]
+        after = [c for t, c in self.cpu_trace if t >= end]
+        if not before or not after:
+            return None
+        first, last = before[-1], after[0]
+        deltas = [last[pid] - first.get(pid, 0.0) for pid in last]
+        return max(deltas, default=None)
 
 
 def sampled(n: int) -> int:
@@ -107,15 +142,18 @@ def run_one(n: int, args) -> dict:
                "--timeout", str(args.timeout)]
         log = Path(tmp) / "launch.log"
         first_line_s = None
+        round_ends: list[float] = []  # monotonic time each round's metrics line appeared (within 0.1 s)
         with TreeMemory() as memory, log.open("w") as out:
             started = time.monotonic()
             proc = subprocess.Popen(cmd, cwd=ROOT, env=memory.env(), stdout=out, stderr=subprocess.STDOUT)
             while proc.poll() is None:
-                if first_line_s is None:
-                    files = list(out_dir.glob("*/metrics.jsonl"))
-                    if files and files[0].read_text().strip():
+                files = list(out_dir.glob("*/metrics.jsonl"))
+                if files:
+                    done = sum(1 for x in files[0].read_text().splitlines() if x.strip())
+                    round_ends += [time.monotonic()] * (done - len(round_ends))
+                    if first_line_s is None and done:
                         first_line_s = time.monotonic() - started
-                time.sleep(0.2)
+                time.sleep(0.1)
             wall = time.monotonic() - started
         row: dict = {"clients": n, "sampled-per-round": k, "fraction": round(fraction, 4), "rounds": args.rounds,
                      "rc": proc.returncode, "launch-wall-s": round(wall, 1),
@@ -132,6 +170,10 @@ def run_one(n: int, args) -> dict:
             row["accuracy"] = [r.get("evaluate", {}).get("accuracy") for r in lines]
             if first_line_s is not None and walls:
                 row["time-to-round-1-s"] = round(first_line_s - walls[0], 1)
+            busiest = [memory.busiest_actor_cpu(end - w, end) for end, w in zip(round_ends, walls)]
+            row["busiest-actor-cpu-s"] = [None if b is None else round(b, 2) for b in busiest]
+            row["round-wall-per-busiest-actor"] = [None if not b else round(w / b, 2)
+                                                   for w, b in zip(walls, busiest)]
         if proc.returncode != 0:
             row["log-tail"] = log.read_text(errors="replace")[-3000:]
     return row
@@ -152,13 +194,23 @@ def report(out: Path) -> None:
              "one seed samples the same partitions in every run; at N = 10,000 these 10,000 queries are most of "
              "the time to round 1. `bench/results/scale-before-identify/` holds the same study sampled by node id "
              "(no queries), run on a more loaded machine.", "",
+             "*Busiest actor*: the CPU-seconds of the Ray actor (one per core, each running ClientApps one "
+             "after another) that worked most during the round, train and evaluate messages together, read from "
+             "`/proc` 8 times a second; round wall / busiest actor near 1 means the round waited for client "
+             "work, not for dispatch (runs before this column existed show –).", "",
              "| N | sampled | exit | time to round 1 s | round wall s (1 / 2 / 3) | ms/message (1 / 2 / 3) | "
-             "peak PSS MB | processes | launch wall s |", "|---|---|---|---|---|---|---|---|---|"]
+             "busiest actor CPU s | round wall / busiest actor | peak PSS MB | processes | launch wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def per_round(values) -> str:
+        return " / ".join("–" if v is None else str(v) for v in values or []) or "–"
+
     for r in rows:
-        walls = " / ".join(str(w) for w in r.get("round-wall-s", [])) or "–"
-        per = " / ".join(str(m) for m in r.get("ms-per-message", [])) or "–"
         lines.append(f"| {r['clients']:,} | {r['sampled-per-round']} | {r['rc']} | {r.get('time-to-round-1-s', '–')} | "
-                     f"{walls} | {per} | {r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} |")
+                     f"{per_round(r.get('round-wall-s'))} | {per_round(r.get('ms-per-message'))} | "
+                     f"{per_round(r.get('busiest-actor-cpu-s'))} | "
+                     f"{per_round(r.get('round-wall-per-busiest-actor'))} | "
+                     f"{r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} |")
     (out / "scale.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

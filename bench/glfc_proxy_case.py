@@ -67,13 +67,13 @@ def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
             "seen-accuracy-end-of-task2": per_round[-1]["accuracy"]}
 
 
-def report(records: list[dict], rounds_per_task: int) -> str:
+def report(records: list[dict], rounds_per_task: int, eval_per_class: int) -> str:
     lines = ["# GLFC's proxy when the last model of a task degrades", "",
              f"The study's setting ({rounds_per_task} rounds per task, `glfc_methods.md`); in round "
              f"{rounds_per_task}, the last of task 1, only partition {ONLINE} is online, so the new global model is "
              "its update alone (3 of the 5 classes). GLFC keeps as old model the global model with the best score "
              "on the proxy's reconstructed set; GLFC w/o proxy keeps the last one. Accuracies on the 5 classes of "
-             "task 1 (1,000 test images) unless said otherwise.", "",
+             f"task 1 ({5 * eval_per_class:,} test images) unless said otherwise.", "",
              "| seed | arm | task 1, round before last | task 1, last round | old model kept: round (accuracy) | "
              "task-1 classes at the end of task 2 | all 10 seen classes at the end of task 2 |",
              "|---|---|---|---|---|---|---|"]
@@ -106,7 +106,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.data_root = str(Path(args.data_root).resolve())
     setting = {k: getattr(args, k) for k in DEFAULTS}
-    records = [r for r in (json.loads(OUT.read_text()) if OUT.exists() else []) if r["setting"] == setting]
+    stored = json.loads(OUT.read_text()) if OUT.exists() else []
+    others = [r for r in stored if r["setting"] != setting]  # kept in the file, left out of this report
+    records = [r for r in stored if r["setting"] == setting]
     if not args.report:
         for seed in (int(s) for s in args.seeds.split(",")):
             for arm in ARMS:
@@ -114,9 +116,9 @@ def main(argv=None) -> int:
                     continue
                 print(f"[proxy-case] {arm} seed {seed}", flush=True)
                 records.append(run(arm, seed, args))
-                OUT.write_text(json.dumps(records, indent=1) + "\n")
-                OUT.with_suffix(".md").write_text(report(records, args.rounds_per_task))
-    OUT.with_suffix(".md").write_text(report(records, args.rounds_per_task))
+                OUT.write_text(json.dumps(others + records, indent=1) + "\n")
+                OUT.with_suffix(".md").write_text(report(records, args.rounds_per_task, args.eval_per_class))
+    OUT.with_suffix(".md").write_text(report(records, args.rounds_per_task, args.eval_per_class))
     return 0
 
 

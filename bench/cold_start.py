@@ -1,0 +1,124 @@
+"""How long the default ``make run`` takes from the command to the prompt, and where the time goes.
+
+Runs ``make run`` (installed venv, the default run config, a temporary ``OUT_DIR``) several times
+and stamps each line of its output as it arrives, which splits the wall into phases:
+
+- *launcher start*: the command until the launcher's first line (Python and the launcher's imports);
+- *to round 1*: until Flower's ``[ROUND 1/…]`` line (SuperLink start, ``flwr run`` builds and
+  submits the app, the ServerApp and Ray start);
+- *rounds*: until the last round's ``[pollen] round K/K`` line (training, evaluation, the first
+  round's actor start-up included);
+- *run end*: until the launcher starts stopping the run's processes (the ServerApp's last files,
+  the log stream's end, the final status from ``flwr ls``);
+- *teardown*: until ``make`` exits (every process of the run stopped; the launcher reports how
+  long its part took).
+
+The machine's 1-minute load average at each start is recorded: on a busy machine the split is still
+informative, the absolute numbers are not. Writes ``bench/results/cold_start.{json,md}``::
+
+    python bench/cold_start.py --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PHASES = ("launcher start", "to round 1", "rounds", "run end", "teardown")
+ROUND_LINE = re.compile(r"\[pollen\] round (\d+)/(\d+)")
+
+
+def run_once() -> dict:
+    """One ``make run``; the monotonic time of each marker line, turned into phase durations."""
+    with tempfile.TemporaryDirectory(prefix="pollen-cold-") as tmp:
+        env = {**os.environ, "FLWR_HOME": str(Path(tmp) / "flwr-home")}
+        load = os.getloadavg()[0]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(["make", "-s", "run", f"OUT_DIR={tmp}/runs"], cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        marks: dict[str, float] = {}
+        teardown_s = None
+        tail: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            now = time.monotonic() - t0
+            tail = (tail + [line])[-40:]
+            if "[pollen]" in line and "launcher" not in marks:
+                marks["launcher"] = now
+            if "[ROUND 1/" in line and "round-1" not in marks:
+                marks["round-1"] = now
+            found = ROUND_LINE.search(line)
+            if found and found.group(1) == found.group(2):
+                marks["last-round"] = now
+            if re.search(r"\[pollen\] run \d+: ", line):
+                marks["run-end"] = now
+            stopped = re.search(r"\[pollen\] stopped the run's processes .* in ([0-9.]+)s", line)
+            if stopped:
+                teardown_s = float(stopped.group(1))
+        rc = proc.wait()
+        wall = time.monotonic() - t0
+    row: dict = {"rc": rc, "wall-s": round(wall, 2), "load-at-start": round(load, 2),
+                 "marks-s": {k: round(v, 2) for k, v in marks.items()}}
+    order = ["launcher", "round-1", "last-round", "run-end"]
+    if rc == 0 and all(k in marks for k in order) and teardown_s is not None:
+        # the launcher prints its run line after stopping every process, and says how long that took
+        points = [0.0] + [marks[k] for k in order[:3]] + [marks["run-end"] - teardown_s, wall]
+        row["phases-s"] = {name: round(b - a, 2) for name, a, b in zip(PHASES, points[:-1], points[1:], strict=True)}
+    else:
+        row["output-tail"] = "".join(tail)
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    ok = [r for r in rows if "phases-s" in r]
+    lines = ["# Cold start: the default `make run`, command to prompt", "",
+             "`make run` with an installed venv and the default run config (10 rounds), each run with a fresh "
+             "`FLWR_HOME` and output folder. Phases from the time each marker line of the output arrived: "
+             "*launcher start* (to the launcher's first line), *to round 1* (SuperLink start, app build and "
+             "submit, ServerApp and Ray start), *rounds* (to the last round's line; the first round's actor "
+             "start-up included), *run end* (the ServerApp's last files, the log stream's end, the final status "
+             "from `flwr ls`), *teardown* (every process stopped, `make` exits). Written by `bench/cold_start.py`.", "",
+             "| run | load at start | wall s | " + " | ".join(f"{p} s" for p in PHASES) + " | exit |",
+             "|---|---|---|" + "---|" * len(PHASES) + "---|"]
+    for i, r in enumerate(rows, 1):
+        phases = r.get("phases-s", {})
+        cells = " | ".join(str(phases.get(p, "–")) for p in PHASES)
+        lines.append(f"| {i} | {r['load-at-start']} | {r['wall-s']} | {cells} | {r['rc']} |")
+    if ok:
+        walls = [r["wall-s"] for r in ok]
+        lines += ["", f"**Wall: median {statistics.median(walls):.1f} s, min {min(walls):.1f} s** "
+                      f"({len(ok)} completed runs). Median share of the wall: " +
+                  ", ".join(f"{p} {100 * statistics.median(r['phases-s'][p] / r['wall-s'] for r in ok):.0f} %"
+                            for p in PHASES) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    rows = []
+    for i in range(args.runs):
+        row = run_once()
+        rows.append(row)
+        print(f"[cold-start] run {i + 1}/{args.runs}: {json.dumps(row)}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cold_start.json").write_text(json.dumps({"runs": rows}, indent=1) + "\n")
+    (args.out / "cold_start.md").write_text(markdown(rows))
+    print(markdown(rows))
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

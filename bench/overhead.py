@@ -3,11 +3,16 @@
 A = ``bench/fedproto_reference.py``'s plain loop (one process, one thread, 20 clients in turn);
 B = Pollen's Flower app through ``python -m pollen.app.launch`` (20 SuperNodes, one CPU per client,
 evaluation only after the last round, as A does). Same task, split, sizes, optimiser and rounds.
-The pairs run **interleaved** (A B A B …) so that a shared machine's load hits both alike; each
-side's CPU-seconds cover its whole process tree (this script is a child subreaper, so orphaned Ray
+C = the *Flower floor*: a Flower app with no Pollen and no torch (``FLOOR_APP`` below), launched the
+same way with the same SuperNodes, rounds and messages (every node gets a train message each round,
+then one evaluate round), each ClientApp answering at once. C's cost is what any Flower simulation
+of this shape pays on this machine, so (A + C) / A is the lowest CPU ratio B could reach.
+The runs are **interleaved** (A B C A B C …) so that a shared machine's load hits all alike; each
+run's CPU-seconds cover its whole process tree (this script is a child subreaper, so orphaned Ray
 and Flower processes are reaped here and their CPU time counted). Prints and writes
 ``bench/results/overhead.{json,md}``: per pair the CPU-second and wall ratios B / A, then min and
-median, and per Pollen run the round-time breakdown (round 1, steady rounds, start-up and teardown).
+median, per Pollen run the round-time breakdown (round 1, steady rounds, start-up and teardown),
+and the floor.
 
     python bench/overhead.py --data-root ../shared/data --pairs 3 --rounds 15
 """
@@ -110,12 +115,95 @@ def pollen_run(args, env: dict[str, str], log: Path, out_dir: Path) -> dict:
     return row
 
 
+FLOOR_APP = {
+    "pyproject.toml": """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "flower-floor"
+version = "1.0.0"
+dependencies = ["flwr>=1.42"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "bench"
+
+[tool.flwr.app.components]
+serverapp = "flower_floor:server"
+clientapp = "flower_floor:client"
+
+[tool.flwr.app.config]
+num-server-rounds = 3
+num-nodes = 20
+""",
+    "flower_floor.py": '''"""Flower with nothing in it: every node trains each round, answering at once."""
+import time
+
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+server = ServerApp()
+client = ClientApp()
+
+
+@server.main()
+def main(grid: Grid, context: Context) -> None:
+    rounds, expected = int(context.run_config["num-server-rounds"]), int(context.run_config["num-nodes"])
+    while len(list(grid.get_node_ids())) < expected:
+        time.sleep(0.1)
+    nodes = sorted(grid.get_node_ids())
+    for kind, count in ((MessageType.TRAIN, rounds), (MessageType.EVALUATE, 1)):
+        for r in range(1, count + 1):
+            replies = list(grid.send_and_receive(
+                [Message(RecordDict({"config": ConfigRecord({"round": r})}), dst_node_id=n, message_type=kind)
+                 for n in nodes]))
+            bad = [m for m in replies if m.has_error()]
+            if len(replies) != len(nodes) or bad:
+                raise RuntimeError(f"round {r}: {len(replies)} replies for {len(nodes)} nodes, {len(bad)} errors")
+            print(f"[floor] {kind} round {r}: {len(replies)} replies", flush=True)
+
+
+@client.train()
+def train(msg: Message, context: Context) -> Message:
+    return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+
+@client.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+''',
+}
+
+
+def floor_run(args, env: dict[str, str], log: Path, app_dir: Path) -> dict:
+    """The Flower floor (module docstring): same launcher, SuperNodes, rounds and message pattern."""
+    if not app_dir.is_dir():
+        app_dir.mkdir(parents=True)
+        for name, text in FLOOR_APP.items():
+            (app_dir / name).write_text(text)
+    cmd = [sys.executable, "-m", "pollen.app.launch", "--app", str(app_dir), "--num-supernodes", str(args.clients),
+           "--run-config", f"num-server-rounds={args.rounds} num-nodes={args.clients}"]
+    return measured(cmd, env, log)
+
+
 def summarise(pairs: list[dict]) -> dict:
     cpu = [p["pollen"]["cpu-s"] / p["plain"]["cpu-s"] for p in pairs]
     wall = [p["pollen"]["wall-s"] / p["plain"]["wall-s"] for p in pairs]
-    return {"cpu-ratio-min": round(min(cpu), 3), "cpu-ratio-median": round(statistics.median(cpu), 3),
-            "wall-ratio-min": round(min(wall), 3), "wall-ratio-median": round(statistics.median(wall), 3),
-            "pairs": len(pairs)}
+    out = {"cpu-ratio-min": round(min(cpu), 3), "cpu-ratio-median": round(statistics.median(cpu), 3),
+           "wall-ratio-min": round(min(wall), 3), "wall-ratio-median": round(statistics.median(wall), 3),
+           "pairs": len(pairs)}
+    floors = [p for p in pairs if "floor" in p]
+    if floors:
+        reach = [(p["plain"]["cpu-s"] + p["floor"]["cpu-s"]) / p["plain"]["cpu-s"] for p in floors]
+        out.update({"floor-cpu-s-median": round(statistics.median(p["floor"]["cpu-s"] for p in floors), 2),
+                    "floor-wall-s-median": round(statistics.median(p["floor"]["wall-s"] for p in floors), 2),
+                    "reachable-cpu-ratio-min": round(min(reach), 3),
+                    "reachable-cpu-ratio-median": round(statistics.median(reach), 3)})
+    return out
 
 
 def markdown(data: dict) -> str:
@@ -144,6 +232,20 @@ def markdown(data: dict) -> str:
     lines += ["", "*outside rounds* = Pollen wall minus the rounds' own wall: SuperLink and Ray start-up, "
               "loading, shutdown. The plain loop's accuracy uses its own evaluation (per-client counters); "
               "Pollen's is the example-weighted mean over clients."]
+    if "floor-cpu-s-median" in s:
+        lines += ["", "## The Flower floor", "",
+                  f"The same launch of a Flower app with no Pollen and no torch: {cfg['clients']} SuperNodes, "
+                  f"{cfg['rounds']} rounds in which every node gets a train message and answers at once, then one "
+                  "evaluate round (`FLOOR_APP` in `bench/overhead.py`). Any Flower simulation of this shape pays "
+                  "it, so (plain + floor) / plain is the lowest CPU ratio Pollen could reach here.", "",
+                  "| pair | floor CPU s | floor wall s | (plain + floor) / plain |", "|---|---|---|---|"]
+        for i, p in enumerate(data["pairs"], 1):
+            if "floor" in p:
+                f, a = p["floor"], p["plain"]
+                lines.append(f"| {i} | {f['cpu-s']} | {f['wall-s']} | {(a['cpu-s'] + f['cpu-s']) / a['cpu-s']:.3f} |")
+        lines += ["", f"**Floor: median {s['floor-cpu-s-median']} CPU-s, {s['floor-wall-s-median']} s wall; lowest "
+                      f"reachable CPU ratio: min {s['reachable-cpu-ratio-min']}, median "
+                      f"{s['reachable-cpu-ratio-median']}.**"]
     return "\n".join(lines) + "\n"
 
 
@@ -155,6 +257,7 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--ways", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-floor", action="store_true", help="skip the Flower-floor run of each pair")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for overhead.json and overhead.md")
     args = parser.parse_args(argv)
     if args.data_root is None or not (Path(args.data_root) / "MNIST" / "raw").is_dir():
@@ -181,7 +284,15 @@ def main(argv=None) -> int:
                 bad = "plain" if plain["rc"] != 0 else "pollen"
                 print((Path(tmp) / f"{bad}-{i}.log").read_text()[-3000:], file=sys.stderr)
                 return 1
-            pairs.append({"plain": plain, "pollen": pollen})
+            pair = {"plain": plain, "pollen": pollen}
+            if not args.no_floor:
+                print(f"[overhead] pair {i + 1}/{args.pairs}: Flower floor", flush=True)
+                pair["floor"] = floor_run(args, env, Path(tmp) / f"floor-{i}.log", Path(tmp) / "floor-app")
+                print(f"[overhead]   floor: {pair['floor']}", flush=True)
+                if pair["floor"]["rc"] != 0:
+                    print((Path(tmp) / f"floor-{i}.log").read_text()[-3000:], file=sys.stderr)
+                    return 1
+            pairs.append(pair)
     data = {"config": config, "pairs": pairs, "summary": summarise(pairs)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps(data, indent=2) + "\n")

@@ -51,14 +51,28 @@ def _cpu_seconds(entry: Path) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def _title(entry: Path) -> str:
-    return (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+ROLES = ("ClientApp actors", "ServerApp + simulation engine", "SuperLink", "Ray and the rest")
+
+
+def _role(entry: Path) -> str:
+    """Which part of the run a process is, from its command line (Ray renames its workers)."""
+    args = (entry / "cmdline").read_bytes().split(b"\0")
+    title = args[0].decode(errors="replace")
+    command = " ".join(a.decode(errors="replace") for a in args[:3])
+    if title.startswith("ray::ClientAppActor"):
+        return ROLES[0]
+    if "flwr-simulation" in command:
+        return ROLES[1]
+    if "flower-superlink" in command:
+        return ROLES[2]
+    return ROLES[3]
 
 
 class TreeMemory:
     """Peak of the summed PSS of every process whose environment carries ``POLLEN_SCALE_MARK=<token>``,
-    and a CPU-time trace of the Ray actors that run the ClientApps (``ray::ClientAppActor…``): the
-    busiest actor's CPU-seconds within a round is the client work that round's wall cannot go below."""
+    and a CPU-time trace of each of them by role: the busiest ClientApp actor's CPU-seconds within a
+    round is the client work that round's wall cannot go below; the other roles say where the rest of
+    the machine's time went."""
 
     def __init__(self) -> None:
         self.token = uuid.uuid4().hex
@@ -67,9 +81,9 @@ class TreeMemory:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._members: set[int] = set()
-        self._checked: set[int] = set()
-        self._actors: set[int] = set()
-        self.cpu_trace: list[tuple[float, dict[int, float]]] = []  # (monotonic time, actor pid -> CPU s)
+        self._checked: dict[int, bytes] = {}  # pid -> the command line it was checked with
+        self.roles: dict[int, str] = {}
+        self.cpu_trace: list[tuple[float, dict[int, float]]] = []  # (monotonic time, pid -> CPU s)
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "POLLEN_SCALE_MARK": self.token}
@@ -91,37 +105,57 @@ class TreeMemory:
                     continue
                 pid = int(entry.name)
                 try:
-                    if pid not in self._checked:
-                        self._checked.add(pid)
-                        if needle in (entry / "environ").read_bytes():
-                            self._members.add(pid)
+                    if pid not in self._members:
+                        # checked again whenever its command line changes: a child forked by
+                        # flower-superexec shows the environment it execs flwr-simulation with only then
+                        command = (entry / "cmdline").read_bytes()
+                        if self._checked.get(pid) != command:
+                            self._checked[pid] = command
+                            if needle in (entry / "environ").read_bytes():
+                                self._members.add(pid)
                     if pid in self._members:
                         total += _pss_bytes(entry)
                         count += 1
-                        if pid not in self._actors and _title(entry).startswith("ray::ClientAppActor"):
-                            self._actors.add(pid)
+                        role = _role(entry)  # an idle Ray worker can become an actor; an exiting
+                        if pid not in self.roles or role != ROLES[3]:  # process's command line reads empty
+                            self.roles[pid] = role
                 except OSError:
                     continue
             if total > self.peak_bytes:
                 self.peak_bytes, self.peak_processes = total, count
-            for _ in range(4):  # the actors' CPU time four times per scan: rounds last seconds
+            for _ in range(4):  # CPU times four times per scan: rounds last seconds
                 cpu: dict[int, float] = {}
-                for pid in self._actors:
+                for pid in list(self.roles):
                     with contextlib.suppress(OSError):
                         cpu[pid] = _cpu_seconds(Path("/proc") / str(pid))
                 self.cpu_trace.append((time.monotonic(), cpu))
                 if self._stop.wait(0.125):
                     return
 
-    def busiest_actor_cpu(self, start: float, end: float) -> float | None:
-        """The largest CPU-seconds one actor spent between two monotonic times (nearest samples)."""
+    def _deltas(self, start: float, end: float) -> dict[int, float] | None:
         before = [c for t, c in self.cpu_trace if t <= start]
         after = [c for t, c in self.cpu_trace if t >= end]
         if not before or not after:
             return None
         first, last = before[-1], after[0]
-        deltas = [last[pid] - first.get(pid, 0.0) for pid in last]
-        return max(deltas, default=None)
+        return {pid: last[pid] - first.get(pid, 0.0) for pid in last}
+
+    def busiest_actor_cpu(self, start: float, end: float) -> float | None:
+        """The largest CPU-seconds one ClientApp actor spent between two monotonic times (nearest samples)."""
+        deltas = self._deltas(start, end)
+        if deltas is None:
+            return None
+        return max((d for pid, d in deltas.items() if self.roles.get(pid) == ROLES[0]), default=None)
+
+    def cpu_by_role(self, start: float, end: float) -> dict[str, float] | None:
+        """CPU-seconds each role spent between two monotonic times."""
+        deltas = self._deltas(start, end)
+        if deltas is None:
+            return None
+        out = dict.fromkeys(ROLES, 0.0)
+        for pid, d in deltas.items():
+            out[self.roles.get(pid, ROLES[3])] += d
+        return {k: round(v, 2) for k, v in out.items()}
 
 
 def sampled(n: int) -> int:
@@ -174,6 +208,7 @@ def run_one(n: int, args) -> dict:
             row["busiest-actor-cpu-s"] = [None if b is None else round(b, 2) for b in busiest]
             row["round-wall-per-busiest-actor"] = [None if not b else round(w / b, 2)
                                                    for w, b in zip(walls, busiest)]
+            row["cpu-by-role-s"] = [memory.cpu_by_role(end - w, end) for end, w in zip(round_ends, walls)]
         if proc.returncode != 0:
             row["log-tail"] = log.read_text(errors="replace")[-3000:]
     return row
@@ -211,6 +246,17 @@ def report(out: Path) -> None:
                      f"{per_round(r.get('busiest-actor-cpu-s'))} | "
                      f"{per_round(r.get('round-wall-per-busiest-actor'))} | "
                      f"{r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} |")
+    with_roles = [r for r in rows if any(r.get("cpu-by-role-s") or [])]
+    if with_roles:
+        lines += ["", "## Where the CPU went in the last round", "",
+                  "CPU-seconds per part of the run within the last round (same /proc trace); the machine has "
+                  f"{os.cpu_count()} cores, so a round of wall *w* has at most {os.cpu_count()}·*w* CPU-seconds.", "",
+                  "| N | round wall s | " + " | ".join(f"{role} CPU s" for role in ROLES) + " |",
+                  "|---|---|" + "---|" * len(ROLES)]
+        for r in with_roles:
+            roles = r["cpu-by-role-s"][-1] or {}
+            lines.append(f"| {r['clients']:,} | {r['round-wall-s'][-1]} | "
+                         + " | ".join(str(roles.get(role, "–")) for role in ROLES) + " |")
     (out / "scale.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

@@ -13,6 +13,10 @@ and stamps each line of its output as it arrives, which splits the wall into pha
 - *teardown*: until ``make`` exits (every process of the run stopped; the launcher reports how
   long its part took).
 
+Interleaved with each ``make run``, the *Flower floor* (``bench/overhead.py``'s app with no Pollen
+and no torch, every node answering at once) goes through the same launcher with the same SuperNodes
+and rounds: what any Flower simulation of this shape costs here, the wall ``make run`` cannot go below.
+
 The machine's 1-minute load average at each start is recorded: on a busy machine the split is still
 informative, the absolute numbers are not. Writes ``bench/results/cold_start.{json,md}``::
 
@@ -33,19 +37,41 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from overhead import FLOOR_APP  # noqa: E402  (bench/overhead.py)
+
 RESULTS = ROOT / "bench" / "results"
 PHASES = ("launcher start", "to round 1", "rounds", "run end", "teardown")
 ROUND_LINE = re.compile(r"\[pollen\] round (\d+)/(\d+)")
 
 
-def run_once() -> dict:
-    """One ``make run``; the monotonic time of each marker line, turned into phase durations."""
+def default_shape() -> tuple[int, int]:
+    """(SuperNodes, rounds) of the default ``make run``: the launcher's default and the app's config."""
+    import tomllib
+
+    from pollen.app.launch import DEFAULT_SUPERNODES
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    return DEFAULT_SUPERNODES, int(config["num-server-rounds"])
+
+
+def run_once(floor: bool = False) -> dict:
+    """One ``make run`` (or, with ``floor``, the Flower floor in its shape); the monotonic time of each
+    marker line, turned into phase durations."""
     with tempfile.TemporaryDirectory(prefix="pollen-cold-") as tmp:
         env = {**os.environ, "FLWR_HOME": str(Path(tmp) / "flwr-home")}
+        cmd = ["make", "-s", "run", f"OUT_DIR={tmp}/runs"]
+        if floor:
+            nodes, rounds = default_shape()
+            app = Path(tmp) / "floor-app"
+            app.mkdir()
+            for name, text in FLOOR_APP.items():
+                (app / name).write_text(text)
+            cmd = [sys.executable, "-m", "pollen.app.launch", "--app", str(app), "--num-supernodes", str(nodes),
+                   "--run-config", f"num-server-rounds={rounds} num-nodes={nodes}"]
         load = os.getloadavg()[0]
         t0 = time.monotonic()
-        proc = subprocess.Popen(["make", "-s", "run", f"OUT_DIR={tmp}/runs"], cwd=ROOT, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         marks: dict[str, float] = {}
         teardown_s = None
         tail: list[str] = []
@@ -55,10 +81,11 @@ def run_once() -> dict:
             tail = (tail + [line])[-40:]
             if "[pollen]" in line and "launcher" not in marks:
                 marks["launcher"] = now
-            if "[ROUND 1/" in line and "round-1" not in marks:
+            if ("[ROUND 1/" in line or "[floor] train round 1:" in line) and "round-1" not in marks:
+                # the floor prints after its first round: its "to round 1" includes that round
                 marks["round-1"] = now
             found = ROUND_LINE.search(line)
-            if found and found.group(1) == found.group(2):
+            if (found and found.group(1) == found.group(2)) or "[floor] evaluate round 1:" in line:
                 marks["last-round"] = now
             if re.search(r"\[pollen\] run \d+: ", line):
                 marks["run-end"] = now
@@ -67,7 +94,8 @@ def run_once() -> dict:
                 teardown_s = float(stopped.group(1))
         rc = proc.wait()
         wall = time.monotonic() - t0
-    row: dict = {"rc": rc, "wall-s": round(wall, 2), "load-at-start": round(load, 2),
+    row: dict = {"run": "floor" if floor else "make run", "rc": rc, "wall-s": round(wall, 2),
+                 "load-at-start": round(load, 2),
                  "marks-s": {k: round(v, 2) for k, v in marks.items()}}
     order = ["launcher", "round-1", "last-round", "run-end"]
     if rc == 0 and all(k in marks for k in order) and teardown_s is not None:
@@ -80,39 +108,50 @@ def run_once() -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    ok = [r for r in rows if "phases-s" in r]
+    nodes, rounds = default_shape()
     lines = ["# Cold start: the default `make run`, command to prompt", "",
-             "`make run` with an installed venv and the default run config (10 rounds), each run with a fresh "
-             "`FLWR_HOME` and output folder. Phases from the time each marker line of the output arrived: "
-             "*launcher start* (to the launcher's first line), *to round 1* (SuperLink start, app build and "
-             "submit, ServerApp and Ray start), *rounds* (to the last round's line; the first round's actor "
-             "start-up included), *run end* (the ServerApp's last files, the log stream's end, the final status "
-             "from `flwr ls`), *teardown* (every process stopped, `make` exits). Written by `bench/cold_start.py`.", "",
-             "| run | load at start | wall s | " + " | ".join(f"{p} s" for p in PHASES) + " | exit |",
-             "|---|---|---|" + "---|" * len(PHASES) + "---|"]
+             f"`make run` with an installed venv and the default run config ({nodes} SuperNodes, {rounds} rounds), "
+             "each run with a fresh `FLWR_HOME` and output folder, interleaved with the *Flower floor*: a Flower "
+             "app with no Pollen and no torch (`FLOOR_APP` in `bench/overhead.py`) through the same launcher, with "
+             "the same SuperNodes and rounds, every node answering at once. Phases from the time each marker line "
+             "of the output arrived: *launcher start* (to the launcher's first line), *to round 1* (SuperLink "
+             "start, app build and submit, ServerApp and Ray start; the floor's marker comes after its first "
+             "round), *rounds* (to the last round's line; the first round's actor start-up included), *run end* "
+             "(the ServerApp's last files, the log stream's end, the final status from `flwr ls`), *teardown* "
+             "(every process stopped, the command exits). Written by `bench/cold_start.py`.", "",
+             "| # | run | load at start | wall s | " + " | ".join(f"{p} s" for p in PHASES) + " | exit |",
+             "|---|---|---|---|" + "---|" * len(PHASES) + "---|"]
     for i, r in enumerate(rows, 1):
         phases = r.get("phases-s", {})
         cells = " | ".join(str(phases.get(p, "–")) for p in PHASES)
-        lines.append(f"| {i} | {r['load-at-start']} | {r['wall-s']} | {cells} | {r['rc']} |")
-    if ok:
-        walls = [r["wall-s"] for r in ok]
-        lines += ["", f"**Wall: median {statistics.median(walls):.1f} s, min {min(walls):.1f} s** "
-                      f"({len(ok)} completed runs). Median share of the wall: " +
-                  ", ".join(f"{p} {100 * statistics.median(r['phases-s'][p] / r['wall-s'] for r in ok):.0f} %"
-                            for p in PHASES) + "."]
-    return "\n".join(lines) + "\n"
+        lines.append(f"| {i} | {r.get('run', 'make run')} | {r['load-at-start']} | {r['wall-s']} | {cells} | "
+                     f"{r['rc']} |")
+    lines.append("")
+    for kind in ("make run", "floor"):
+        ok = [r for r in rows if "phases-s" in r and r.get("run", "make run") == kind]
+        if ok:
+            walls = [r["wall-s"] for r in ok]
+            lines.append(f"**{kind}: wall median {statistics.median(walls):.1f} s, min {min(walls):.1f} s** "
+                         f"({len(ok)} completed runs); median share of the wall: " +
+                         ", ".join(f"{p} {100 * statistics.median(r['phases-s'][p] / r['wall-s'] for r in ok):.0f} %"
+                                   for p in PHASES) + ".")
+            lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, help="make runs (each followed by a floor run)")
+    parser.add_argument("--no-floor", action="store_true", help="make runs only")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     rows = []
+    kinds = [False] if args.no_floor else [False, True]
     for i in range(args.runs):
-        row = run_once()
-        rows.append(row)
-        print(f"[cold-start] run {i + 1}/{args.runs}: {json.dumps(row)}", flush=True)
+        for floor in kinds:
+            row = run_once(floor)
+            rows.append(row)
+            print(f"[cold-start] {row['run']} {i + 1}/{args.runs}: {json.dumps(row)}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cold_start.json").write_text(json.dumps({"runs": rows}, indent=1) + "\n")
     (args.out / "cold_start.md").write_text(markdown(rows))

@@ -359,6 +359,36 @@ def test_uci_digits_split_and_scaling():
     assert torch.equal(again.images, te.images) and torch.equal(again.labels, te.labels)
 
 
+def test_uci_digits_split_is_scikit_learns_stratified_split():
+    """The stored test mask is exactly train_test_split's stratified 80/20 split with seed 0, in order."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from pollen.datasets.sources import UCI_DIGITS_SPLIT_SEED, UCI_DIGITS_TEST_FRACTION
+
+    digits = load_digits()
+    train_idx, test_idx = train_test_split(np.arange(len(digits.target)), test_size=UCI_DIGITS_TEST_FRACTION,
+                                           stratify=digits.target, random_state=UCI_DIGITS_SPLIT_SEED)
+    expected = np.rint(digits.images * 255.0 / 16.0).clip(0, 255).astype(np.uint8)
+    for split, idx in (("train", np.sort(train_idx)), ("test", np.sort(test_idx))):
+        ours = load_source("uci_digits", None, split)
+        assert np.array_equal(ours.images[:, 0].numpy(), expected[idx])
+        assert np.array_equal(ours.labels.numpy(), digits.target[idx])
+
+
+def test_reading_uci_digits_does_not_import_scikit_learn():
+    """The default task's data in every actor: importing scikit-learn there costs about 1.5 s of start-up."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pollen.datasets.sources import load_source\n"
+            "assert len(load_source('uci_digits', None, 'test')) == 360\n"
+            "print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 # ------------------------------------------------------------------------------------------
 # errors and ImageSet
 

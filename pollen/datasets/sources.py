@@ -27,8 +27,10 @@ cache): treat them as read-only and never modify them in place; ``ImageSet.subse
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -392,28 +394,45 @@ def _load_officehome(root: str, split: str, domain: str) -> ImageSet:
 
 UCI_DIGITS_TEST_FRACTION = 0.2
 UCI_DIGITS_SPLIT_SEED = 0
+# Which of the 1,797 samples are test samples (a bit per sample, big-endian bytes, hex): the stratified
+# 80/20 split that scikit-learn's train_test_split draws with seed 0, stored so that no process has to
+# import scikit-learn (about 1.5 s) to rebuild it; tests/test_sources.py checks it against that split.
+UCI_DIGITS_TEST_MASK = (
+    "000004883524104000064100934205001a00080100240028062c12001000940a009019120420f8a0028110a000080a8820"
+    "441524494240a00a0000004004d80000818020004805c400104008a0100005404800301000020ec409000224840083a801"
+    "3c20a6980a0000000b08400804a0184802024041c1008004404684376a810216004480004042a0a4180a5000840b8561c6"
+    "08108008004c80c02004068e00010882008100380803c008190000100e01008410a0210033282904c044c080680e010283"
+    "0082008822a6402c24042108a860809081a00c02820242120138a41500"
+)
+
+
+def _uci_digits_table() -> np.ndarray:
+    """scikit-learn's embedded ``digits.csv.gz`` (64 pixel columns, then the label), read without importing
+    scikit-learn; its own loader when the file is not where the installed package keeps it."""
+    spec = importlib.util.find_spec("sklearn")
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / "digits.csv.gz"
+    if path is not None and path.is_file():
+        return np.loadtxt(path, delimiter=",")
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return np.column_stack([digits.data, digits.target])
 
 
 def _load_uci_digits(split: str) -> ImageSet:
     """UCI optical digits: 1,797 real 8×8 images (values 0..16) scaled to uint8 0..255.
 
-    The split is a stratified 80/20 train/test split with seed 0 (sklearn's train_test_split),
-    each part kept in the original sample order, so it is the same on every machine.
+    The split is a stratified 80/20 train/test split with seed 0 (``UCI_DIGITS_TEST_MASK``), each part
+    kept in the original sample order, so it is the same on every machine.
     """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    values = np.asarray(digits.images, dtype=np.float64)  # N×8×8 in 0..16
+    table = _uci_digits_table()
+    values = table[:, :64].reshape(-1, 8, 8)  # 0..16
     pixels = np.rint(values * 255.0 / 16.0).clip(0, 255).astype(np.uint8)
-    target = np.asarray(digits.target, dtype=np.int64)
-    train_idx, test_idx = train_test_split(
-        np.arange(len(target)),
-        test_size=UCI_DIGITS_TEST_FRACTION,
-        stratify=target,
-        random_state=UCI_DIGITS_SPLIT_SEED,
-    )
-    idx = np.sort(train_idx if split == "train" else test_idx)
+    target = table[:, 64].astype(np.int64)
+    test = np.unpackbits(np.frombuffer(bytes.fromhex(UCI_DIGITS_TEST_MASK), dtype=np.uint8))[: len(target)]
+    idx = np.flatnonzero(test == (1 if split == "test" else 0))
     images = torch.from_numpy(pixels[idx]).unsqueeze(1).contiguous()
     return ImageSet(images, torch.from_numpy(target[idx].copy()), 10, "uci_digits")
 

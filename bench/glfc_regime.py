@@ -83,7 +83,7 @@ def report(records: list[dict]) -> str:
               "4, 8 or 10 clients and with 1 local epoch, while seeds 0 and 2 pass 0.95; the curves flatten as the "
               "cosine schedule takes the learning rate towards 0 at the task's end. With 20 rounds per task seed 1 "
               "reaches 0.98. (More clients do not cure it: with 10 clients every class of seed 1 has at least two "
-              "holders and the run still stops at 0.79.) `glfc_study.md` reports task 1 for every run of the study.",
+              "holders and the run still stops at 0.79.) `glfc_methods.md` reports task 1 for every run of the study (`bench/glfc_study.py`).",
               ""]
     return "\n".join(lines)
 

@@ -42,7 +42,7 @@ from overhead import FLOOR_APP  # noqa: E402  (bench/overhead.py)
 
 RESULTS = ROOT / "bench" / "results"
 PHASES = ("launcher start", "to round 1", "rounds", "run end", "teardown")
-ROUND_LINE = re.compile(r"\[pollen\] round (\d+)/(\d+)")
+ROUND_LINE = re.compile(r"\[(?:pollen|floor)\] round (\d+)/(\d+)")
 
 
 def default_shape() -> tuple[int, int]:
@@ -68,7 +68,8 @@ def run_once(floor: bool = False) -> dict:
             for name, text in FLOOR_APP.items():
                 (app / name).write_text(text)
             cmd = [sys.executable, "-m", "pollen.app.launch", "--app", str(app), "--num-supernodes", str(nodes),
-                   "--run-config", f"num-server-rounds={rounds} num-nodes={nodes}"]
+                   "--run-config", f"num-server-rounds={rounds} num-nodes={nodes} sampled=0 "
+                   "evaluate-every-round=true"]
         load = os.getloadavg()[0]
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -81,11 +82,11 @@ def run_once(floor: bool = False) -> dict:
             tail = (tail + [line])[-40:]
             if "[pollen]" in line and "launcher" not in marks:
                 marks["launcher"] = now
-            if ("[ROUND 1/" in line or "[floor] train round 1:" in line) and "round-1" not in marks:
+            if ("[ROUND 1/" in line or "[floor] round 1/" in line) and "round-1" not in marks:
                 # the floor prints after its first round: its "to round 1" includes that round
                 marks["round-1"] = now
             found = ROUND_LINE.search(line)
-            if (found and found.group(1) == found.group(2)) or "[floor] evaluate round 1:" in line:
+            if found and found.group(1) == found.group(2):
                 marks["last-round"] = now
             if re.search(r"\[pollen\] run \d+: ", line):
                 marks["run-end"] = now

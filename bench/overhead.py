@@ -138,8 +138,11 @@ clientapp = "flower_floor:client"
 [tool.flwr.app.config]
 num-server-rounds = 3
 num-nodes = 20
+sampled = 0
+evaluate-every-round = false
 """,
-    "flower_floor.py": '''"""Flower with nothing in it: every node trains each round, answering at once."""
+    "flower_floor.py": '''"""Flower with nothing in it: sampled nodes train (and evaluate), answering at once."""
+import random
 import time
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -152,19 +155,31 @@ client = ClientApp()
 
 @server.main()
 def main(grid: Grid, context: Context) -> None:
-    rounds, expected = int(context.run_config["num-server-rounds"]), int(context.run_config["num-nodes"])
+    cfg = context.run_config
+    rounds, expected, sampled = int(cfg["num-server-rounds"]), int(cfg["num-nodes"]), int(cfg["sampled"])
     while len(list(grid.get_node_ids())) < expected:
         time.sleep(0.1)
     nodes = sorted(grid.get_node_ids())
-    for kind, count in ((MessageType.TRAIN, rounds), (MessageType.EVALUATE, 1)):
-        for r in range(1, count + 1):
-            replies = list(grid.send_and_receive(
-                [Message(RecordDict({"config": ConfigRecord({"round": r})}), dst_node_id=n, message_type=kind)
-                 for n in nodes]))
-            bad = [m for m in replies if m.has_error()]
-            if len(replies) != len(nodes) or bad:
-                raise RuntimeError(f"round {r}: {len(replies)} replies for {len(nodes)} nodes, {len(bad)} errors")
-            print(f"[floor] {kind} round {r}: {len(replies)} replies", flush=True)
+    rng = random.Random(0)
+
+    def ask(kind: str, r: int) -> str:
+        chosen = rng.sample(nodes, sampled) if 0 < sampled < len(nodes) else nodes
+        t0 = time.perf_counter()
+        replies = list(grid.send_and_receive(
+            [Message(RecordDict({"config": ConfigRecord({"round": r})}), dst_node_id=n, message_type=kind)
+             for n in chosen]))
+        bad = [m for m in replies if m.has_error()]
+        if len(replies) != len(chosen) or bad:
+            raise RuntimeError(f"round {r}: {len(replies)} replies for {len(chosen)} nodes, {len(bad)} errors")
+        return f"{kind} {len(replies)} replies {time.perf_counter() - t0:.3f}s"
+
+    for r in range(1, rounds + 1):
+        line = ask(MessageType.TRAIN, r)
+        if cfg["evaluate-every-round"]:
+            line += " " + ask(MessageType.EVALUATE, r)
+        print(f"[floor] round {r}/{rounds}: {line}", flush=True)
+    if not cfg["evaluate-every-round"]:
+        print(f"[floor] final {ask(MessageType.EVALUATE, rounds)}", flush=True)
 
 
 @client.train()
@@ -186,7 +201,8 @@ def floor_run(args, env: dict[str, str], log: Path, app_dir: Path) -> dict:
         for name, text in FLOOR_APP.items():
             (app_dir / name).write_text(text)
     cmd = [sys.executable, "-m", "pollen.app.launch", "--app", str(app_dir), "--num-supernodes", str(args.clients),
-           "--run-config", f"num-server-rounds={args.rounds} num-nodes={args.clients}"]
+           "--run-config", f"num-server-rounds={args.rounds} num-nodes={args.clients} sampled=0 "
+           "evaluate-every-round=false"]
     return measured(cmd, env, log)
 
 

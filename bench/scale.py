@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 RESULTS = ROOT / "bench" / "results"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -162,6 +164,33 @@ def sampled(n: int) -> int:
     return max(2, min(100, n // 10))
 
 
+def run_floor(n: int, args) -> dict:
+    """The Flower floor in this shape: ``bench/overhead.py``'s app with no Pollen and no torch, N nodes,
+    the same k sampled for train and evaluate each round, every node answering at once."""
+    from overhead import FLOOR_APP  # bench/overhead.py
+
+    k = sampled(n)
+    with tempfile.TemporaryDirectory(prefix=f"pollen-floor-{n}-") as tmp:
+        app = Path(tmp) / "floor-app"
+        app.mkdir()
+        for name, text in FLOOR_APP.items():
+            (app / name).write_text(text)
+        cmd = [sys.executable, "-m", "pollen.app.launch", "--app", str(app), "--num-supernodes", str(n),
+               "--run-config", f"num-server-rounds={args.rounds} num-nodes={n} sampled={k} evaluate-every-round=true",
+               "--timeout", str(args.timeout)]
+        started = time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.monotonic() - started
+    walls = [sum(float(t) for t in re.findall(r"replies ([0-9.]+)s", line))
+             for line in proc.stdout.splitlines() if line.startswith("[floor] round ")]
+    row = {"clients": n, "sampled-per-round": k, "rounds": args.rounds, "rc": proc.returncode,
+           "launch-wall-s": round(wall, 1), "round-wall-s": [round(w, 2) for w in walls],
+           "ms-per-message": [round(1000 * w / (2 * k), 1) for w in walls]}
+    if proc.returncode != 0:
+        row["log-tail"] = (proc.stdout + proc.stderr)[-3000:]
+    return row
+
+
 def run_one(n: int, args) -> dict:
     k = sampled(n)
     fraction = k / n
@@ -246,6 +275,19 @@ def report(out: Path) -> None:
                      f"{per_round(r.get('busiest-actor-cpu-s'))} | "
                      f"{per_round(r.get('round-wall-per-busiest-actor'))} | "
                      f"{r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} |")
+    floors = sorted((json.loads(p.read_text()) for p in (out / "scale" / "floor").glob("*.json")),
+                    key=lambda r: r["clients"])
+    if floors:
+        lines += ["", "## The Flower floor", "",
+                  "The same launch of a Flower app with no Pollen and no torch (`FLOOR_APP` in "
+                  "`bench/overhead.py`): N SuperNodes, the same k sampled for train and then evaluate each round, "
+                  "every node answering at once. Its round wall is what Flower's dispatch alone costs in this shape.",
+                  "", "| N | sampled | exit | round wall s (1 / 2 / 3) | ms/message (1 / 2 / 3) | launch wall s |",
+                  "|---|---|---|---|---|---|"]
+        for r in floors:
+            lines.append(f"| {r['clients']:,} | {r['sampled-per-round']} | {r['rc']} | "
+                         f"{per_round(r.get('round-wall-s'))} | {per_round(r.get('ms-per-message'))} | "
+                         f"{r['launch-wall-s']} |")
     with_roles = [r for r in rows if any(r.get("cpu-by-role-s") or [])]
     if with_roles:
         lines += ["", "## Where the CPU went in the last round", "",
@@ -285,8 +327,10 @@ def report(out: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-root", type=Path, default=os.environ.get("POLLEN_DATA_ROOT"))
-    parser.add_argument("--clients", type=int, nargs="+", default=[10, 100, 1000, 10000])
+    parser.add_argument("--clients", type=int, nargs="*", default=[10, 100, 1000, 10000])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--floor", type=int, nargs="*", default=[],
+                        help="N for which to run the Flower floor too (same shape, no Pollen, no torch)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--force", action="store_true", help="rerun an N that already has a result file")
@@ -306,6 +350,16 @@ def main(argv=None) -> int:
             row = run_one(n, args)
             path.write_text(json.dumps(row, indent=2) + "\n")
             print(f"[scale] N = {n}: {json.dumps({k: v for k, v in row.items() if k != 'log-tail'})}", flush=True)
+        for n in args.floor:
+            path = args.out / "scale" / "floor" / f"{n}.json"
+            if path.exists() and not args.force:
+                print(f"[scale] floor N = {n}: done already ({path})", flush=True)
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            print(f"[scale] floor N = {n}: running", flush=True)
+            row = run_floor(n, args)
+            path.write_text(json.dumps(row, indent=2) + "\n")
+            print(f"[scale] floor N = {n}: {json.dumps({k: v for k, v in row.items() if k != 'log-tail'})}", flush=True)
     report(args.out)
     return 0
 

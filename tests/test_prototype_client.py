@@ -92,6 +92,30 @@ def test_training_time_prototypes_option():
     assert not np.allclose(protos[held], protos_post[held])
 
 
+def test_training_time_prototypes_need_no_extra_pass_unless_the_round_is_monitored(monkeypatch):
+    """With prototypes from the training pass, the no-grad pass over the training set only serves the
+    monitors (MI), which the server asks for on evaluated rounds only; the reply is the same either way."""
+    from pollen.methods.prototypes import PrototypeRound
+
+    passes = []
+    embed = PrototypeRound.embed
+    monkeypatch.setattr(PrototypeRound, "embed", lambda self, model, x, **kw: passes.append(len(x)) or embed(
+        self, model, x, **kw))
+    rc = {"method": "fedproto", "proto-local-protos": "training", **UCI}
+    quiet, _ = _client(rc, 2, 3)
+    (protos, counts), _, metrics = quiet.fit([], {"server-round": 1, "monitor": False})
+    assert passes == [] and "mi-classifier" not in metrics
+    monitored, _ = _client(rc, 2, 3)
+    (protos_m, counts_m), _, metrics_m = monitored.fit([], {"server-round": 1, "monitor": True})
+    assert passes == [monitored.data.num_train] and "mi-classifier" in metrics_m
+    np.testing.assert_array_equal(protos, protos_m)
+    np.testing.assert_array_equal(counts, counts_m)
+    passes.clear()  # post-pass prototypes need the pass on every round
+    post, _ = _client({**rc, "proto-local-protos": "post-pass"}, 2, 3)
+    post.fit([], {"server-round": 1, "monitor": False})
+    assert passes == [post.data.num_train]
+
+
 def test_bd_fedproto_clients_use_negatives_and_da_follows_the_loss_history(data_root):
     rc = {"method": "bd-fedproto", "task": "mnist-shot", "data-root": data_root, "shot-ways": 2,
           "shot-stdev": 0, "shot-shots": 12, "shot-test-per-class": 4, "batch-size": 4, "lr": 0.05}

@@ -279,13 +279,17 @@ class PrototypeRound:
         self.store.save_module(self.MODEL_KEY, model)
 
         y_train = data.y_train.to(self.device)
-        z_train = self.embed(model, data.x_train)
         counts = torch.bincount(y_train, minlength=self.num_classes)
         seen = observers[0] if observers else None
-        if seen is not None and seen.sums is not None and seen.counts is not None:
+        from_training = seen is not None and seen.sums is not None and seen.counts is not None
+        # the extra no-grad pass over the training set: for post-pass prototypes and for the monitors only
+        z_train = self.embed(model, data.x_train) if not from_training or monitor else None
+        if from_training:
+            assert seen is not None and seen.sums is not None and seen.counts is not None
             protos = (seen.sums / seen.counts.clamp_min(1).unsqueeze(1)).float()
             counts = torch.where(seen.counts > 0, counts, torch.zeros_like(counts))
         else:
+            assert z_train is not None
             protos, _ = class_means(z_train, y_train, self.num_classes)
 
         metrics: dict[str, Any] = {"lambda": lam}
@@ -296,7 +300,8 @@ class PrototypeRound:
             if glob is not None and "proto" in last.parts:
                 da_state["history"] = (list(da_state["history"]) + [[last.parts["ce"], last.parts["proto"]]])[-3:]
         self.store.save_values(self.DA_KEY, da_state)
-        if monitor:  # only on rounds the server evaluates: a full extra pass
+        if monitor:  # only on rounds the server evaluates
+            assert z_train is not None
             metrics.update(self.monitors(model, z_train, glob))
         reply: list[np.ndarray] = [protos.cpu().numpy().astype(np.float32), counts.cpu().numpy().astype(np.int64)]
         return reply, data.num_train, metrics

@@ -8,8 +8,9 @@ same way with the same SuperNodes, rounds and messages (every node gets a train 
 then one evaluate round), each ClientApp answering at once. C's cost is what any Flower simulation
 of this shape pays on this machine, so (A + C) / A is the lowest CPU ratio B could reach.
 The runs are **interleaved** (A B C A B C …) so that a shared machine's load hits all alike; each
-run's CPU-seconds cover its whole process tree (this script is a child subreaper, so orphaned Ray
-and Flower processes are reaped here and their CPU time counted). Prints and writes
+run's CPU-seconds cover every process it started: each run has a cpuacct cgroup of its own, so the
+kernel counts orphans too (without cgroup access: the reaped children's rusage; this script is a
+child subreaper, so orphaned Ray and Flower processes are reaped here). Prints and writes
 ``bench/results/overhead.{json,md}``: per pair the CPU-second and wall ratios B / A, then min and
 median, per Pollen run the round-time breakdown (round 1, steady rounds, start-up and teardown),
 and the floor.
@@ -20,11 +21,13 @@ and the floor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,16 +67,68 @@ def children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+
+
+class CpuGroup:
+    """A cgroup-v1 ``cpuacct`` group of its own for one measured command: the kernel counts the CPU time of
+    every process started inside it, descendants and orphans included, whenever they exit; without one
+    (no cgroup, no permission) the count falls back to the reaped children's rusage."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = CPUACCT / f"pollen-bench-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            self.path.mkdir()
+        except OSError:
+            self.path = None
+
+    def enter(self) -> None:
+        """Runs in the child between fork and exec: move it (and so all it starts) into the group."""
+        if self.path is not None:
+            (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def cpu_s(self, wait: float = 60.0) -> tuple[float | None, list[int]]:
+        """CPU-seconds of the group once its processes have exited (waits up to ``wait``), and the PIDs
+        still running then (stopped here: a measurement must not leak into the next)."""
+        if self.path is None:
+            return None, []
+        deadline = time.monotonic() + wait
+        left = self._pids()
+        while left and time.monotonic() < deadline:
+            reap_all(timeout=0.5)
+            left = self._pids()
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        reap_all(timeout=5.0)
+        used = int((self.path / "cpuacct.usage").read_text()) / 1e9
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+        return used, left
+
+    def _pids(self) -> list[int]:
+        assert self.path is not None
+        return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
+
+
 def measured(cmd: list[str], env: dict[str, str], log: Path) -> dict:
-    """Run ``cmd`` to the end; wall and CPU-seconds of its whole tree (reaped here)."""
+    """Run ``cmd`` to the end; wall and CPU-seconds of its whole tree (its own cpuacct group, else the
+    children reaped here)."""
     reap_all()
+    group = CpuGroup()
     cpu0, t0 = children_cpu(), time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=group.enter)
     wall = time.perf_counter() - t0
+    group_cpu, strays = group.cpu_s()
     reap_all()  # orphans of the run (Ray, Flower) finish here
-    return {"rc": proc.returncode, "wall-s": round(wall, 2), "cpu-s": round(children_cpu() - cpu0, 2),
-            "max-rss-mb-one-process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)}
+    rusage_cpu = children_cpu() - cpu0
+    row = {"rc": proc.returncode, "wall-s": round(wall, 2),
+           "cpu-s": round(group_cpu if group_cpu is not None else rusage_cpu, 2),
+           "cpu-counted-by": "cgroup" if group_cpu is not None else "rusage", "rusage-cpu-s": round(rusage_cpu, 2),
+           "strays-killed": len(strays),
+           "max-rss-mb-one-process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)}
+    return row
 
 
 def plain_loop(args, env: dict[str, str], log: Path) -> dict:
@@ -231,7 +286,10 @@ def markdown(data: dict) -> str:
              f"{cfg['cores']} cores), evaluation after the last round only in both, prototypes from the training "
              "pass and averaged unweighted in both (`proto-local-protos='training'`, `proto-weighting='uniform'`). "
              "Interleaved pairs, plain "
-             f"first. CPU-seconds: the whole process tree of each run. {cfg['date']}, load average at start "
+             f"first. CPU-seconds: every process each run started, orphans included (" +
+             ("a cpuacct cgroup per run" if all(x.get("cpu-counted-by") == "cgroup" for p in data["pairs"]
+                                                for x in p.values()) else "the reaped children's rusage") +
+             f"). {cfg['date']}, load average at start "
              f"{cfg['load-at-start']}.", "",
              f"**CPU-seconds ratio Pollen / plain: min {s['cpu-ratio-min']}, median {s['cpu-ratio-median']}; "
              f"wall ratio: min {s['wall-ratio-min']}, median {s['wall-ratio-median']}** ({s['pairs']} pairs).", "",

@@ -131,3 +131,21 @@ def test_cuda_request_without_gpu_fails_clearly():
     ctx = make_context()
     with pytest.raises(RuntimeError, match="no CUDA device"):
         _client("fedavg", ctx, device="cuda")
+
+
+def test_client_app_validates_a_run_config_once_per_process(monkeypatch):
+    """Every message of a run carries the same run config; the ClientApp parses it once, and a different
+    config (any key changed) is parsed anew, its own values used."""
+    from pollen.app import client_app
+
+    calls = []
+    parse = client_app.parse_run_config
+    monkeypatch.setattr(client_app, "parse_run_config", lambda raw: calls.append(dict(raw)) or parse(raw))
+    client_app._parsed_run_config.cache_clear()
+    first = {"method": "fedavg", "task": "uci-dirichlet", "lr": 0.05}
+    a = client_app._parsed_run_config(tuple(sorted(first.items())))
+    b = client_app._parsed_run_config(tuple(sorted(dict(first).items())))
+    assert a is b and len(calls) == 1
+    c = client_app._parsed_run_config(tuple(sorted({**first, "lr": 0.1}.items())))
+    assert len(calls) == 2 and c.lr == 0.1 and a.lr == 0.05
+    client_app._parsed_run_config.cache_clear()

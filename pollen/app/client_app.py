@@ -15,6 +15,7 @@ restarts, so a node that carried on from its folder can be told from one that st
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
@@ -36,8 +37,18 @@ def node_state_dir(cfg: RunConfig, node: NodeConfig, run_id: int) -> Path:
     return run_directory(cfg, run_id) / "nodes" / f"partition-{node.partition_id}"
 
 
+@functools.lru_cache(maxsize=8)
+def _parsed_run_config(items: tuple[tuple[str, object], ...]) -> RunConfig:
+    """Every message of a run carries the same run config: validate it once per process (a few ms of
+    range checks per message otherwise); keyed by all its keys and values, bounded to 8 configs."""
+    return parse_run_config(dict(items))
+
+
 def _prepare(context: Context):
-    cfg = parse_run_config(context.run_config)
+    try:
+        cfg = _parsed_run_config(tuple(sorted(context.run_config.items())))
+    except TypeError:  # a value Flower would not send (unhashable): no cache
+        cfg = parse_run_config(context.run_config)
     node = parse_node_config(context.node_config)
     spec = METHODS[cfg.method]
     if node.data_dir is not None:

@@ -34,11 +34,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from overhead import FLOOR_APP  # noqa: E402  (bench/overhead.py)
+from overhead import floor_command  # noqa: E402  (bench/overhead.py)
 
 RESULTS = ROOT / "bench" / "results"
 PHASES = ("launcher start", "to round 1", "rounds", "run end", "teardown")
@@ -63,23 +64,17 @@ def run_once(floor: bool = False) -> dict:
         cmd = ["make", "-s", "run", f"OUT_DIR={tmp}/runs"]
         if floor:
             nodes, rounds = default_shape()
-            app = Path(tmp) / "floor-app"
-            app.mkdir()
-            for name, text in FLOOR_APP.items():
-                (app / name).write_text(text)
-            cmd = [sys.executable, "-m", "pollen.app.launch", "--app", str(app), "--num-supernodes", str(nodes),
-                   "--run-config", f"num-server-rounds={rounds} num-nodes={nodes} sampled=0 "
-                   "evaluate-every-round=true"]
+            cmd = floor_command(Path(tmp) / "floor-app", nodes, rounds, evaluate_every_round=True)
         load = os.getloadavg()[0]
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         marks: dict[str, float] = {}
         teardown_s = None
-        tail: list[str] = []
+        tail: deque[str] = deque(maxlen=40)
         assert proc.stdout is not None
         for line in proc.stdout:
             now = time.monotonic() - t0
-            tail = (tail + [line])[-40:]
+            tail.append(line)
             if "[pollen]" in line and "launcher" not in marks:
                 marks["launcher"] = now
             if ("[ROUND 1/" in line or "[floor] round 1/" in line) and "round-1" not in marks:

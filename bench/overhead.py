@@ -123,12 +123,11 @@ def measured(cmd: list[str], env: dict[str, str], log: Path) -> dict:
     group_cpu, strays = group.cpu_s()
     reap_all()  # orphans of the run (Ray, Flower) finish here
     rusage_cpu = children_cpu() - cpu0
-    row = {"rc": proc.returncode, "wall-s": round(wall, 2),
+    return {"rc": proc.returncode, "wall-s": round(wall, 2),
            "cpu-s": round(group_cpu if group_cpu is not None else rusage_cpu, 2),
            "cpu-counted-by": "cgroup" if group_cpu is not None else "rusage", "rusage-cpu-s": round(rusage_cpu, 2),
            "strays-killed": len(strays),
            "max-rss-mb-one-process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)}
-    return row
 
 
 def plain_loop(args, env: dict[str, str], log: Path) -> dict:
@@ -249,16 +248,22 @@ def evaluate(msg: Message, context: Context) -> Message:
 }
 
 
+def floor_command(folder: Path, nodes: int, rounds: int, sampled: int = 0, evaluate_every_round: bool = False,
+                  extra: tuple[str, ...] = ()) -> list[str]:
+    """Write ``FLOOR_APP`` into ``folder`` (once) and return the launcher command that runs it: ``nodes``
+    SuperNodes, ``rounds`` rounds of ``sampled`` nodes (0: all), evaluating every round or once at the end."""
+    if not folder.is_dir():
+        folder.mkdir(parents=True)
+        for name, text in FLOOR_APP.items():
+            (folder / name).write_text(text)
+    return [sys.executable, "-m", "pollen.app.launch", "--app", str(folder), "--num-supernodes", str(nodes),
+            "--run-config", f"num-server-rounds={rounds} num-nodes={nodes} sampled={sampled} "
+            f"evaluate-every-round={str(evaluate_every_round).lower()}", *extra]
+
+
 def floor_run(args, env: dict[str, str], log: Path, app_dir: Path) -> dict:
     """The Flower floor (module docstring): same launcher, SuperNodes, rounds and message pattern."""
-    if not app_dir.is_dir():
-        app_dir.mkdir(parents=True)
-        for name, text in FLOOR_APP.items():
-            (app_dir / name).write_text(text)
-    cmd = [sys.executable, "-m", "pollen.app.launch", "--app", str(app_dir), "--num-supernodes", str(args.clients),
-           "--run-config", f"num-server-rounds={args.rounds} num-nodes={args.clients} sampled=0 "
-           "evaluate-every-round=false"]
-    return measured(cmd, env, log)
+    return measured(floor_command(app_dir, args.clients, args.rounds), env, log)
 
 
 def summarise(pairs: list[dict]) -> dict:

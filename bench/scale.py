@@ -167,17 +167,12 @@ def sampled(n: int) -> int:
 def run_floor(n: int, args) -> dict:
     """The Flower floor in this shape: ``bench/overhead.py``'s app with no Pollen and no torch, N nodes,
     the same k sampled for train and evaluate each round, every node answering at once."""
-    from overhead import FLOOR_APP  # bench/overhead.py
+    from overhead import floor_command  # bench/overhead.py
 
     k = sampled(n)
     with tempfile.TemporaryDirectory(prefix=f"pollen-floor-{n}-") as tmp:
-        app = Path(tmp) / "floor-app"
-        app.mkdir()
-        for name, text in FLOOR_APP.items():
-            (app / name).write_text(text)
-        cmd = [sys.executable, "-m", "pollen.app.launch", "--app", str(app), "--num-supernodes", str(n),
-               "--run-config", f"num-server-rounds={args.rounds} num-nodes={n} sampled={k} evaluate-every-round=true",
-               "--timeout", str(args.timeout)]
+        cmd = floor_command(Path(tmp) / "floor-app", n, args.rounds, sampled=k, evaluate_every_round=True,
+                            extra=("--timeout", str(args.timeout)))
         started = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         wall = time.monotonic() - started

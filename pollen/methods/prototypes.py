@@ -280,14 +280,12 @@ class PrototypeRound:
 
         y_train = data.y_train.to(self.device)
         counts = torch.bincount(y_train, minlength=self.num_classes)
-        seen = observers[0] if observers else None
-        from_training = seen is not None and seen.sums is not None and seen.counts is not None
+        sums, seen_counts = (observers[0].sums, observers[0].counts) if observers else (None, None)
         # the extra no-grad pass over the training set: for post-pass prototypes and for the monitors only
-        z_train = self.embed(model, data.x_train) if not from_training or monitor else None
-        if from_training:
-            assert seen is not None and seen.sums is not None and seen.counts is not None
-            protos = (seen.sums / seen.counts.clamp_min(1).unsqueeze(1)).float()
-            counts = torch.where(seen.counts > 0, counts, torch.zeros_like(counts))
+        z_train = self.embed(model, data.x_train) if sums is None or seen_counts is None or monitor else None
+        if sums is not None and seen_counts is not None:
+            protos = (sums / seen_counts.clamp_min(1).unsqueeze(1)).float()
+            counts = torch.where(seen_counts > 0, counts, torch.zeros_like(counts))
         else:
             assert z_train is not None
             protos, _ = class_means(z_train, y_train, self.num_classes)

@@ -66,6 +66,7 @@ TARGET_SEEDS = {3: 3, 4: 5, 5: 5}  # issue 17: >= 3 seeds at n = 3, >= 5 at n = 
 DEFAULT_SEEDS = {n: list(range(k)) for n, k in TARGET_SEEDS.items()}
 ARM_STYLE = {"fedproto": ("tab:blue", "-"), "bd-fedproto": ("tab:red", "-"),
              "cpa-only": ("tab:green", "--"), "da-only": ("tab:purple", "--")}
+LOSS_PARTS = ("loss-ce", "loss-proto", "loss-neg", "margin")  # per-round fit metrics kept in each entry
 LAST = 10  # the paper's stability: std of the client-mean accuracy over the last LAST rounds
 
 
@@ -235,6 +236,9 @@ def run_entry(run_dir: Path, rounds: int) -> dict:
         lam.append(sum(vals) / len(vals) if vals else None)
     c["lambda"] = lam
     c["lambda-client-std"] = curves["lambda-client-std"]
+    # the training terms (client means of each epoch-mean part) and CPA's margin: how much CPA and DA act
+    for key in LOSS_PARTS:
+        c[key] = [(r.get("fit") or {}).get(f"{key}-client-mean", (r.get("fit") or {}).get(key)) for r in recs]
     out["curves"] = c
     final_clients = {}
     last = recs[-1]["evaluate-clients"] if recs else {}

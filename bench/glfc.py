@@ -58,13 +58,15 @@ class _StopAfter(Exception):
     pass
 
 
-def run_inprocess(run_config: dict, offline=None, stop_after: int | None = None) -> list[dict]:
+def run_inprocess(run_config: dict, offline=None, stop_after: int | None = None, overrides=None) -> list[dict]:
     """Drive the method's Message-API strategy through ``strategy.start`` in this process, each node a real
     ClientApp (Pollen's ``train``/``evaluate`` handlers, ``answer_query``) with its own ``Context``, over an
     in-process grid: the same messages ``flwr run`` carries, without Ray.
 
     ``offline(server_round, partition_id)`` -> True makes that node miss that round's training message (no
-    reply, as a node that is not connected); ``stop_after`` ends the run after that round."""
+    reply, as a node that is not connected); ``overrides(server_round, partition_id)`` -> a dict of run-config
+    keys makes that node train that round with them (a node configured differently, e.g. more local
+    epochs); ``stop_after`` ends the run after that round."""
     from flwr.app import Context, Error, Message, MessageType, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
@@ -95,11 +97,17 @@ def run_inprocess(run_config: dict, offline=None, stop_after: int | None = None)
                 if (offline is not None and msg.metadata.message_type == MessageType.TRAIN
                         and offline(int(msg.content["config"]["server-round"]), msg.metadata.dst_node_id - 1000)):
                     continue
+                extra = (overrides(int(msg.content["config"]["server-round"]), msg.metadata.dst_node_id - 1000)
+                         if overrides is not None and msg.metadata.message_type == MessageType.TRAIN else None)
+                if extra:
+                    ctx.run_config = {**run_config, **extra}
                 try:
                     replies.append(answer_query(msg, ctx) if msg.metadata.message_type == MessageType.QUERY
                                    else client_app(msg, ctx))
                 except Exception as err:  # as Flower does: an error reply, not a crash
                     replies.append(Message(Error(2, f"{type(err).__name__}: {err}"), reply_to=msg))
+                finally:
+                    ctx.run_config = dict(run_config)
             return replies
 
     rounds = []

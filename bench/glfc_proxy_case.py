@@ -4,7 +4,9 @@ GLFC keeps as its old model the global model that scored best on the proxy's rec
 proxy keeps the task's last global model. When training goes well the two are the same model
 (``glfc_methods.md``). Here the last round of task 1 degrades the model the way a real federation
 can: only one client is online in that round, so the new global model is that client's update alone,
-trained on 3 of the 5 classes. Everything else is the study's setting (``bench/glfc_study.py``), run
+trained on 3 of the 5 classes — and that node trains ``--degrade-epochs`` local epochs in that round
+(a node configured with more local compute than the rest), so its update drifts towards its own
+classes. Everything else is the study's setting (``bench/glfc_study.py``), run
 through the real strategy and ClientApp handlers (``bench/glfc.py``'s in-process grid) up to the end
 of task 2.
 
@@ -37,6 +39,11 @@ from glfc_study import DEFAULTS, bench_args  # noqa: E402  (bench/glfc_study.py)
 OUT = BENCH / "results" / "glfc_proxy_case.json"
 ARMS = ("glfc", "glfc-wo-proxy")
 ONLINE = 0  # the one partition that answers in task 1's last round
+DEGRADE_EPOCHS = 20  # its local epochs in that round (the others' setting: glfc_study's ``epochs``)
+
+
+def setting_of(args: argparse.Namespace) -> dict:
+    return {**{k: getattr(args, k) for k in DEFAULTS}, "degrade_epochs": args.degrade_epochs}
 
 
 def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
@@ -47,7 +54,8 @@ def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
     r = args.rounds_per_task
     rc = method_config(arm, bench_args(args, seed, oracle=True))
     t0 = time.perf_counter()
-    rounds = run_inprocess(rc, offline=lambda rnd, pid: rnd == r and pid != ONLINE, stop_after=2 * r)
+    rounds = run_inprocess(rc, offline=lambda rnd, pid: rnd == r and pid != ONLINE, stop_after=2 * r,
+                           overrides=lambda rnd, pid: {"local-epochs": args.degrade_epochs} if rnd == r else None)
     per_round = [{"round": x["round"], "accuracy": x["server-evaluate"]["accuracy"],
                   "task0-accuracy": x["server-evaluate"].get("task0-accuracy"),
                   "accepted": int(x["fit"].get("accepted", 0)),
@@ -59,7 +67,7 @@ def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
     else:
         kept = r  # w/o proxy: the task's last global model
     kept_acc = next((x["accuracy"] for x in task1 if x["round"] == kept), None)
-    return {"arm": arm, "seed": seed, "setting": {k: getattr(args, k) for k in DEFAULTS},
+    return {"arm": arm, "seed": seed, "setting": setting_of(args),
             "wall-s": round(time.perf_counter() - t0, 1), "rounds": per_round,
             "before-last-accuracy": task1[-2]["accuracy"], "last-accuracy": task1[-1]["accuracy"],
             "kept-round": kept, "kept-accuracy": kept_acc,
@@ -67,28 +75,41 @@ def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
             "seen-accuracy-end-of-task2": per_round[-1]["accuracy"]}
 
 
-def report(records: list[dict], rounds_per_task: int, eval_per_class: int) -> str:
+def proxy_scores(rec: dict, rounds_per_task: int) -> str:
+    """The proxy's score (accuracy on its reconstructed set) of the last two task-1 models, GLFC arm only."""
+    if rec["arm"] != "glfc":
+        return "–"
+    by_round = {x["round"]: x.get("proxy-monitor-accuracy") for x in rec["rounds"]}
+    vals = [by_round.get(rounds_per_task - 1), by_round.get(rounds_per_task)]
+    return " / ".join("–" if v is None else f"{v:.3f}" for v in vals)
+
+
+def report(records: list[dict], rounds_per_task: int, eval_per_class: int, degrade_epochs: int) -> str:
     lines = ["# GLFC's proxy when the last model of a task degrades", "",
              f"The study's setting ({rounds_per_task} rounds per task, `glfc_methods.md`); in round "
-             f"{rounds_per_task}, the last of task 1, only partition {ONLINE} is online, so the new global model is "
-             "its update alone (3 of the 5 classes). GLFC keeps as old model the global model with the best score "
-             "on the proxy's reconstructed set; GLFC w/o proxy keeps the last one. Accuracies on the 5 classes of "
+             f"{rounds_per_task}, the last of task 1, only partition {ONLINE} is online and it trains "
+             f"{degrade_epochs} local epochs, so the new global model is its update alone (3 of the 5 classes). "
+             "GLFC keeps as old model the global model with the best score on the proxy's reconstructed set "
+             "(ties go to the newer model); GLFC w/o proxy keeps the last one. Accuracies on the 5 classes of "
              f"task 1 ({5 * eval_per_class:,} test images) unless said otherwise.", "",
-             "| seed | arm | task 1, round before last | task 1, last round | old model kept: round (accuracy) | "
-             "task-1 classes at the end of task 2 | all 10 seen classes at the end of task 2 |",
-             "|---|---|---|---|---|---|---|"]
+             "| seed | arm | task 1, round before last | task 1, last round | proxy score, round before last / last | "
+             "old model kept: round (accuracy) | task-1 classes at the end of task 2 | "
+             "all 10 seen classes at the end of task 2 |",
+             "|---|---|---|---|---|---|---|---|"]
     for rec in sorted(records, key=lambda x: (x["seed"], ARMS.index(x["arm"]))):
         kept = "–" if rec["kept-round"] is None else f"{rec['kept-round']} ({rec['kept-accuracy']:.3f})"
         lines.append(f"| {rec['seed']} | {rec['arm']} | {rec['before-last-accuracy']:.3f} | "
-                     f"{rec['last-accuracy']:.3f} | {kept} | {rec['task1-accuracy-end-of-task2']:.3f} | "
-                     f"{rec['seen-accuracy-end-of-task2']:.3f} |")
+                     f"{rec['last-accuracy']:.3f} | {proxy_scores(rec, rounds_per_task)} | {kept} | "
+                     f"{rec['task1-accuracy-end-of-task2']:.3f} | {rec['seen-accuracy-end-of-task2']:.3f} |")
     by = {(x["arm"], x["seed"]): x for x in records}
     seeds = sorted({s for a, s in by if ("glfc", s) in by and ("glfc-wo-proxy", s) in by})
     if seeds:
         key = "task1-accuracy-end-of-task2"
         diffs = [by[("glfc", s)][key] - by[("glfc-wo-proxy", s)][key] for s in seeds]
+        degraded = [s for s in seeds if by[("glfc", s)]["last-accuracy"] < by[("glfc", s)]["before-last-accuracy"]]
         picks = sum(1 for s in seeds if (by[("glfc", s)]["kept-round"] or 0) < rounds_per_task)
-        lines += ["", f"The proxy kept an earlier model than the degraded last one on {picks} of {len(seeds)} seed(s). "
+        lines += ["", f"The last task-1 model was worse than the one before it on {len(degraded)} of {len(seeds)} "
+                  f"seed(s); the proxy kept an earlier model than the last one on {picks} of {len(seeds)} seed(s). "
                   "Task-1 accuracy at the end of task 2, GLFC − GLFC w/o proxy, per seed: "
                   + ", ".join(f"{d:+.3f}" for d in diffs)
                   + (f" (mean {statistics.fmean(diffs):+.3f})" if len(diffs) > 1 else "") + "."]
@@ -101,11 +122,14 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0")
     for key, value in DEFAULTS.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    p.add_argument("--degrade-epochs", type=int, default=DEGRADE_EPOCHS,
+                   help="local epochs of the one online node in task 1's last round")
     p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
     p.add_argument("--report", action="store_true")
     args = p.parse_args(argv)
     args.data_root = str(Path(args.data_root).resolve())
-    setting = {k: getattr(args, k) for k in DEFAULTS}
+    setting = setting_of(args)
+    report_args = (args.rounds_per_task, args.eval_per_class, args.degrade_epochs)
     stored = json.loads(OUT.read_text()) if OUT.exists() else []
     others = [r for r in stored if r["setting"] != setting]  # kept in the file, left out of this report
     records = [r for r in stored if r["setting"] == setting]
@@ -117,8 +141,8 @@ def main(argv=None) -> int:
                 print(f"[proxy-case] {arm} seed {seed}", flush=True)
                 records.append(run(arm, seed, args))
                 OUT.write_text(json.dumps(others + records, indent=1) + "\n")
-                OUT.with_suffix(".md").write_text(report(records, args.rounds_per_task, args.eval_per_class))
-    OUT.with_suffix(".md").write_text(report(records, args.rounds_per_task, args.eval_per_class))
+                OUT.with_suffix(".md").write_text(report(records, *report_args))
+    OUT.with_suffix(".md").write_text(report(records, *report_args))
     return 0
 
 

@@ -131,6 +131,45 @@ def run_cell(arm: str, seed: int, args: argparse.Namespace, stop: dict) -> bool:
     return proc.returncode == 0
 
 
+TERM_ROUNDS = (2, 10, 25, 50)
+
+
+def mean_at(runs: list[dict], key: str, rnd: int) -> float | None:
+    """Mean over runs of curve ``key`` at round ``rnd`` (runs without it, or with None there, left out)."""
+    vals = [e["curves"][key][e["curves"]["round"].index(rnd)] for e in runs
+            if key in e["curves"] and rnd in e["curves"]["round"]]
+    vals = [v for v in vals if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def _fmt(v: float | None, spec: str = ".4f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def terms_section(results: dict) -> list[str]:
+    """How much CPA and DA act: the client-mean L_P and L_N, CPA's margin and λ_D at a few rounds (mean over
+    every run of an arm that recorded them)."""
+    rows = []
+    for arm in ARMS:
+        runs = [e for e in results.get("runs", []) if arm_of(e) == arm and "loss-proto" in e.get("curves", {})]
+        if not runs:
+            continue
+        cells = []
+        for rnd in TERM_ROUNDS:
+            lp, ln, m, lam = (mean_at(runs, key, rnd) for key in ("loss-proto", "loss-neg", "margin", "lambda"))
+            cells.append(f"{_fmt(lp)} / {_fmt(ln)} / {_fmt(m)} / {_fmt(lam, '.3f')}")
+        rows.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["## How much CPA and DA act", "",
+            "Per round: L_P / L_N / margin m / λ_D — client means of the epoch-mean training terms (L_N is the "
+            "unweighted negative loss, before β·λ_D), the server's margin and DA's λ_D; mean over the arm's runs "
+            "that recorded them. An L_N of 0 means no embedding came within the margin of another class's "
+            "prototype, so CPA had no gradient.", "",
+            "| arm | runs | " + " | ".join(f"round {r}" for r in TERM_ROUNDS) + " |",
+            "|---|---|" + "---|" * len(TERM_ROUNDS), *rows, ""]
+
+
 def markdown(results: dict) -> str:
     lines = ["# BD-FedProto's alternatives: chosen on held-out seeds, reported on fresh seeds", "",
              f"{DATASET}, {WAYS}-way, the main study's setting (`bd_fedproto_study.md`). Selection seeds "
@@ -158,6 +197,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {arm} | {keys} | {len(g)} | {fmt_ms(vals['accuracy'])} | "
                          f"{fmt_ms(vals['proto-accuracy'])} | " + " | ".join(deltas) + " |")
         lines.append("")
+    lines += terms_section(results)
     chosen = choose(results)
     lines.append(f"Chosen arm: **{chosen}**." if chosen else "Chosen arm: not yet (the selection is incomplete).")
     if chosen:

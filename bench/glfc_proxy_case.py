@@ -4,16 +4,20 @@ GLFC keeps as its old model the global model that scored best on the proxy's rec
 proxy keeps the task's last global model. When training goes well the two are the same model
 (``glfc_methods.md``). Here the last round of task 1 degrades the model the way a real federation
 can: only one client is online in that round, so the new global model is that client's update alone,
-trained on 3 of the 5 classes — and that node trains ``--degrade-epochs`` local epochs in that round
-(a node configured with more local compute than the rest), so its update drifts towards its own
-classes. Everything else is the study's setting (``bench/glfc_study.py``), run
-through the real strategy and ClientApp handlers (``bench/glfc.py``'s in-process grid) up to the end
-of task 2.
+trained on 3 of the 5 classes (``--degrade-epochs`` local epochs, by default the study's own).
 
-Reported per seed and arm: the accuracy of the last task-1 model, the round and accuracy of the old
-model the arm keeps, and the accuracy on task 1's classes at the end of task 2 (what distilling from a
-better old model should protect). Writes ``bench/results/glfc_proxy_case.{json,md}``; finished
-(arm, seed) pairs are skipped::
+The learning-rate schedule decides whether that can happen. Under Pollen's default cosine decay within
+a task the rate of a task's last round is below 1 % of the base rate, so no last-round update moves the
+model (the record with ``lr_schedule = cosine`` in the JSON). The official code's step schedule
+(``glfc-lr-schedule='code'``, the default here) keeps the base rate, as in the paper's runs, and there
+the lone client's update degrades the model. Everything else is the study's setting
+(``bench/glfc_study.py``), run through the real strategy and ClientApp handlers (``bench/glfc.py``'s
+in-process grid) up to the end of task 2.
+
+Reported per seed and arm: the accuracy of the last task-1 model and of the one before it, the proxy's
+scores of both, the round and accuracy of the old model the arm keeps, and the accuracy on task 1's
+classes at the end of task 2 (what distilling from a better old model should protect). Writes
+``bench/results/glfc_proxy_case.{json,md}``; finished (arm, seed) pairs are skipped::
 
     POLLEN_DATA_ROOT=../shared/data .venv/bin/python bench/glfc_proxy_case.py --seeds 0,1,2
 """
@@ -39,11 +43,12 @@ from glfc_study import DEFAULTS, bench_args  # noqa: E402  (bench/glfc_study.py)
 OUT = BENCH / "results" / "glfc_proxy_case.json"
 ARMS = ("glfc", "glfc-wo-proxy")
 ONLINE = 0  # the one partition that answers in task 1's last round
-DEGRADE_EPOCHS = 20  # its local epochs in that round (the others' setting: glfc_study's ``epochs``)
+LR_SCHEDULE = "code"  # the official step schedule: the rate does not decay within a task
 
 
 def setting_of(args: argparse.Namespace) -> dict:
-    return {**{k: getattr(args, k) for k in DEFAULTS}, "degrade_epochs": args.degrade_epochs}
+    return {**{k: getattr(args, k) for k in DEFAULTS}, "degrade_epochs": args.degrade_epochs,
+            "lr_schedule": args.lr_schedule}
 
 
 def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
@@ -52,7 +57,7 @@ def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(1)
     r = args.rounds_per_task
-    rc = method_config(arm, bench_args(args, seed, oracle=True))
+    rc = {**method_config(arm, bench_args(args, seed, oracle=True)), "glfc-lr-schedule": args.lr_schedule}
     t0 = time.perf_counter()
     rounds = run_inprocess(rc, offline=lambda rnd, pid: rnd == r and pid != ONLINE, stop_after=2 * r,
                            overrides=lambda rnd, pid: {"local-epochs": args.degrade_epochs} if rnd == r else None)
@@ -84,11 +89,13 @@ def proxy_scores(rec: dict, rounds_per_task: int) -> str:
     return " / ".join("–" if v is None else f"{v:.3f}" for v in vals)
 
 
-def report(records: list[dict], rounds_per_task: int, eval_per_class: int, degrade_epochs: int) -> str:
+def report(records: list[dict], others: list[dict], rounds_per_task: int, eval_per_class: int, degrade_epochs: int,
+           lr_schedule: str) -> str:
     lines = ["# GLFC's proxy when the last model of a task degrades", "",
              f"The study's setting ({rounds_per_task} rounds per task, `glfc_methods.md`); in round "
              f"{rounds_per_task}, the last of task 1, only partition {ONLINE} is online and it trains "
              f"{degrade_epochs} local epochs, so the new global model is its update alone (3 of the 5 classes). "
+             f"Learning-rate schedule within a task: `glfc-lr-schedule='{lr_schedule}'` (both arms). "
              "GLFC keeps as old model the global model with the best score on the proxy's reconstructed set "
              "(ties go to the newer model); GLFC w/o proxy keeps the last one. Accuracies on the 5 classes of "
              f"task 1 ({5 * eval_per_class:,} test images) unless said otherwise.", "",
@@ -113,6 +120,15 @@ def report(records: list[dict], rounds_per_task: int, eval_per_class: int, degra
                   "Task-1 accuracy at the end of task 2, GLFC − GLFC w/o proxy, per seed: "
                   + ", ".join(f"{d:+.3f}" for d in diffs)
                   + (f" (mean {statistics.fmean(diffs):+.3f})" if len(diffs) > 1 else "") + "."]
+    if others:
+        lines += ["", "Other settings in the JSON (task 1 only: the arms differ after it):", "",
+                  "| seed | arm | lr schedule | lone node's epochs | task 1, round before last | last round |",
+                  "|---|---|---|---|---|---|"]
+        for rec in sorted(others, key=lambda x: (x["seed"], x["arm"])):
+            st = rec["setting"]
+            lines.append(f"| {rec['seed']} | {rec['arm']} | {st.get('lr_schedule', 'cosine')} | "
+                         f"{st.get('degrade_epochs', st['epochs'])} | {rec['before-last-accuracy']:.3f} | "
+                         f"{rec['last-accuracy']:.3f} |")
     lines += ["", "Reproduce: `bench/glfc_proxy_case.py`.", ""]
     return "\n".join(lines)
 
@@ -122,14 +138,16 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0")
     for key, value in DEFAULTS.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
-    p.add_argument("--degrade-epochs", type=int, default=DEGRADE_EPOCHS,
-                   help="local epochs of the one online node in task 1's last round")
+    p.add_argument("--degrade-epochs", type=int, default=DEFAULTS["epochs"],
+                   help="local epochs of the one online node in task 1's last round (default: the study's)")
+    p.add_argument("--lr-schedule", default=LR_SCHEDULE, choices=("code", "cosine", "constant"),
+                   help="glfc-lr-schedule of both arms")
     p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
     p.add_argument("--report", action="store_true")
     args = p.parse_args(argv)
     args.data_root = str(Path(args.data_root).resolve())
     setting = setting_of(args)
-    report_args = (args.rounds_per_task, args.eval_per_class, args.degrade_epochs)
+    report_args = (args.rounds_per_task, args.eval_per_class, args.degrade_epochs, args.lr_schedule)
     stored = json.loads(OUT.read_text()) if OUT.exists() else []
     others = [r for r in stored if r["setting"] != setting]  # kept in the file, left out of this report
     records = [r for r in stored if r["setting"] == setting]
@@ -141,8 +159,8 @@ def main(argv=None) -> int:
                 print(f"[proxy-case] {arm} seed {seed}", flush=True)
                 records.append(run(arm, seed, args))
                 OUT.write_text(json.dumps(others + records, indent=1) + "\n")
-                OUT.with_suffix(".md").write_text(report(records, *report_args))
-    OUT.with_suffix(".md").write_text(report(records, *report_args))
+                OUT.with_suffix(".md").write_text(report(records, others, *report_args))
+    OUT.with_suffix(".md").write_text(report(records, others, *report_args))
     return 0
 
 

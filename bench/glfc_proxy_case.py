@@ -119,7 +119,13 @@ def report(records: list[dict], others: list[dict], rounds_per_task: int, eval_p
                   f"seed(s); the proxy kept an earlier model than the last one on {picks} of {len(seeds)} seed(s). "
                   "Task-1 accuracy at the end of task 2, GLFC − GLFC w/o proxy, per seed: "
                   + ", ".join(f"{d:+.3f}" for d in diffs)
-                  + (f" (mean {statistics.fmean(diffs):+.3f})" if len(diffs) > 1 else "") + "."]
+                  + (f" (mean ± s.e. {statistics.fmean(diffs):+.3f} ± "
+                     f"{statistics.stdev(diffs) / len(diffs) ** 0.5:.3f})" if len(diffs) > 1 else "") + "."]
+        ties = [s for s in seeds if s in degraded and by[("glfc", s)]["kept-round"] == rounds_per_task]
+        if ties:
+            lines += ["", "Where the proxy kept the degraded last model (seed(s) " + ", ".join(map(str, ties))
+                      + "), it scored it as high as the model before it (ties go to the newer model): its "
+                      "reconstructed set could not tell them apart."]
     if others:
         lines += ["", "Other settings in the JSON (task 1 only: the arms differ after it):", "",
                   "| seed | arm | lr schedule | lone node's epochs | task 1, round before last | last round |",

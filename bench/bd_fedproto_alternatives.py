@@ -10,11 +10,15 @@ documented alternatives get one fair chance, on the hardest cell (Fashion-MNIST,
 3. **confirm**: FedProto and the chosen arm on the fresh seeds 200-204, which took no part in the choice.
    Only these numbers are reported as the chosen setting's effect.
 
-Same setting as the main study (20 clients, 100 shots, 50 rounds, …); every run is a real
-``flwr run`` through the main study's worker. Results: ``bench/results/bd_fedproto_alternatives.json``
-(one entry per run, resumable) and ``.md``::
+Same training as the main study (20 clients, 100 shots, 50 rounds, …); every run is a real
+``flwr run`` through the main study's worker. The committed study evaluates every 5 rounds
+(``--evaluate-every 5``, about half the cost): the choice and the confirmation read the last round,
+which is always evaluated, and training does not depend on the evaluation period. Results:
+``bench/results/bd_fedproto_alternatives.json`` (one entry per run, resumable; a file never mixes two
+settings) and ``.md``::
 
-    nohup .venv/bin/python bench/bd_fedproto_alternatives.py --data-root ../shared/data > /tmp/bd_alt.log 2>&1 &
+    nohup .venv/bin/python bench/bd_fedproto_alternatives.py --data-root ../shared/data --evaluate-every 5 \
+        > /tmp/bd_alt.log 2>&1 &
     .venv/bin/python bench/bd_fedproto_alternatives.py --report
 """
 
@@ -176,7 +180,10 @@ def markdown(results: dict) -> str:
              f"{', '.join(map(str, SELECT_SEEDS))}; rule fixed in advance: the largest mean paired Δ local accuracy "
              f"to FedProto (ties: Δ proto). Confirmation seeds {', '.join(map(str, CONFIRM_SEEDS))}, unused by the "
              "choice. Accuracy in %, per run the client mean at the last round; mean ± s.d. over seeds, Δ = arm − "
-             "FedProto paired by seed ± standard error.", ""]
+             "FedProto paired by seed ± standard error."
+             + (f" Evaluated every {every} rounds (training does not depend on it; the round std over the last 10 "
+                f"rounds then has {max(1, 10 // every)} points)." if (every := results.get("setting", {}).get(
+                    "evaluate-every", 1)) > 1 else ""), ""]
     for title, seeds in (("Selection (held-out seeds)", SELECT_SEEDS), ("Confirmation (fresh seeds)", CONFIRM_SEEDS)):
         arms = by_arm(results, seeds)
         if not arms:

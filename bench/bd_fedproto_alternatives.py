@@ -12,7 +12,7 @@ documented alternatives get one fair chance, on the hardest cell (Fashion-MNIST,
 
 Same training as the main study (20 clients, 100 shots, 50 rounds, …); every run is a real
 ``flwr run`` through the main study's worker. The committed study evaluates every 5 rounds
-(``--evaluate-every 5``, about half the cost): the choice and the confirmation read the last round,
+(``--evaluate-every 5``: 10 evaluation rounds instead of 50): the choice and the confirmation read the last round,
 which is always evaluated, and training does not depend on the evaluation period. Results:
 ``bench/results/bd_fedproto_alternatives.json`` (one entry per run, resumable; a file never mixes two
 settings) and ``.md``::

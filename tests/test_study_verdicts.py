@@ -47,3 +47,19 @@ def test_fewer_than_two_seeds_never_decide(diffs):
 def test_identical_differences_decide_by_sign():
     assert verdict([0.1, 0.1, 0.1]) == "supported"
     assert verdict([0.0, 0.0]).startswith("not shown")
+
+
+def test_consensus_correlation_is_the_per_class_pearson_mean():
+    """bench/fccl_consensus.py's alignment measure against numpy's correlation coefficient."""
+    import numpy as np
+    import torch
+    from fccl_consensus import pearson_diag
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(200, 10))
+    b = 0.5 * a + rng.normal(size=(200, 10)) * np.linspace(0.1, 3.0, 10)
+    expected = np.mean([np.corrcoef(a[:, c], b[:, c])[0, 1] for c in range(10)])
+    got = pearson_diag(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))
+    assert got == pytest.approx(expected, abs=1e-6)
+    assert pearson_diag(torch.tensor(a), torch.tensor(3 * a + 1)) == pytest.approx(1.0, abs=1e-5)
+    assert pearson_diag(torch.tensor(a), torch.tensor(-a)) == pytest.approx(-1.0, abs=1e-5)

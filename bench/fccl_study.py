@@ -297,7 +297,8 @@ def diagnostics(records: list[dict]) -> list[str]:
             "FedDF: KL), measured while it trains (none in round 1: no consensus yet); *train-ce*, "
             "*train-kl-inter*, *train-kl-intra*: the local step's CE and its two distillation terms (λ_loc = 1).",
             "", "| method | term | " + " | ".join(str(i + 1) for i in range(n)) + " |", "|---|---|" + "---|" * n,
-            *rows, ""]
+            *rows, "", "How far the models agree with their consensus on the public set, and what the other domains' "
+            "models know about each domain: `fccl_consensus.md` (`bench/fccl_consensus.py`, on the saved models).", ""]
 
 
 def plot(summary: dict, path: Path) -> None:

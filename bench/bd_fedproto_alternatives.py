@@ -213,8 +213,8 @@ def markdown(results: dict) -> str:
         if len(d) >= 2:
             m, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
             word = ("better than" if m > 0 else "worse than") if abs(m) >= 2 * se else "not distinguishable from"
-            lines.append(f"On the fresh seeds ({len(d)}), {chosen} is {word} FedProto in local accuracy: "
-                         f"Δ {m:+.2f} ± {se:.2f} (2 s.e. rule).")
+            lines.append(f"On the fresh seeds ({len(d)} of {len(CONFIRM_SEEDS)}), {chosen} is {word} FedProto in "
+                         f"local accuracy: Δ {m:+.2f} ± {se:.2f} (2 s.e. rule).")
     lines.append("")
     return "\n".join(lines)
 

@@ -48,6 +48,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from pollen.datasets.domain_tasks import domain_client_data, public_set  # noqa: E402
 from pollen.datasets.tasks import TaskOptions  # noqa: E402
+from pollen.methods.logit_losses import cross_correlation_matrix  # noqa: E402
 from pollen.methods.training import predict_logits  # noqa: E402
 from pollen.predict import load_personal_model  # noqa: E402
 
@@ -68,10 +69,10 @@ def run_dirs(work: Path) -> dict[tuple[str, int], Path]:
 
 
 def pearson_diag(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over classes of the correlation over samples between columns of ``a`` and ``b``."""
-    a = (a - a.mean(0)) / (a.std(0, unbiased=False) + 1e-6)
-    b = (b - b.mean(0)) / (b.std(0, unbiased=False) + 1e-6)
-    return float((a * b).mean(0).mean())
+    """Mean over classes of the correlation over samples between columns of ``a`` and ``b``: the diagonal
+    of FCCL's own cross-correlation matrix, whose 1/N with unbiased stds is rescaled to Pearson's r."""
+    n = a.shape[0]
+    return float(cross_correlation_matrix(a, b).diagonal().mean()) * n / (n - 1)
 
 
 def measure(run: Path, which: str) -> dict:

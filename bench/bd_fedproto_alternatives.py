@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
 import statistics
 import subprocess
@@ -50,6 +49,7 @@ from bd_fedproto_study import (  # noqa: E402  (bench/bd_fedproto_study.py)
     metric,
     paired,
     study_setting,
+    verdict,
 )
 from bd_fedproto_study import run_config as study_run_config  # noqa: E402
 
@@ -211,10 +211,10 @@ def markdown(results: dict) -> str:
         arms = by_arm(results, CONFIRM_SEEDS)
         d = paired(arms.get("fedproto", {}), arms.get(chosen, {}), "accuracy")
         if len(d) >= 2:
-            m, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
-            word = ("better than" if m > 0 else "worse than") if abs(m) >= 2 * se else "not distinguishable from"
+            words = {"supported": "better than", "contradicted": "worse than"}
+            word = words.get(verdict(d), "not distinguishable from")
             lines.append(f"On the fresh seeds ({len(d)} of {len(CONFIRM_SEEDS)}), {chosen} is {word} FedProto in "
-                         f"local accuracy: Δ {m:+.2f} ± {se:.2f} (2 s.e. rule).")
+                         f"local accuracy: Δ {fmt_paired(d)} (2 s.e. rule).")
     lines.append("")
     return "\n".join(lines)
 

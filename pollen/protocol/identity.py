@@ -17,6 +17,7 @@ import math
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from pollen.protocol.records import CONFIG, METRICS, metric_record
+from pollen.protocol.screening import MAX_PARTITION_ID
 
 QUERY = "query"
 PARTITION_ID = "partition-id"
@@ -34,8 +35,8 @@ def decode_identity_reply(content: RecordDict) -> tuple[int | None, str | None]:
         return None, f"query reply lacks metrics['{PARTITION_ID}']"
     value = metrics[PARTITION_ID]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or int(value) != value or value < 0:
-        return None, f"metric '{PARTITION_ID}' = {value!r} is not a whole number >= 0"
+            or int(value) != value or not 0 <= value <= MAX_PARTITION_ID:
+        return None, f"metric '{PARTITION_ID}' = {value!r} is not a whole number in [0, {MAX_PARTITION_ID}]"
     return int(value), None
 
 

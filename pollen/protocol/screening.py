@@ -157,8 +157,11 @@ def check_metrics(metrics: Any, bounds: Mapping[str, MetricBound]) -> str | None
 
 # Bounds every family shares. ``num-examples`` is capped by the strategy (``max_examples``).
 ACCURACY = MetricBound(0.0, 1.0)
+# No federation has 2**31 partitions; a larger claim is absurd, and one above 2**53 would not even survive
+# the float comparisons the strategies make, so it is refused here rather than half-accepted later.
+MAX_PARTITION_ID = 2**31 - 1
 COMMON_METRICS: dict[str, MetricBound] = {
-    "partition-id": MetricBound(0, None, integer=True),
+    "partition-id": MetricBound(0, MAX_PARTITION_ID, integer=True),
     "loss": MetricBound(0.0, None),
     "train-loss": MetricBound(0.0, None),
 }

@@ -12,23 +12,19 @@ shared SOLO cache makes every method start from identical round-0 models). Write
 
 Run (CPU, shared machine)::
 
-    POLLEN_DATA_ROOT=../shared/data flock /tmp/pollen-cpu.lock .venv/bin/python bench/fccl.py
+    POLLEN_DATA_ROOT=../shared/data flock /tmp/pollen-cpu.lock .venv/bin/python -m bench.fccl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pollen.app.launch import simulate  # noqa: E402
+from bench.kit import RESULTS, ROOT, default_data_root, pyplot, read_metrics, save_figure, write_json
 
 METHODS = ("solo", "fccl", "fedmd", "feddf", "fccl-wo-con")
 LABELS = {"solo": "SOLO", "fccl": "FCCL", "fedmd": "FedMD", "feddf": "FedDF", "fccl-wo-con": "FCCL w/o CON"}
@@ -37,17 +33,16 @@ SHORT = {"mnist": "M", "uci": "U", "mnistm": "MM", "syn": "SY"}
 MODELS = ("resnet10", "resnet12", "efficientnet_b0", "mobilenet_v2")
 
 
-def run_config(args, method: str, out_dir: Path, cache: Path) -> str:
-    keys = {
-        "method": f"'{method}'", "task": "'digits-offline'", "num-server-rounds": args.rounds, "seed": args.seed,
-        "data-root": f"'{args.data_root}'", "out-dir": f"'{out_dir}'", "model-width": args.width,
-        "fccl-public": f"'{args.public}'", "fccl-public-size": args.public_size,
-        "fccl-public-batch-size": args.public_batch_size, "fccl-train-sizes": f"'{args.train_sizes}'",
-        "fccl-local-epochs": f"'{args.local_epochs}'", "fccl-solo-epochs": args.solo_epochs,
-        "fccl-batch-size": args.batch_size,
-        "fccl-test-size": args.test_size, "fccl-solo-cache": f"'{cache}'",
+def run_config(args, method: str, out_dir: Path, cache: Path) -> dict:
+    """One method's run keys for the setting in ``args`` (``simulate`` writes them as Flower's run config)."""
+    return {
+        "method": method, "task": "digits-offline", "num-server-rounds": args.rounds, "seed": args.seed,
+        "data-root": str(args.data_root), "out-dir": str(out_dir), "model-width": args.width,
+        "fccl-public": args.public, "fccl-public-size": args.public_size,
+        "fccl-public-batch-size": args.public_batch_size, "fccl-train-sizes": args.train_sizes,
+        "fccl-local-epochs": args.local_epochs, "fccl-solo-epochs": args.solo_epochs,
+        "fccl-batch-size": args.batch_size, "fccl-test-size": args.test_size, "fccl-solo-cache": str(cache),
     }
-    return " ".join(f"{k}={v}" for k, v in keys.items())
 
 
 def _domain(metrics: dict) -> str:
@@ -57,7 +52,7 @@ def _domain(metrics: dict) -> str:
 
 def read_run(run_dir: Path) -> dict:
     """Per round: per-domain client accuracies (evaluate) and bytes; round 0 from the SOLO metrics."""
-    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rounds = read_metrics(run_dir)
     per_round = []
     solo = {}
     for rec in rounds:
@@ -107,9 +102,13 @@ def fmt_row(name: str, vals: dict) -> str:
     return f"| {name} | " + " | ".join(f"{vals.get(d, float('nan')):.2f}" for d in (*DOMAINS, "AVG")) + " |"
 
 
+def by_model(sizes: dict) -> list[tuple[str, int]]:
+    """Model sizes in the domains' order (a JSON written with sorted keys keeps them alphabetical)."""
+    return sorted(sizes.items(), key=lambda kv: MODELS.index(kv[0]) if kv[0] in MODELS else len(MODELS))
+
+
 def write_outputs(results: dict, out: Path, stem: str = "fccl_single_run") -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    write_json(out / f"{stem}.json", results, indent=2, sort_keys=True)
     s = results["settings"]
     lines = [
         "# FCCL on the offline Digits task (quick profile)",
@@ -142,8 +141,8 @@ def write_outputs(results: dict, out: Path, stem: str = "fccl_single_run") -> No
         lines.append(f"| {LABELS[method]} | {comm['up']:.0f} | {comm['down']:.0f} |")
     mb, full = results["fedavg-model-bytes"], results["fedavg-model-bytes-full"]
     lines += ["", "FedAvg would instead send a whole model each way (float32 state; it also needs one architecture "
-              "for all clients): at this width " + ", ".join(f"{k} {v:,} B" for k, v in mb.items())
-              + "; at width 1.0 " + ", ".join(f"{k} {v:,} B" for k, v in full.items())
+              "for all clients): at this width " + ", ".join(f"{k} {v:,} B" for k, v in by_model(mb))
+              + "; at width 1.0 " + ", ".join(f"{k} {v:,} B" for k, v in by_model(full))
               + f". The logit payload is N0·C·4 = {s['public_size'] * 10 * 4:,} B plus framing, whatever the "
               "architectures (round 1 sends nothing down: no consensus yet).", "",
               "## Inter-domain AVG per round (client mean, %)", "",
@@ -191,12 +190,7 @@ def last_rounds_mean(results: dict, k: int) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "inter-accuracy", "inter-domain"), (axes[1], "intra-accuracy", "intra-domain")):
         for method in sorted(results["runs"], key=lambda m: METHODS.index(m) if m in METHODS else 99):
             run = results["runs"][method]
@@ -213,9 +207,7 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("offline Digits (M / U / MM / SY), heterogeneous models")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def summarise(args, runs: dict, walls: dict) -> dict:
@@ -264,17 +256,19 @@ def main(argv=None) -> int:
     p.add_argument("--solo-epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--test-size", type=int, default=300)
-    p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--data-root", default=default_data_root())
+    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--work", type=Path, default=None, help="run folders and SOLO cache (default: a temp dir)")
     p.add_argument("--stem", default="fccl_single_run",
-                   help="output file name stem (fccl_digits_offline.* is bench/fccl_study.py's 3-seed study)")
+                   help="output file name stem (fccl_digits_offline.* is bench.fccl_study's 3-seed study)")
     p.add_argument("--render", type=Path, default=None,
                    help="only rewrite the Markdown and PNG from an existing results JSON")
     args = p.parse_args(argv)
     if args.render is not None:
         write_outputs(json.loads(args.render.read_text()), args.out, args.stem)
         return 0
+    from pollen.app.launch import simulate
+
     args.data_root = str(Path(args.data_root).resolve())
     work = (args.work or Path(tempfile.mkdtemp(prefix="pollen-fccl-bench-"))).resolve()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -3,15 +3,17 @@
 Each (method, seed) is one real ``flwr run`` simulation (4 clients: MNIST / UCI / MNIST-M / SYN with
 ResNet10 / ResNet12 / EfficientNetB0 / MobileNetV2, see ``bench/fccl.py``). The methods of one seed
 start from the same SOLO-pretrained models (a shared SOLO cache, filled by the first run of a seed
-or by ``bench/fccl_solo_sizes.py``) and train on the same private subsets, so differences are
-paired by seed.
+or by ``python -m bench.fccl_solo_sizes``) and train on the same private subsets, so differences are
+paired by seed. Every run starts from the preset ``conf/fccl-digits-offline.toml`` and sets only the
+method, the seed, the data and where results go; an option that changes the setting gets runs of its
+own (a run file records its setting, and a report never mixes two).
 
 One file per finished run under ``bench/results/fccl_study/`` (``<method>-seed<k>.json``); a run
 whose file exists with the same setting is skipped, so the study resumes where it stopped. The
 report is rewritten from those files into ``bench/results/fccl_digits_offline.{md,json,png}``::
 
-    POLLEN_DATA_ROOT=../shared/data nohup .venv/bin/python bench/fccl_study.py > /tmp/fccl_study.log 2>&1 &
-    .venv/bin/python bench/fccl_study.py --report          # rewrite the report only
+    POLLEN_DATA_ROOT=../shared/data nohup .venv/bin/python -m bench.fccl_study > /tmp/fccl_study.log 2>&1 &
+    .venv/bin/python -m bench.fccl_study --report          # rewrite the report only
 
 Runs go seed by seed (all methods of seed 0 first), so a partial study has complete, paired seeds.
 """
@@ -19,49 +21,65 @@ Runs go seed by seed (all methods of seed 0 first), so a partial study has compl
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-for p in (str(ROOT), str(BENCH)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from bench.fccl import DOMAINS, LABELS, METHODS, SHORT, model_bytes, read_run
+from bench.kit import (
+    BENCH,
+    RESULTS,
+    ROOT,
+    RunFiles,
+    default_data_root,
+    emphasis,
+    fmt_mean_se,
+    fmt_paired,
+    plot_band,
+    preset,
+    pyplot,
+    read_metrics,
+    save_figure,
+    seed_band,
+    table,
+    verdict,
+    write_json,
+)
 
-from fccl import DOMAINS, LABELS, METHODS, SHORT, model_bytes, read_run  # noqa: E402  (bench/fccl.py)
-from fccl import run_config as fccl_run_config  # noqa: E402
-
-RUNS_DIR = BENCH / "results" / "fccl_study"
+RUNS = RunFiles(RESULTS / "fccl_study")
 STEM = "fccl_digits_offline"
 BAND = 0.65  # every domain's SOLO must reach this intra-domain accuracy (the paper's SOLO: 70-75 %)
 LAST = 3  # rounds averaged for the less noisy summary
 # FCCL's claims (paper Tables 1 and 2): FCCL beats each baseline, inter- and intra-domain
 PAIRS = ("SOLO", "FedMD", "FedDF", "FCCL w/o CON")
 
-# The regime, and why (bench/results/fccl_solo_sizes.md): the paper's private sizes are 150 / 80 /
-# 5000 / 1800; at width 0.25 MNIST-150's SOLO stays at 0.63-0.66 (< 0.65 on two seeds of three), so
-# MNIST gets 300; MNIST-M reaches the band with 2000 of the paper's 5000 at a third of the cost.
-DEFAULTS = {"train_sizes": "300,80,2000,1800", "local_epochs": "40,35,3,4", "rounds": 10, "width": 0.25,
-            "public_size": 1000, "public_batch_size": 250, "solo_epochs": 30, "test_size": 300,
-            "batch_size": 32, "public": "fashion_mnist"}
-SETTING_KEYS = tuple(DEFAULTS)
+# The regime is the preset's, and why (bench/results/fccl_solo_sizes.md): the paper's private sizes are
+# 150 / 80 / 5000 / 1800; at width 0.25 MNIST-150's SOLO stays at 0.63-0.66 (< 0.65 on two seeds of
+# three), so MNIST gets 300; MNIST-M reaches the band with 2000 of the paper's 5000 at a third of the cost.
+PRESET = "fccl-digits-offline"
+# the study's setting (stored with every run; one command-line option each) -> the preset's run key
+SETTING_KEYS = {"train_sizes": "fccl-train-sizes", "local_epochs": "fccl-local-epochs", "rounds": "num-server-rounds",
+                "width": "model-width", "public_size": "fccl-public-size",
+                "public_batch_size": "fccl-public-batch-size", "solo_epochs": "fccl-solo-epochs",
+                "test_size": "fccl-test-size", "batch_size": "fccl-batch-size", "public": "fccl-public"}
+
+
+def defaults() -> dict:
+    """The study's setting as the preset has it."""
+    keys = preset(PRESET)
+    return {name: keys[key] for name, key in SETTING_KEYS.items()}
 
 
 def setting_of(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in SETTING_KEYS}
 
 
-def run_path(method: str, seed: int) -> Path:
-    return RUNS_DIR / f"{method}-seed{seed}.json"
-
-
-def load_runs() -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(RUNS_DIR.glob("*-seed*.json"))]
+def run_config(method: str, seed: int, setting: dict, data_root: str, out_dir: Path, cache: Path) -> dict:
+    """The preset's run keys under the study's setting; per run only the method, seed, data, output and
+    SOLO cache are set."""
+    return {**preset(PRESET), **{SETTING_KEYS[k]: v for k, v in setting.items()}, "method": method, "seed": seed,
+            "data-root": str(data_root), "out-dir": str(out_dir), "fccl-solo-cache": str(cache)}
 
 
 FIT_KEYS = ("collab-loss", "train-ce", "train-kl-inter", "train-kl-intra", "train-loss")
@@ -70,9 +88,8 @@ FIT_KEYS = ("collab-loss", "train-ce", "train-kl-inter", "train-kl-intra", "trai
 def fit_curves(run_dir: Path) -> list[dict]:
     """Per round, each domain's training terms (the evidence behind the accuracies): the collaborative
     loss on the public set and the local CE and KL terms."""
-    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     out = []
-    for rec in rounds:
+    for rec in read_metrics(run_dir):
         clients = {}
         for m in rec["fit-clients"].values():
             clients[DOMAINS[int(m["partition-id"])]] = {k: m[k] for k in FIT_KEYS if k in m}
@@ -82,17 +99,14 @@ def fit_curves(run_dir: Path) -> list[dict]:
 
 def backfill_fit(work: Path) -> None:
     """Add the training terms to finished runs that lack them, from their run folders under ``work``."""
-    for path in sorted(RUNS_DIR.glob("*-seed*.json")):
-        record = json.loads(path.read_text())
+    for record in RUNS.load():
         if "fit" in record:
             continue
         dirs = sorted((work / f"{record['method']}-seed{record['seed']}").glob("*/metrics.jsonl"))
         if len(dirs) != 1:
             continue
         record["fit"] = fit_curves(dirs[0].parent)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, path)
+        RUNS.save(record["method"], record["seed"], record)
 
 
 def run_one(method: str, seed: int, args: argparse.Namespace) -> dict:
@@ -100,11 +114,11 @@ def run_one(method: str, seed: int, args: argparse.Namespace) -> dict:
     from pollen.app.launch import simulate
 
     work = args.work.resolve()
-    ns = argparse.Namespace(**{**setting_of(args), "seed": seed, "data_root": args.data_root})
     out_dir = work / f"{method}-seed{seed}"
     t0 = time.perf_counter()
     outcome = simulate(app_dir=ROOT, flwr_home=work / "flwr-home", num_supernodes=len(DOMAINS),
-                       run_config=fccl_run_config(ns, method, out_dir, work / "solo-cache"),
+                       run_config=run_config(method, seed, setting_of(args), args.data_root, out_dir,
+                                             work / "solo-cache"),
                        timeout=args.timeout, echo=False)
     wall = time.perf_counter() - t0
     if not outcome.completed:
@@ -144,29 +158,6 @@ def solo_round0(record: dict) -> dict:
     solo = record["run"]["solo-round0"]
     return {"intra": per_domain(solo, "intra-accuracy"), "inter": per_domain(solo, "inter-accuracy"),
             "intra-avg": client_mean(solo, "intra-accuracy"), "inter-avg": client_mean(solo, "inter-accuracy")}
-
-
-def mean_se(vals: list[float]) -> tuple[float, float | None]:
-    m = statistics.fmean(vals)
-    return m, (statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else None)
-
-
-def fmt(vals: list[float], signed: bool = False) -> str:
-    if not vals:
-        return "–"
-    m, se = mean_se(vals)
-    head = f"{m:+.2f}" if signed else f"{m:.2f}"
-    return head if se is None else f"{head} ± {se:.2f}"
-
-
-def verdict(diffs: list[float]) -> str:
-    """FCCL better than the baseline? Only a difference of at least two standard errors counts."""
-    if len(diffs) < 2:
-        return f"{len(diffs)} seed: no standard error yet"
-    m, se = mean_se(diffs)
-    if se == 0 or abs(m) >= 2 * se:
-        return "**supported**" if m > 0 else "**contradicted**"
-    return "not shown (|Δ| < 2 s.e.)"
 
 
 def summarise(records: list[dict]) -> dict:
@@ -232,24 +223,21 @@ def markdown(records: list[dict], summary: dict, setting: dict) -> str:
                   "|---|---|" + "---|" * (len(DOMAINS) + 2)]
         r0 = list(summary["solo-round0"].values())
         lines.append("| SOLO (round 0) | " + f"{len(r0)} | "
-                     + " | ".join(fmt([s[key][d] for s in r0]) for d in DOMAINS)
-                     + f" | {fmt([s[f'{key}-avg'] for s in r0])} | – |")
+                     + " | ".join(fmt_mean_se([s[key][d] for s in r0]) for d in DOMAINS)
+                     + f" | {fmt_mean_se([s[f'{key}-avg'] for s in r0])} | – |")
         for m in order:
             runs = list(summary["methods"][m].values())
-            avg, last3 = fmt([s[f"{key}-avg"] for s in runs]), fmt([s[f"{key}-avg-last3"] for s in runs])
-            lines.append(f"| {m} | {len(runs)} | " + " | ".join(fmt([s[key][d] for s in runs]) for d in DOMAINS)
-                         + f" | {avg} | {last3} |")
+            cells = [fmt_mean_se([s[key][d] for s in runs]) for d in DOMAINS]
+            cells += [fmt_mean_se([s[f"{key}-avg"] for s in runs]), fmt_mean_se([s[f"{key}-avg-last3"] for s in runs])]
+            lines.append(f"| {m} | {len(runs)} | " + " | ".join(cells) + " |")
     lines += ["", "## The paper's claim, pair by pair: FCCL − baseline (paired by seed)", "",
               "A claim counts as supported when the mean paired difference is at least two standard errors above "
-              "zero, contradicted when two below.", "",
-              "| FCCL − | seeds | inter AVG | verdict | intra AVG | verdict | inter AVG, last 3 | intra AVG, last 3 |",
-              "|---|---|---|---|---|---|---|---|"]
-    for base, d in summary["paired"].items():
-        if not d["seeds"]:
-            continue
-        lines.append(f"| {base} | {len(d['seeds'])} | {fmt(d['inter-avg'], True)} | {verdict(d['inter-avg'])} | "
-                     f"{fmt(d['intra-avg'], True)} | {verdict(d['intra-avg'])} | {fmt(d['inter-avg-last3'], True)} | "
-                     f"{fmt(d['intra-avg-last3'], True)} |")
+              "zero, contradicted when two below (`bench.kit.verdict`).", ""]
+    lines += table(("FCCL −", "seeds", "inter AVG", "verdict", "intra AVG", "verdict", "inter AVG, last 3",
+                    "intra AVG, last 3"),
+                   ((base, len(d["seeds"]), fmt_paired(d["inter-avg"]), emphasis(verdict(d["inter-avg"])),
+                     fmt_paired(d["intra-avg"]), emphasis(verdict(d["intra-avg"])), fmt_paired(d["inter-avg-last3"]),
+                     fmt_paired(d["intra-avg-last3"])) for base, d in summary["paired"].items() if d["seeds"]))
     lines += ["", "## Client-mean accuracy per round (mean over seeds, %)", ""]
     for key in ("inter", "intra"):
         rounds = setting["rounds"]
@@ -268,7 +256,7 @@ def markdown(records: list[dict], summary: dict, setting: dict) -> str:
     lines += ["Wall time per run (s, 2 shared CPU cores; a seed's first run also pretrains SOLO): "
               + ", ".join(f"{m} {statistics.fmean(v):.0f}" for m, v in walls.items()), "",
               f"![accuracy vs round]({STEM}.png)", "",
-              "Reproduce: `bench/fccl_solo_sizes.py` (the size choice), then `bench/fccl_study.py` "
+              "Reproduce: `python -m bench.fccl_solo_sizes` (the size choice), then `python -m bench.fccl_study` "
               "(one file per run in `fccl_study/`; resumes).", ""]
     return "\n".join(lines)
 
@@ -298,48 +286,36 @@ def diagnostics(records: list[dict]) -> list[str]:
             "*train-kl-inter*, *train-kl-intra*: the local step's CE and its two distillation terms (λ_loc = 1).",
             "", "| method | term | " + " | ".join(str(i + 1) for i in range(n)) + " |", "|---|---|" + "---|" * n,
             *rows, "", "How far the models agree with their consensus on the public set, and what the other domains' "
-            "models know about each domain: `fccl_consensus.md` (`bench/fccl_consensus.py`, on the saved models).", ""]
+            "models know about each domain: `fccl_consensus.md` (`python -m bench.fccl_consensus`, on the saved "
+            "models).", ""]
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, key in zip(axes, ("inter", "intra"), strict=True):
         for m, seeds in summary["methods"].items():
             curves = [s[f"curve-{key}"] for s in seeds.values()]
-            n = min(len(c) for c in curves)
-            xs = list(range(1, n + 1))
-            mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
-            sd = [statistics.stdev(c[i] for c in curves) if len(curves) > 1 else 0.0 for i in range(n)]
-            (line,) = ax.plot(xs, mean, marker="o", ms=3, label=f"{m} ({len(curves)} seeds)")
-            ax.fill_between(xs, [a - b for a, b in zip(mean, sd, strict=True)],
-                            [a + b for a, b in zip(mean, sd, strict=True)], color=line.get_color(), alpha=0.15)
+            plot_band(ax, *seed_band(curves), marker="o", ms=3, label=f"{m} ({len(curves)} seeds)")
         ax.set_xlabel("round")
         ax.set_ylabel(f"{key}-domain accuracy, client mean (%)")
         ax.set_title(f"{key}-domain (band: seed std)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("offline Digits (M / U / MM / SY), heterogeneous models")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def write_report(setting: dict, out: Path, work: Path | None = None) -> None:
     if work is not None:
         backfill_fit(work)
-    records = [r for r in load_runs() if r["setting"] == setting]
+    records = RUNS.load(setting)
     if not records:
         print("[fccl-study] no finished runs with this setting yet")
         return
     summary = summarise(records)
     results = {"setting": setting, "summary": summary, "fedavg-model-bytes": model_bytes(setting["width"]),
                "runs": {f"{r['method']}-seed{r['seed']}": r for r in records}}
-    (out / f"{STEM}.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    write_json(out / f"{STEM}.json", results, sort_keys=True)
     (out / f"{STEM}.md").write_text(markdown(records, summary, setting))
     plot(summary, out / f"{STEM}.png")
 
@@ -348,9 +324,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seeds", default="0,1,2")
-    for key, value in DEFAULTS.items():
+    for key, value in defaults().items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
-    p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
+    p.add_argument("--data-root", default=default_data_root())
     p.add_argument("--work", type=Path, default=BENCH / "work" / "fccl-study",
                    help="run folders and the SOLO cache (kept, so a resumed study reuses SOLO models)")
     p.add_argument("--timeout", type=int, default=7200, help="seconds per run")
@@ -359,31 +335,19 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.data_root = str(Path(args.data_root).resolve())
     setting = setting_of(args)
-    out = BENCH / "results"
+    out = RESULTS
     if args.report:
         write_report(setting, out, args.work)
         return 0
-    RUNS_DIR.mkdir(parents=True, exist_ok=True)
-    todo = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for method in (m.strip() for m in args.methods.split(",") if m.strip()):
-            path = run_path(method, seed)
-            if path.exists():
-                done = json.loads(path.read_text())
-                if done["setting"] != setting:
-                    raise SystemExit(f"{path} was run with another setting ({done['setting']}); move it away "
-                                     "or run with that setting")
-                continue
-            todo.append((method, seed))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    todo = RUNS.todo([(m, int(s)) for s in args.seeds.split(",") for m in methods], setting)
     print(f"[fccl-study] {len(todo)} runs to do: " + ", ".join(f"{m}/{s}" for m, s in todo), flush=True)
     if args.dry_run:
         return 0
     for method, seed in todo:
         print(f"[fccl-study] start {method} seed {seed}", flush=True)
         record = run_one(method, seed, args)
-        tmp = run_path(method, seed).with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, run_path(method, seed))
+        RUNS.save(method, seed, record)
         s = scores(record)
         print(f"[fccl-study] {method} seed {seed}: inter AVG {s['inter-avg']:.2f}, intra AVG {s['intra-avg']:.2f} "
               f"in {record['wall-s']:.0f} s", flush=True)

@@ -48,12 +48,17 @@ def _short(items: Sequence[str], limit: int = 8) -> str:
 
 
 def _read_json(path: Path, what: str, beside: Path | None = None) -> dict[str, Any]:
+    """A JSON file, verified against its ``.sha256`` sidecar when it has one."""
+    from pollen.app.checkpoints import CheckpointError, read_verified
+
     if not path.is_file():
         where = f" (expected beside {beside})" if beside is not None else ""
         raise PredictError(f"{path}: {what} not found{where}")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+        data = json.loads(read_verified(path))
+    except CheckpointError as err:
+        raise PredictError(str(err)) from err
+    except ValueError as err:
         raise PredictError(f"{path}: {what} is not readable JSON ({err})") from err
     if not isinstance(data, dict):
         raise PredictError(f"{path}: {what} must be a JSON object, got {type(data).__name__}")
@@ -61,14 +66,15 @@ def _read_json(path: Path, what: str, beside: Path | None = None) -> dict[str, A
 
 
 def _read_arrays(path: Path, what: str) -> dict[str, Any]:
-    from pollen.app.checkpoints import load_arrays
+    """Named arrays, verified against the file's ``.sha256`` sidecar: a changed byte is refused by name."""
+    from pollen.app.checkpoints import CheckpointError, load_arrays
 
     if not path.is_file():
         raise PredictError(f"{path}: {what} not found")
     try:
         return load_arrays(path)
-    except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
-        raise PredictError(f"{path}: not a valid safetensors file ({err})") from err
+    except CheckpointError as err:
+        raise PredictError(str(err)) from err
 
 
 def _parse_set(items: Sequence[str]) -> dict[str, Any]:
@@ -537,14 +543,23 @@ def accuracy(pred, y, logits=None, top_k: int = 1) -> tuple[float, int, int] | N
     return correct / n, correct, n
 
 
-def write_csv(path: Path, inputs: Inputs, pred, score) -> None:
+def write_csv(path: Path | None, inputs: Inputs, pred, score) -> None:
+    """Predictions as CSV (file,label,prediction,score) to ``path``, or to stdout when ``None``."""
+    if path is None:
+        _csv_rows(sys.stdout, inputs, pred, score)
+        sys.stdout.flush()
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as fh:
-        out = csv.writer(fh)
-        out.writerow(["file", "label", "prediction", "score"])
-        for name, label, p, s in zip(inputs.names, inputs.y.tolist(), pred.tolist(), score.tolist()):
-            out.writerow([name, "" if label < 0 else label, p, f"{s:.6g}"])
+        _csv_rows(fh, inputs, pred, score)
+
+
+def _csv_rows(fh, inputs: Inputs, pred, score) -> None:
+    out = csv.writer(fh, lineterminator="\n")
+    out.writerow(["file", "label", "prediction", "score"])
+    for name, label, p, s in zip(inputs.names, inputs.y.tolist(), pred.tolist(), score.tolist()):
+        out.writerow([name, "" if label < 0 else label, p, f"{s:.6g}"])
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -572,7 +587,8 @@ input (one of):
   --partition I [--num-partitions N] [--task NAME] [--split test|train]
                    partition I's split of the task (default: the model's task), built exactly as its
                    client builds it, from the run's seed and options; --partition defaults to the
-                   personal model's partition-id, --num-partitions to the task's fixed count.
+                   personal model's partition-id, --num-partitions to what the model's JSON (or the
+                   run folder's launch.json) records, else the task's fixed count.
   --data-dir DIR   a node's own data folder (tasks image-folder, array; docs/data.md): its test split
                    (or --split train), read and normalised exactly as a node with node config
                    data-dir=DIR reads it.
@@ -585,10 +601,11 @@ input (one of):
                    to 32x32, pollen.datasets.sources).
 output:
   prints the accuracy over labelled inputs ("accuracy: A (correct/labelled)"; top-k with --top-k, by
-  default for office-home whose clients report top-5); --out FILE writes CSV
-  rows file,label,prediction,score — score = softmax probability of the prediction (classifier) or
-  the squared distance to the nearest prototype (prototypes; smaller is nearer). label is empty for
-  unlabelled images; file is <task>/partition-<i>/<split>/<index> for a task split.
+  default for office-home whose clients report top-5) and the predictions as CSV rows on stdout
+  (--out FILE writes them to FILE instead): file,label,prediction,score — score = softmax
+  probability of the prediction (classifier) or the squared distance to the nearest prototype
+  (prototypes; smaller is nearer). label is empty for unlabelled images; file is
+  <task>/partition-<i>/<split>/<index> for a task split.
 refused (exit code 2, naming the file and the mismatch):
   a safetensors whose keys or shapes differ from the model its JSON / run config describes, a missing
   or unreadable JSON or config.json, a global state without a model (prototypes, logits, local runs),
@@ -716,9 +733,14 @@ def run(args: argparse.Namespace) -> int:
         if partition is None:
             raise PredictError("give the input: --images DIR, or --partition I (with --num-partitions N)")
         spec = TASKS[task_name]
-        num = args.num_partitions or spec.fixed_partitions
+        saved = loaded.info.get("num-partitions") if task_name == loaded.info["task"] else None
+        num = args.num_partitions or saved or spec.fixed_partitions
         if num is None:
-            raise PredictError(f"--num-partitions is needed: into how many partitions was {task_name!r} split?")
+            raise PredictError(f"--num-partitions is needed: into how many partitions was {task_name!r} split? "
+                               f"({loaded.source} does not record it)")
+        if args.num_partitions and saved and args.num_partitions != saved:
+            loaded.notes.append(f"note: the run split {task_name!r} into {saved} partitions; classifying partition "
+                                f"{partition} of {args.num_partitions} (--num-partitions)")
         if not 0 <= partition < num:
             raise PredictError(f"--partition {partition} is outside 0..{num - 1}")
         if loaded.info.get("partition-id") not in (None, partition):
@@ -764,6 +786,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         write_csv(args.out, inputs, pred, score)
         print(f"predictions: {args.out} ({len(inputs.y)} rows)")
+    else:
+        print(f"predictions ({len(inputs.y)} rows, CSV; --out FILE writes them to a file instead):")
+        write_csv(None, inputs, pred, score)
     return EXIT_OK
 
 

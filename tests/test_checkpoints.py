@@ -15,8 +15,17 @@ import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
-from pollen.app.checkpoints import (CheckpointError, checkpoint_paths, latest_checkpoint, list_checkpoints,
-                                    load_records, save_records, write_checkpoint)
+from pollen.app import checkpoints
+from pollen.app.checkpoints import (
+    CheckpointError,
+    checkpoint_paths,
+    latest_checkpoint,
+    list_checkpoints,
+    load_arrays,
+    load_records,
+    save_records,
+    write_checkpoint,
+)
 from pollen.app.client_app import app as client_app
 from pollen.app.server_app import main as server_main
 from tests.inprocess import InProcessGrid, clientapp_node
@@ -136,6 +145,60 @@ def test_node_state_round_trips_through_disk(tmp_path):
     assert again["m"]["x"] == 1.5 and not load_records(tmp_path / "empty", RecordDict())
 
 
+def _flip(path: Path, at: int = -8) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_saved_arrays_and_json_carry_a_sidecar_and_a_flipped_byte_is_refused_by_name(tmp_path, caplog):
+    path = tmp_path / "final" / "global.safetensors"
+    digest = checkpoints.save_arrays(path, _arrays(1))
+    assert checkpoints.sidecar(path).read_text() == f"{digest}  global.safetensors\n"  # sha256sum -c format
+    np.testing.assert_array_equal(load_arrays(path)["w"], _arrays(1)["w"])
+    checkpoints.write_json(tmp_path / "final" / "global.json", {"round": 3})
+    assert checkpoints.read_json(tmp_path / "final" / "global.json") == {"round": 3}
+    _flip(path)
+    with pytest.raises(CheckpointError, match=rf"{path}: content does not match its recorded SHA-256"):
+        load_arrays(path)
+    _flip(tmp_path / "final" / "global.json", at=3)
+    assert [str(path) in p or "global.json" in p for p in checkpoints.verify_files(tmp_path)] == [True, True]
+    checkpoints.save_arrays(path, _arrays(2))
+    checkpoints.sidecar(path).unlink()  # a file from before hashes were kept: read, with a warning naming it
+    assert load_arrays(path)["n"] == 2 and "global.safetensors.sha256 beside it" in caplog.text
+
+
+def test_node_state_is_kept_per_round_back_to_what_a_kept_checkpoint_needs():
+    assert checkpoints.rounds_to_keep([1, 2, 3, 4, 5], newest=5, keep_back=2) == {3, 4, 5}
+    assert checkpoints.rounds_to_keep([1, 4, 9], newest=9, keep_back=2) == {4, 9}  # round 7's checkpoint needs round 4
+    assert checkpoints.rounds_to_keep([9], newest=9, keep_back=0) == {9}
+
+
+def test_node_state_rolls_back_to_the_round_before_the_one_asked_for(tmp_path):
+    from flwr.app import ConfigRecord
+
+    for r in (1, 2, 3, 4):
+        save_records(tmp_path, RecordDict({"h": ConfigRecord({"last-round": r})}), r, keep_back=2)
+    assert checkpoints.state_rounds(tmp_path) == [2, 3, 4]
+    for before, expected in ((5, 4), (4, 3), (3, 2), (None, 4)):
+        state = RecordDict()
+        assert load_records(tmp_path, state, before) and state["h"]["last-round"] == expected
+    assert not load_records(tmp_path, RecordDict(), 2)  # nothing trained before round 2 is kept: fresh
+    _flip(tmp_path / "round-0004" / "small-state.json", at=5)
+    with pytest.raises(CheckpointError, match=r"round-0004/small-state.json: content does not match"):
+        load_records(tmp_path, RecordDict(), 5)
+
+
+def test_node_state_of_the_flat_layout_of_older_runs_is_still_read(tmp_path):
+    from flwr.app import ConfigRecord
+
+    (tmp_path / "small-state.json").write_text(json.dumps({"h": {"kind": "config", "values": {"r": 7}}}))
+    state = RecordDict()
+    assert load_records(tmp_path, state, 9) and state["h"]["r"] == 7
+    save_records(tmp_path, RecordDict({"h": ConfigRecord({"r": 8})}), 8)
+    assert not (tmp_path / "small-state.json").exists() and checkpoints.state_rounds(tmp_path) == [8]
+
+
 # -- resume: an interrupted run continued to the end equals the uninterrupted run ----------------------
 def _run(run_config, out_dir, state_root, num_partitions=3):
     grid = InProcessGrid({100 + p: clientapp_node(client_app, run_config, p, num_partitions,
@@ -177,6 +240,30 @@ def test_resumed_run_ends_with_the_metrics_of_an_uninterrupted_one(method, task,
     if method in ("local", "fedproto", "bd-fedproto"):
         info = json.loads((tmp_path / "part-nodes" / "p0" / "final-model.json").read_text())
         assert info["round"] == 3 and info["method"] == method and info["partition-id"] == 0
+
+
+@pytest.mark.parametrize("method", ["fedproto", "bd-fedproto"])
+def test_a_run_interrupted_between_training_and_its_checkpoint_resumes_exactly(method, tmp_path):
+    """The SIGINT case: every node trained (and saved) round 3, the server's round-3 checkpoint was never
+    written. The resumed run restarts at round 3 from checkpoint 2; each node must roll back to its
+    round-2 state, not train round 3 a second time on its round-3 model."""
+    from tests.conftest import require_real_data
+
+    base = {"method": method, "task": "mnist-shot", "seed": 3, "local-epochs": 1, "shot-shots": 12,
+            "shot-stdev": 1, "shot-test-per-class": 5, "data-root": require_real_data(), "num-server-rounds": 3}
+    full = _run(base, tmp_path / "full", tmp_path / "full-nodes")
+    part = _run(base, tmp_path / "part", tmp_path / "part-nodes")
+    for path in checkpoint_paths(part, 3):
+        path.unlink()
+    assert checkpoints.state_rounds(tmp_path / "part-nodes" / "p0") == [1, 2, 3]  # what the nodes had kept
+    resumed = _run({**base, "resume-from": str(part)}, tmp_path / "unused", tmp_path / "part-nodes")
+    assert _metrics(resumed) == _metrics(full)
+    assert load_arrays(tmp_path / "part-nodes" / "p1" / "final-model.safetensors").keys() == \
+        load_arrays(tmp_path / "full-nodes" / "p1" / "final-model.safetensors").keys()
+    for p in range(3):
+        mine = load_arrays(tmp_path / "part-nodes" / f"p{p}" / "final-model.safetensors")
+        theirs = load_arrays(tmp_path / "full-nodes" / f"p{p}" / "final-model.safetensors")
+        assert all(np.array_equal(mine[k], theirs[k]) for k in theirs)
 
 
 def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path):

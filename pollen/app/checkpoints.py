@@ -1,10 +1,18 @@
 """Files that outlive a process: server checkpoints, node state, final models. safetensors + JSON only.
 
 Every file is written atomically (a temporary file in the same folder, fsync, rename), so a crash or a
-full disk leaves the previous file intact. A checkpoint is a pair ``round-NNNN.safetensors`` (the
-strategy's arrays) + ``round-NNNN.json`` (round, run config, the strategy's small values and the
-SHA-256 of the arrays file); it is valid only when both parse and the hash matches. No pickle
-anywhere: a checkpoint from an untrusted source cannot run code.
+full disk leaves the previous file intact, and every file a user loads again (final models, node
+state, personal models) gets a ``<name>.sha256`` sidecar in ``sha256sum`` format: :func:`read_verified`
+refuses a file whose bytes no longer match, naming it, so a flipped byte never becomes a silently
+different model. A checkpoint is a pair ``round-NNNN.safetensors`` (the strategy's arrays) +
+``round-NNNN.json`` (round, run config, the strategy's small values and the SHA-256 of the arrays
+file); it is valid only when both parse and the hash matches. No pickle anywhere: a checkpoint from an
+untrusted source cannot run code.
+
+A node keeps its state per round (``<state-dir>/round-NNNN/``), back to the oldest round a kept server
+checkpoint can restart from, so a resumed run rolls every node back to the checkpoint's round: a node
+that trained round r before the interrupt, when the newest checkpoint is r - 1, must not train round r
+on top of its own round-r model a second time.
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,12 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file
 
 from pollen.log import LOGGER
 
 CHECKPOINT_DIR = "checkpoints"
 FINAL_MODEL = "final-model"  # <state-dir>/final-model.{safetensors,json}: a node's personal model
+SIDECAR = ".sha256"  # <file>.sha256 beside every verified file: "<hex>  <name>" (sha256sum -c reads it)
+SMALL_STATE = "small-state.json"
+STATE_ROUND = re.compile(r"^round-(\d{4,})$")  # <state-dir>/round-NNNN/: a node's state after round NNNN
 
 
 class CheckpointError(RuntimeError):
@@ -50,22 +62,83 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise CheckpointError(f"cannot write {path}: {err.strerror or err}") from err
 
 
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sidecar(path: Path) -> Path:
+    """Where the SHA-256 of ``path`` is kept."""
+    path = Path(path)
+    return path.with_name(path.name + SIDECAR)
+
+
+def write_verified(path: Path, data: bytes) -> str:
+    """Atomically write ``data`` and then its ``.sha256`` sidecar; returns the digest. A crash between
+    the two leaves a pair that :func:`read_verified` refuses, never one it accepts wrongly."""
+    digest = sha256_hex(data)
+    atomic_write(path, data)
+    atomic_write(sidecar(path), f"{digest}  {Path(path).name}\n".encode())
+    return digest
+
+
+def check_digest(path: Path, data: bytes, expected: str | None, source: str) -> None:
+    """The one hash check: ``CheckpointError`` naming ``path`` when ``data`` is not what was recorded."""
+    if sha256_hex(data) != expected:
+        raise CheckpointError(f"{path}: content does not match its recorded SHA-256 (in {source}); the file was "
+                              "altered or truncated after it was written, refusing to load it")
+
+
+def read_verified(path: Path) -> bytes:
+    """The bytes of ``path``, checked against its sidecar. A file without one was written before Pollen
+    kept hashes: read with a warning (nothing to compare with), never refused."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{path}: unreadable ({err.strerror or err})") from err
+    side = sidecar(path)
+    try:
+        recorded = side.read_text().split()
+    except FileNotFoundError:
+        LOGGER.warning("%s: no %s beside it (written before Pollen recorded hashes): not verified", path, side.name)
+        return data
+    except OSError as err:
+        raise CheckpointError(f"{side}: unreadable ({err.strerror or err})") from err
+    check_digest(path, data, recorded[0] if recorded else None, side.name)
+    return data
+
+
 def save_arrays(path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> str:
-    """Atomically write named arrays as safetensors; returns the file's SHA-256."""
+    """Atomically write named arrays as safetensors (+ its sidecar); returns the file's SHA-256."""
     from safetensors.numpy import save
 
     data = save({k: np.ascontiguousarray(v) if v.ndim else v for k, v in arrays.items()},
                 metadata=dict(metadata or {}) or None)
-    atomic_write(path, data)
-    return hashlib.sha256(data).hexdigest()
+    return write_verified(path, data)
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
-    return dict(load_file(str(path)))
+    """Named arrays from a safetensors file, verified against its sidecar (``CheckpointError`` naming it)."""
+    from safetensors.numpy import load
+
+    data = read_verified(path)
+    try:
+        return dict(load(data))
+    except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
+        raise CheckpointError(f"{path}: not a valid safetensors file ({err})") from err
 
 
 def write_json(path: Path, values: Mapping[str, Any]) -> None:
-    atomic_write(path, (json.dumps(values, indent=2, sort_keys=True) + "\n").encode())
+    """Atomically write ``values`` as JSON (+ its sidecar)."""
+    write_verified(path, (json.dumps(values, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file written by :func:`write_json`, verified (``CheckpointError`` naming it)."""
+    try:
+        return json.loads(read_verified(path))
+    except ValueError as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from err
 
 
 # ---------------------------------------------------------------------------------- server checkpoints
@@ -92,6 +165,7 @@ def write_checkpoint(run_dir: Path, server_round: int, arrays: Mapping[str, np.n
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         for path in checkpoint_paths(run_dir, old):
             path.unlink(missing_ok=True)
+            sidecar(path).unlink(missing_ok=True)
     return tensors
 
 
@@ -111,12 +185,11 @@ def read_checkpoint(run_dir: Path, server_round: int) -> Checkpoint:
     """One checkpoint, verified; ``CheckpointError`` naming the file otherwise."""
     tensors, meta = checkpoint_paths(run_dir, server_round)
     try:
-        values = json.loads(meta.read_text())
+        values = read_json(meta)
         data = tensors.read_bytes()
-    except (OSError, ValueError) as err:
+    except (OSError, CheckpointError) as err:
         raise CheckpointError(f"{meta.name}: unreadable ({err})") from err
-    if hashlib.sha256(data).hexdigest() != values.get("sha256"):
-        raise CheckpointError(f"{tensors.name}: content does not match its recorded SHA-256 (truncated or altered)")
+    check_digest(tensors, data, values.get("sha256"), meta.name)
     from safetensors.numpy import load
 
     try:
@@ -140,40 +213,113 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint:
 
 
 # ---------------------------------------------------------------------------------- node state
-def save_records(folder: Path, records) -> list[str]:
-    """Persist a node's ``context.state`` (a RecordDict): one safetensors per ArrayRecord, one JSON for
-    the rest. Returns the files written."""
+def state_rounds(folder: Path) -> list[int]:
+    """Rounds with a complete saved node state under ``folder``, oldest first."""
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return []
+    return sorted(int(m[1]) for e in entries if e.is_dir() and (m := STATE_ROUND.match(e.name)))
+
+
+def state_folder(folder: Path, server_round: int) -> Path:
+    return Path(folder) / f"round-{server_round:04d}"
+
+
+def rounds_to_keep(rounds: list[int], newest: int, keep_back: int) -> set[int]:
+    """Every state a resume may roll back to: a kept server checkpoint is at most ``keep_back`` rounds
+    older than ``newest``, and the state it needs is the newest one at or before its round — so every
+    round after ``newest - keep_back``, plus the newest at or before it."""
+    horizon = newest - max(keep_back, 1)
+    older = [r for r in rounds if r <= horizon]
+    return {r for r in rounds if r > horizon} | ({max(older)} if older else set())
+
+
+def save_records(folder: Path, records, server_round: int = 0, keep_back: int = 1) -> list[str]:
+    """Persist a node's ``context.state`` (a RecordDict) as its state after ``server_round``: one
+    safetensors per ArrayRecord, one JSON for the rest, each with a sidecar, in ``round-NNNN/``
+    (completed in a temporary folder, then renamed, so a crash never leaves half a state). States a
+    resume can no longer need (:func:`rounds_to_keep`) are removed. Returns the files written."""
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
     folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".round-{server_round:04d}.", dir=folder))
+    except OSError as err:
+        raise CheckpointError(f"cannot write {folder}: {err.strerror or err}") from err
     small: dict[str, Any] = {}
     written = []
-    for key, record in records.items():
-        if isinstance(record, ArrayRecord):
-            path = folder / f"{key}.safetensors"
-            save_arrays(path, {k: a.numpy() for k, a in record.items()})
-            written.append(path.name)
-        elif isinstance(record, (ConfigRecord, MetricRecord)):
-            kind = "config" if isinstance(record, ConfigRecord) else "metrics"
-            small[key] = {"kind": kind, "values": {k: (v.hex() if isinstance(v, bytes) else v)
-                                                   for k, v in record.items()}}
-    write_json(folder / "small-state.json", small)
-    return written + ["small-state.json"]
+    try:
+        for key, record in records.items():
+            if isinstance(record, ArrayRecord):
+                path = work / f"{key}.safetensors"
+                save_arrays(path, {k: a.numpy() for k, a in record.items()})
+                written.append(path.name)
+            elif isinstance(record, (ConfigRecord, MetricRecord)):
+                kind = "config" if isinstance(record, ConfigRecord) else "metrics"
+                small[key] = {"kind": kind, "values": {k: (v.hex() if isinstance(v, bytes) else v)
+                                                       for k, v in record.items()}}
+        write_json(work / SMALL_STATE, small)
+        target = state_folder(folder, server_round)
+        if target.exists():  # the same round trained again (after a resume): replace it whole
+            old = Path(tempfile.mkdtemp(prefix=".replaced.", dir=folder))
+            os.replace(target, old / target.name)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(work, target)
+    except OSError as err:
+        raise CheckpointError(f"cannot write {folder}: {err.strerror or err}") from err
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rounds = state_rounds(folder)
+    for r in set(rounds) - rounds_to_keep(rounds, server_round, keep_back):
+        shutil.rmtree(state_folder(folder, r), ignore_errors=True)
+    for legacy in [folder / SMALL_STATE, *folder.glob("*.safetensors")]:  # the flat layout of older runs
+        if legacy.stem != FINAL_MODEL:
+            legacy.unlink(missing_ok=True)
+            sidecar(legacy).unlink(missing_ok=True)
+    return written + [SMALL_STATE]
 
 
-def load_records(folder: Path, records) -> bool:
-    """Fill an empty ``context.state`` from ``folder``; False when nothing was saved there."""
+def load_records(folder: Path, records, before_round: int | None = None) -> bool:
+    """Fill an empty ``context.state`` from ``folder``: the newest saved state of a round before
+    ``before_round`` (the round about to run; ``None``: the newest). False when there is none, i.e. the
+    node had trained nothing before that round. Every file is verified (``CheckpointError`` naming it)."""
+    folder = Path(folder)
+    rounds = [r for r in state_rounds(folder) if before_round is None or r < before_round]
+    if rounds:
+        source = state_folder(folder, rounds[-1])
+    elif (folder / SMALL_STATE).exists():  # the flat layout of runs written before per-round states
+        source = folder
+    else:
+        return False
+    return _load_state(source, records)
+
+
+def _load_state(source: Path, records) -> bool:
     from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
-    folder = Path(folder)
-    small_path = folder / "small-state.json"
-    if not small_path.exists():
-        return False
-    for path in sorted(folder.glob("*.safetensors")):
+    small = read_json(source / SMALL_STATE)
+    for path in sorted(source.glob("*.safetensors")):
         if path.stem == FINAL_MODEL:  # the end product of a finished run, not part of the state
             continue
         records[path.stem] = ArrayRecord({k: Array(np.asarray(v)) for k, v in load_arrays(path).items()})
-    for key, entry in json.loads(small_path.read_text()).items():
+    for key, entry in small.items():
         cls = ConfigRecord if entry["kind"] == "config" else MetricRecord
         records[key] = cls(entry["values"])
     return True
+
+
+def verify_files(folder: Path) -> list[str]:
+    """Every file under ``folder`` that has a sidecar and no longer matches it, as messages naming it
+    (a run folder checked before a resume starts anything)."""
+    problems = []
+    for side in sorted(Path(folder).rglob(f"*{SIDECAR}")):
+        path = side.with_name(side.name[: -len(SIDECAR)])
+        if not path.exists():
+            continue
+        try:
+            read_verified(path)
+        except CheckpointError as err:
+            problems.append(str(err))
+    return problems

@@ -6,8 +6,10 @@ here becomes an error reply, which the strategy counts as a failure with its rea
 
 What the client remembers (``context.state``: private model, teachers, histories) is also kept on
 disk under the node's state folder — node config ``state-dir``, by default
-``<run folder>/nodes/partition-<i>`` — written atomically after every training round and read back
-when a restarted SuperNode (or a resumed run) starts with an empty state. After the last round the
+``<run folder>/nodes/partition-<i>`` — one folder per training round (``round-NNNN``, as far back as a
+kept server checkpoint reaches), written atomically and read back when a restarted SuperNode (or a
+resumed run) starts with an empty state: the state from before the round the server asks for, so a
+resumed run continues from its checkpoint's round exactly. After the last round the
 personal model is saved there as ``final-model.safetensors`` with ``final-model.json``; it never
 leaves the node. A small ``node-history`` record counts the rounds this partition trained, across
 restarts, so a node that carried on from its folder can be told from one that started afresh.
@@ -44,7 +46,7 @@ def _parsed_run_config(items: tuple[tuple[str, object], ...]) -> RunConfig:
     return parse_run_config(dict(items))
 
 
-def _prepare(context: Context):
+def _prepare(context: Context, before_round: int | None = None):
     try:
         cfg = _parsed_run_config(tuple(sorted(context.run_config.items())))
     except TypeError:  # a value Flower would not send (unhashable): no cache
@@ -60,7 +62,7 @@ def _prepare(context: Context):
     if spec.adapter is None:
         raise RuntimeError(f"method {cfg.method!r} has no Message-API client adapter")
     folder = node_state_dir(cfg, node, context.run_id)
-    if len(context.state) == 0 and load_records(folder, context.state):
+    if len(context.state) == 0 and load_records(folder, context.state, before_round):
         trained = _rounds_trained(context)
         LOGGER.info("partition %d: state restored from %s (%d round(s) trained before)",
                     node.partition_id, folder, trained)
@@ -103,12 +105,13 @@ def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Contex
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    cfg, spec, folder, client = _prepare(context)
-    content = spec.adapter.train(client, msg.content)
     server_round = _server_round(msg)
+    # A resumed run restarts at its checkpoint's round: the state from before that round, not after it.
+    cfg, spec, folder, client = _prepare(context, server_round or None)
+    content = spec.adapter.train(client, msg.content)
     trained = _rounds_trained(context)
     context.state[HISTORY] = ConfigRecord({"rounds-trained": trained + 1, "last-round": server_round})
-    save_records(folder, context.state)
+    save_records(folder, context.state, server_round, keep_back=cfg.checkpoint_every * cfg.checkpoint_keep)
     if spec.personal_model and server_round >= cfg.num_server_rounds:
         save_final_model(folder, cfg, spec, client, context, server_round)
     return Message(content=content, reply_to=msg)
@@ -124,5 +127,6 @@ def query(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    _, spec, _, client = _prepare(context)
+    server_round = _server_round(msg)
+    _, spec, _, client = _prepare(context, server_round + 1 if server_round else None)
     return Message(content=spec.adapter.evaluate(client, msg.content), reply_to=msg)

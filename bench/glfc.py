@@ -3,7 +3,7 @@
 (a) ``methods``: GLFC vs FedAvg + iCaRL vs Finetune (+ ablations) — per-task accuracy matrix, average
     incremental accuracy (AIA), average forgetting, accuracy vs round. Writes
     ``bench/results/glfc_runs.{json,md,png}`` (the 3-seed study in ``glfc_methods.*`` is
-    ``bench/glfc_study.py``'s).
+    ``bench.glfc_study``'s).
 (b) ``proxy``: gradient inversion throughput, batched vs the official one-by-one loop at equal L-BFGS
     iterations, with the final gradient-matching loss and the label accuracy of both. Writes
     ``bench/results/glfc_proxy.{json,md}``.
@@ -13,8 +13,8 @@ runs go through the real strategy and clients; ``--engine flwr`` runs each throu
 (simulation), ``--engine inprocess`` (default, ~1 min less per method on 2 cores) runs the same
 Message-API strategy (``strategy.start``) and ClientApp handlers in one process over an in-process grid.
 
-    python bench/glfc.py proxy --data-root ../shared/data
-    python bench/glfc.py methods --data-root ../shared/data [--methods glfc fedavg-icarl finetune]
+    python -m bench.glfc proxy --data-root ../shared/data
+    python -m bench.glfc methods --data-root ../shared/data [--methods glfc fedavg-icarl finetune]
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.kit import RESULTS, preset, pyplot, read_metrics, save_figure, write_json
+
+PRESET = "glfc-mnist-fmnist"
 METHODS = ("glfc", "fedavg-icarl", "finetune", "glfc-wo-gc", "glfc-wo-rd", "glfc-wo-proxy")
 
 
@@ -40,8 +42,9 @@ METHODS = ("glfc", "fedavg-icarl", "finetune", "glfc-wo-gc", "glfc-wo-rd", "glfc
 
 
 def method_config(method: str, args) -> dict:
+    """The preset's run keys with the stream, clients and training of ``args`` (every GLFC bench sets them)."""
     return {
-        "method": method, "task": "mnist-fmnist-cil", "data-root": args.data_root, "seed": args.seed,
+        **preset(PRESET), "method": method, "task": "mnist-fmnist-cil", "data-root": args.data_root, "seed": args.seed,
         "num-server-rounds": args.tasks * args.rounds_per_task, "glfc-tasks": args.tasks,
         "glfc-classes-per-task": 20 // args.tasks, "glfc-rounds-per-task": args.rounds_per_task,
         "glfc-initial-clients": args.initial_clients, "glfc-new-clients": args.new_clients,
@@ -140,13 +143,11 @@ def run_flwr(run_config: dict, num_nodes: int) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "runs"
-        rc = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
-                      for k, v in {**run_config, "out-dir": str(out)}.items())
-        outcome = simulate(flwr_home=Path(tmp) / "flwr", num_supernodes=num_nodes, run_config=rc, timeout=7200,
-                           echo=False)
+        outcome = simulate(flwr_home=Path(tmp) / "flwr", num_supernodes=num_nodes,
+                           run_config={**run_config, "out-dir": str(out)}, timeout=7200, echo=False)
         if not outcome.completed:
             raise RuntimeError(f"flwr run failed: {outcome.log[-3000:]}")
-        return [json.loads(x) for x in (out / str(outcome.run_id) / "metrics.jsonl").read_text().splitlines()]
+        return read_metrics(out / str(outcome.run_id))
 
 
 def summarise(rounds: list[dict], tasks: int, rounds_per_task: int) -> dict:
@@ -166,10 +167,8 @@ def summarise(rounds: list[dict], tasks: int, rounds_per_task: int) -> dict:
 def bench_methods(args) -> None:
     from pollen.datasets.incremental import StreamConfig, plan_stream
 
-    global RESULTS
-    RESULTS = Path(args.out)
     results = {}
-    out_json = RESULTS / "glfc_runs.json"
+    out_json = Path(args.out) / "glfc_runs.json"
     if args.table_only:
         write_methods(json.loads(out_json.read_text())["methods"], args)
         return
@@ -195,11 +194,11 @@ def bench_methods(args) -> None:
 
 
 def write_methods(results: dict, args) -> None:
-    RESULTS.mkdir(exist_ok=True)
+    out = Path(args.out)
     per_row = ("method", "data-root", "seed", "glfc-oracle-boundary", "glfc-tau")  # stored with each row
     meta = {k: v for k, v in method_config("glfc", args).items() if k not in per_row}
     meta.update({"engine": args.engine, "torch": torch.__version__, "machine": platform.machine()})
-    (RESULTS / "glfc_runs.json").write_text(json.dumps({"config": meta, "methods": results}, indent=2) + "\n")
+    write_json(out / "glfc_runs.json", {"config": meta, "methods": results}, indent=2)
     lines = ["# GLFC family on MNIST + Fashion-MNIST (20 classes, class-incremental)", "",
              f"{args.tasks} tasks × {20 // args.tasks} classes, {args.rounds_per_task} rounds per task, "
              f"{args.initial_clients} clients + {args.new_clients} per new task, {args.clients_per_round} per round, "
@@ -236,12 +235,8 @@ def write_methods(results: dict, args) -> None:
             for m, v in seeds.items()) + ".")
     if notes:
         lines += [""] + notes
-    (RESULTS / "glfc_runs.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    (out / "glfc_runs.md").write_text("\n".join(lines) + "\n")
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
     shown = [(m, r) for m, r in results.items() if "-seed" not in m]  # other seeds: in the table
     colors = plt.get_cmap("tab10")
@@ -255,9 +250,7 @@ def write_methods(results: dict, args) -> None:
     ax.set_ylabel("global accuracy on seen classes")
     ax.set_title("seed 0; dashed: boundaries detected by entropy", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(RESULTS / "glfc_runs.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, out / "glfc_runs.png", dpi=100)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,13 +305,12 @@ def bench_proxy(args) -> None:
             "threads": list(args.threads), "cores": os.cpu_count(), "torch": torch.__version__,
             "machine": platform.machine(), "device": "cpu", "image-shape": list(shape)}
     data = {"config": meta, "rows": rows, "speedup": speedups, "common-images": same}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "glfc_proxy.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_json(RESULTS / "glfc_proxy.json", data, indent=2)
     write_proxy_md(data)
 
 
 def write_proxy_md(data: dict) -> None:
-    """``glfc_proxy.md`` from the JSON (``python bench/glfc.py proxy-table`` re-renders it)."""
+    """``glfc_proxy.md`` from the JSON (``python -m bench.glfc proxy-table`` re-renders it)."""
     cfg, rows = data["config"], data["rows"]
     lines = ["# GLFC proxy: gradient inversion, batched vs one-by-one", "",
              f"DLG LeNet (20 classes, 1×28×28), gradients of real MNIST/Fashion-MNIST test images, "

@@ -1,7 +1,8 @@
 """GLFC against its baselines and ablations in a trained regime, three seeds, with a joint-training bound.
 
 The offline MNIST + Fashion-MNIST class-incremental stream (4 tasks × 5 classes), run through the
-real Message-API strategy and ClientApp handlers (``bench/glfc.py``'s in-process grid). The regime
+real Message-API strategy and ClientApp handlers (``bench.glfc``'s in-process grid), each run from
+the preset ``conf/glfc-mnist-fmnist.toml`` with the study's setting. The regime
 is chosen so that the global model learns task 1 (≥ 95 % at its end): 20 rounds per task (the
 paper has 10, with 30 clients), ResNet-18 width 0.125, 2 local epochs, SGD lr 0.5; the search is in
 ``bench/results/glfc_regime.md``. Per seed, every method sees the same stream plan and client shards, so
@@ -19,28 +20,35 @@ Also measured:
 One file per finished run under ``bench/results/glfc_study/``; finished runs are skipped, so the
 study resumes. The report goes to ``bench/results/glfc_methods.{md,json,png}``::
 
-    POLLEN_DATA_ROOT=../shared/data nohup .venv/bin/python bench/glfc_study.py > /tmp/glfc_study.log 2>&1 &
-    .venv/bin/python bench/glfc_study.py --report
+    POLLEN_DATA_ROOT=../shared/data nohup .venv/bin/python -m bench.glfc_study > /tmp/glfc_study.log 2>&1 &
+    .venv/bin/python -m bench.glfc_study --report
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-for p in (str(ROOT), str(BENCH)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from bench.kit import (
+    RESULTS,
+    RunFiles,
+    default_data_root,
+    emphasis,
+    fmt_mean_se,
+    fmt_paired,
+    plot_band,
+    pyplot,
+    save_figure,
+    seed_band,
+    table,
+    verdict,
+    write_json,
+)
 
-RUNS_DIR = BENCH / "results" / "glfc_study"
+RUNS = RunFiles(RESULTS / "glfc_study")
 STEM = "glfc_methods"
 # arm -> (method, oracle boundaries)
 ARMS = {
@@ -63,17 +71,13 @@ def setting_of(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in SETTING_KEYS}
 
 
-def run_path(arm: str, seed: int) -> Path:
-    return RUNS_DIR / f"{arm}-seed{seed}.json"
-
-
 def bench_args(args: argparse.Namespace, seed: int, oracle: bool) -> argparse.Namespace:
-    """The namespace ``bench/glfc.py``'s ``method_config`` reads."""
+    """The namespace ``bench.glfc.method_config`` reads."""
     return argparse.Namespace(**setting_of(args), data_root=args.data_root, seed=seed, oracle=oracle)
 
 
 def run_method(arm: str, seed: int, args: argparse.Namespace) -> dict:
-    from glfc import method_config, run_inprocess, summarise
+    from bench.glfc import method_config, run_inprocess, summarise
 
     method, oracle = ARMS[arm]
     rc = method_config(method, bench_args(args, seed, oracle))
@@ -95,8 +99,8 @@ def run_joint(seed: int, args: argparse.Namespace) -> dict:
     """Central training on the union of all clients' images of tasks ≤ t, for each task end t."""
     import numpy as np
     import torch
-    from glfc import method_config
 
+    from bench.glfc import method_config
     from pollen.app.config import parse_run_config
     from pollen.app.registry import METHODS
     from pollen.datasets.incremental import shard_indices, stream_data
@@ -139,28 +143,6 @@ def run_joint(seed: int, args: argparse.Namespace) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # report
-
-def mean_se(vals: list[float]) -> tuple[float, float | None]:
-    m = statistics.fmean(vals)
-    return m, (statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else None)
-
-
-def fmt(vals: list[float], digits: int = 3, signed: bool = False) -> str:
-    if not vals:
-        return "–"
-    m, se = mean_se(vals)
-    head = f"{m:+.{digits}f}" if signed else f"{m:.{digits}f}"
-    return head if se is None else f"{head} ± {se:.{digits}f}"
-
-
-def verdict(diffs: list[float], higher_is_better: bool = True) -> str:
-    if len(diffs) < 2:
-        return f"{len(diffs)} seed: no standard error yet"
-    m, se = mean_se(diffs)
-    if se == 0 or abs(m) >= 2 * se:
-        return "**GLFC better**" if (m > 0) == higher_is_better else "**GLFC worse**"
-    return "no difference shown (|Δ| < 2 s.e.)"
-
 
 def boundaries(setting: dict) -> list[int]:
     """The first round of each task after the first (where a new task's data arrives)."""
@@ -227,9 +209,10 @@ def markdown(records: list[dict], setting: dict) -> str:
     for arm in (a for a in order if a in by_arm):
         runs = list(by_arm[arm].values())
         ends = [r["summary"]["seen-accuracy-at-task-end"] for r in runs]
-        lines.append(f"| {LABELS[arm]} | {len(runs)} | " + " | ".join(fmt([e[t] for e in ends]) for t in range(T))
-                     + f" | **{fmt([r['summary']['aia'] for r in runs])}** | "
-                     f"{fmt([r['summary']['forgetting'] for r in runs])} | "
+        lines.append(f"| {LABELS[arm]} | {len(runs)} | "
+                     + " | ".join(fmt_mean_se([e[t] for e in ends], 3) for t in range(T))
+                     + f" | **{fmt_mean_se([r['summary']['aia'] for r in runs], 3)}** | "
+                     f"{fmt_mean_se([r['summary']['forgetting'] for r in runs], 3)} | "
                      f"{statistics.fmean(r['wall-s'] for r in runs):.0f} |")
     lines += ["", "Accuracy on each task's classes at the end of the stream (mean over seeds): where forgetting is.",
               "", "| method | " + " | ".join(f"task {t + 1} classes" for t in range(T)) + " |", "|---|" + "---|" * T]
@@ -247,10 +230,7 @@ def markdown(records: list[dict], setting: dict) -> str:
         lines += ["", f"Task-1 accuracy of the federated global model over all runs: min {min(task1):.3f}, "
                   f"median {statistics.median(task1):.3f} (bar: ≥ {TASK1_BAR})."]
     glfc = by_arm.get("glfc", {})
-    if glfc and any(base in by_arm for base in BASELINES):
-        lines += ["", "## GLFC − each baseline and ablation (paired by seed)", "",
-                  "| GLFC − | seeds | Δ AIA | verdict | Δ forgetting | verdict (lower forgetting is better) |",
-                  "|---|---|---|---|---|---|"]
+    rows = []
     for base in BASELINES:
         other = by_arm.get(base, {})
         seeds = sorted(set(glfc) & set(other))
@@ -258,9 +238,14 @@ def markdown(records: list[dict], setting: dict) -> str:
             continue
         d_aia = [glfc[s]["summary"]["aia"] - other[s]["summary"]["aia"] for s in seeds]
         d_fgt = [glfc[s]["summary"]["forgetting"] - other[s]["summary"]["forgetting"] for s in seeds]
-        lines.append(f"| {LABELS[base]} | {len(seeds)} | {fmt(d_aia, signed=True)} | {verdict(d_aia)} | "
-                     f"{fmt(d_fgt, signed=True)} | "
-                     f"{verdict(d_fgt, higher_is_better=False)} |")
+        rows.append((LABELS[base], len(seeds), fmt_paired(d_aia, 3), emphasis(verdict(d_aia)), fmt_paired(d_fgt, 3),
+                     emphasis(verdict(d_fgt, lower_is_better=True))))
+    if rows:
+        lines += ["", "## GLFC − each baseline and ablation (paired by seed)", "",
+                  "The claim in each row is that GLFC is better: a higher AIA, a lower forgetting. It is supported "
+                  "when the mean paired difference lies ≥ 2 s.e. on that side of zero, contradicted at ≥ 2 s.e. on "
+                  "the other (`bench.kit.verdict`).", "",
+                  *table(("GLFC −", "seeds", "Δ AIA", "verdict", "Δ forgetting", "verdict (lower is better)"), rows)]
     if "glfc-detect" in by_arm:
         lines += ["", f"## The entropy detector at τ = {setting['tau']}", "",
                   f"True task boundaries: rounds {', '.join(map(str, boundaries(setting)))} (a client can only "
@@ -298,50 +283,35 @@ def markdown(records: list[dict], setting: dict) -> str:
             lines[-1] += (f" GLFC and GLFC w/o proxy have identical per-round accuracies on seed(s) "
                           f"{', '.join(map(str, same)) or 'none'} of {', '.join(map(str, both))}.")
     lines += ["", f"![accuracy vs round]({STEM}.png)", "",
-              "Reproduce: `bench/glfc_study.py` (one file per run in `glfc_study/`; resumes).", ""]
+              "Reproduce: `python -m bench.glfc_study` (one file per run in `glfc_study/`; resumes).", ""]
     return "\n".join(lines)
 
 
 def plot(records: list[dict], setting: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = pyplot().subplots(figsize=(9, 4))
     by_arm: dict[str, list[dict]] = {}
     for r in records:
         if r["rounds"]:
             by_arm.setdefault(r["arm"], []).append(r)
     for arm, runs in by_arm.items():
         curves = [[x["accuracy"] for x in r["rounds"]] for r in runs]
-        n = min(len(c) for c in curves)
-        xs = list(range(1, n + 1))
-        mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
-        sd = [statistics.stdev(c[i] for c in curves) if len(curves) > 1 else 0.0 for i in range(n)]
-        (line,) = ax.plot(xs, mean, lw=1.2, ls="--" if arm == "glfc-detect" else "-",
-                          label=f"{LABELS[arm]} ({len(curves)} seeds)")
-        low = [a - b for a, b in zip(mean, sd, strict=True)]
-        high = [a + b for a, b in zip(mean, sd, strict=True)]
-        ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.12)
+        plot_band(ax, *seed_band(curves), alpha=0.12, lw=1.2, ls="--" if arm == "glfc-detect" else "-",
+                  label=f"{LABELS[arm]} ({len(curves)} seeds)")
     for b in boundaries(setting):
         ax.axvline(b - 0.5, color="grey", ls=":", lw=1)
     ax.set_xlabel("round (dotted: task boundary)")
     ax.set_ylabel("global accuracy on seen classes")
     ax.set_title("mean over seeds, band: seed std", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def write_report(setting: dict, out: Path) -> None:
-    records = [json.loads(p.read_text()) for p in sorted(RUNS_DIR.glob("*-seed*.json"))]
-    records = [r for r in records if r["setting"] == setting]
+    records = RUNS.load(setting)
     if not records:
         print("[glfc-study] no finished runs with this setting yet")
         return
-    (out / f"{STEM}.json").write_text(json.dumps({"setting": setting, "runs": records}, indent=1) + "\n")
+    write_json(out / f"{STEM}.json", {"setting": setting, "runs": records})
     (out / f"{STEM}.md").write_text(markdown(records, setting))
     plot(records, setting, out / f"{STEM}.png")
 
@@ -352,36 +322,27 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     for key, value in DEFAULTS.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
-    p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
+    p.add_argument("--data-root", default=default_data_root())
     p.add_argument("--report", action="store_true", help="only rewrite the report from the finished runs")
     p.add_argument("--dry-run", action="store_true", help="list the runs still to do")
     args = p.parse_args(argv)
     args.data_root = str(Path(args.data_root).resolve())
-    setting, out = setting_of(args), BENCH / "results"
+    setting, out = setting_of(args), RESULTS
     if args.report:
         write_report(setting, out)
         return 0
-    RUNS_DIR.mkdir(parents=True, exist_ok=True)
-    todo = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for arm in (a.strip() for a in args.arms.split(",") if a.strip()):
-            if arm != "joint" and arm not in ARMS:
-                raise SystemExit(f"unknown arm {arm!r}; arms: joint, {', '.join(ARMS)}")
-            path = run_path(arm, seed)
-            if path.exists():
-                if json.loads(path.read_text())["setting"] != setting:
-                    raise SystemExit(f"{path} was run with another setting; move it away or use that setting")
-                continue
-            todo.append((arm, seed))
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a != "joint" and a not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arm {unknown[0]!r}; arms: joint, {', '.join(ARMS)}")
+    todo = RUNS.todo([(a, int(s)) for s in args.seeds.split(",") for a in arms], setting)
     print(f"[glfc-study] {len(todo)} runs to do: " + ", ".join(f"{a}/{s}" for a, s in todo), flush=True)
     if args.dry_run:
         return 0
     for arm, seed in todo:
         print(f"[glfc-study] start {arm} seed {seed}", flush=True)
         rec = run_joint(seed, args) if arm == "joint" else run_method(arm, seed, args)
-        tmp = run_path(arm, seed).with_suffix(".tmp")
-        tmp.write_text(json.dumps(rec, indent=1) + "\n")
-        os.replace(tmp, run_path(arm, seed))
+        RUNS.save(arm, seed, rec)
         s = rec["summary"]
         print(f"[glfc-study] {arm} seed {seed}: task ends {[round(a, 3) for a in s['seen-accuracy-at-task-end']]}, "
               f"AIA {s['aia']:.4f}, forgetting {s['forgetting']:.4f} in {rec['wall-s']:.0f} s", flush=True)

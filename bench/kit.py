@@ -25,11 +25,12 @@ BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
 CONF = ROOT / "conf"
 
-# the verdicts a paired difference can get (README and docs/evidence.md quote them)
+# the verdicts a paired difference can get (README and docs/evidence.md quote them); no "|" in them,
+# which would split a Markdown table cell
 SUPPORTED, CONTRADICTED = "supported", "contradicted"
 NOT_SHOWN_FEW = "not shown (fewer than 2 paired seeds)"
 NOT_SHOWN_ZERO = "not shown (Δ = 0)"
-NOT_SHOWN_SMALL = "not shown (|Δ| < 2 s.e.)"
+NOT_SHOWN_SMALL = "not shown (within 2 s.e.)"
 
 
 def default_data_root() -> str:

@@ -182,10 +182,10 @@ def _load_model(path: Path):
 def test_png_folder_equals_the_same_images_as_tensors(proto_run, capsys, tmp_path):
     from PIL import Image
 
-    from pollen.methods.prototype_losses import squared_distances
     from pollen.datasets.sources import load_source
     from pollen.datasets.tasks import TaskOptions, build_client_data
     from pollen.datasets.transforms import to_model_input
+    from pollen.methods.prototype_losses import squared_distances
 
     test = load_source("mnist", real_data_root(), "test")
     idx = np.arange(0, 400, 10)  # 40 test images, every digit
@@ -321,3 +321,36 @@ def test_help_explains_models_modes_inputs_and_refusals():
                  "--num-partitions N", "--out FILE", "nearest-prototype", "file,label,prediction,score",
                  "exit code 2", "final-model.json"):
         assert text in done.stdout, text
+
+
+# -- verified files, partitioning from the model, predictions on stdout --------------------------------
+def test_a_flipped_byte_in_a_saved_model_is_refused_naming_the_file(uci_runs, tmp_path):
+    """16 bytes flipped inside the weights (still a valid safetensors file, other numbers): without the
+    sidecar check predict would answer differently with exit 0."""
+    import shutil
+
+    run_dir = tmp_path / "local"
+    shutil.copytree(uci_runs["local"], run_dir)
+    model = _model(run_dir, 0)
+    data = bytearray(model.read_bytes())
+    data[-40:-24] = bytes(b ^ 0x5A for b in data[-40:-24])
+    model.write_bytes(bytes(data))
+    done = _cli("--model", model, "--num-partitions", PARTITIONS)
+    assert done.returncode == 2, done.stdout
+    assert f"pollen-predict: error: {model}: content does not match its recorded SHA-256" in done.stderr
+    glob = run_dir.parent / "fedavg"
+    shutil.copytree(uci_runs["fedavg"], glob)
+    meta = glob / "final" / "global.json"
+    meta.write_text(meta.read_text().replace('"round": 2', '"round": 9'))
+    done = _cli("--run", glob, "--partition", 0, "--num-partitions", PARTITIONS)
+    assert done.returncode == 2 and f"{meta}: content does not match its recorded SHA-256" in done.stderr
+
+
+def test_partitioning_comes_from_the_model_and_predictions_go_to_stdout(uci_runs, capsys):
+    run_dir = uci_runs["local"]
+    rc, out, _ = _predict(capsys, "--model", _model(run_dir, 2))  # no --partition, no --num-partitions
+    assert rc == 0, out
+    assert abs(_accuracy(out) - _reported(run_dir, 2)["accuracy"]) <= 1e-6
+    rows = list(csv.reader(out.split("predictions (", 1)[1].splitlines()[1:]))
+    assert rows[0] == ["file", "label", "prediction", "score"]
+    assert len(rows) - 1 == _reported(run_dir, 2)["num-examples"] and rows[1][0] == "uci-dirichlet/partition-2/test/0"

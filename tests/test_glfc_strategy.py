@@ -129,7 +129,7 @@ def test_unknown_nodes_are_queried_once_and_only_clients_that_exist_are_sampled(
     assert len(_configure(_strategy(clients_per_round=2), 1, identity_grid(5))) == 2
 
 
-def test_a_node_that_cannot_say_its_partition_is_never_sampled_and_a_duplicate_claim_is_rejected():
+def test_a_node_that_cannot_say_its_partition_is_never_sampled_and_a_duplicate_claim_quarantines():
     def broken(msg):  # a ClientApp without a query handler: Flower turns its exception into an error reply
         return ValueError("No query function registered with name 'default'")
 
@@ -139,10 +139,15 @@ def test_a_node_that_cannot_say_its_partition_is_never_sampled_and_a_duplicate_c
     strat = _strategy(clients_per_round=10)
     grid = identity_grid(5, {1: broken, 2: impostor})
     msgs = _configure(strat, 1, grid)
-    assert sorted(msgs) == [0]
+    assert sorted(msgs) == []  # partition 0: quarantined (two claimants); 1: silent; 2: its node lies
     rep = strat.take_round_report(1)
     assert [f["stage"] for f in rep.failures] == ["query"] and "No query function" in rep.failures[0]["reason"]
-    assert [r["stage"] for r in rep.rejected] == ["query"] and "already served" in rep.rejected[0]["reason"]
+    assert rep.failures[0]["client"] == f"node {node_id(1)}"
+    assert [r["stage"] for r in rep.rejected] == ["query", "query"]
+    assert all("partition 0 is quarantined" in r["reason"] for r in rep.rejected)
+    assert rep.quarantined == [{"partition": 0, "nodes": [node_id(0), node_id(2)]}]
+    assert _configure(strat, 2, grid) == {}  # never sampled, and still named every round
+    assert strat.take_round_report(2).quarantined == [{"partition": 0, "nodes": [node_id(0), node_id(2)]}]
     # nobody identified at all: the round trains nobody and the run fails loudly
     lost = _strategy()
     assert list(lost.configure_train(1, ArrayRecord(), ConfigRecord(), identity_grid(3, {p: broken for p in range(3)}))) == []

@@ -152,20 +152,25 @@ def test_an_error_reply_is_a_failure_with_its_reason():
     assert report.accepted == 1 and report.failures[0]["reason"] == "RuntimeError: client crashed"
 
 
-def test_a_rejected_reply_claims_no_partition():
-    """A bad reply that names partition 0 first must not lock the genuine node of partition 0 out."""
-    grid = InProcessGrid({11: _hostile("nan-array-as-partition-0"), 12: _weights_node(0, 10, 1.0)})
-    strategy = WeightAveraging(min_available_nodes=2)
+def test_a_claim_with_a_bad_payload_still_quarantines_the_partition():
+    """Whether a claimant's payload is good says nothing about who holds the partition: a bad reply that
+    names partition 0 makes partition 0 untrusted (not the bad node's, and not locked to it either)."""
+    grid = InProcessGrid({11: _hostile("nan-array-as-partition-0"), 12: _weights_node(0, 10, 1.0),
+                          13: _weights_node(1, 10, 1.0)})
+    strategy = WeightAveraging(min_available_nodes=3)
     strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
-    assert strategy.reports[1].accepted == 1 and strategy.node_of == {0: 12}
+    assert strategy.reports[1].accepted == 1 and strategy.node_of == {1: 13}
+    assert strategy.reports[1].quarantined == [{"partition": 0, "nodes": [11, 12]}]
 
 
-def test_a_second_node_claiming_a_partition_is_rejected():
-    grid = InProcessGrid({11: _weights_node(0, 10, 1.0), 12: _weights_node(0, 10, 3.0)})
-    strategy = WeightAveraging(min_available_nodes=2)
+def test_a_second_node_claiming_a_partition_quarantines_it():
+    grid = InProcessGrid({11: _weights_node(0, 10, 1.0), 12: _weights_node(0, 10, 3.0),
+                          13: _weights_node(1, 10, 5.0)})
+    strategy = WeightAveraging(min_available_nodes=3)
     result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
-    np.testing.assert_allclose(result.arrays["w"].numpy(), STATE["w"] + 1.0, rtol=1e-6)
-    assert "partition 0 is already served by node 11" in strategy.reports[1].rejected[0]["reason"]
+    np.testing.assert_allclose(result.arrays["w"].numpy(), STATE["w"] + 5.0, rtol=1e-6)  # partition 1 only
+    reasons = [r["reason"] for r in strategy.reports[1].rejected if r["stage"] == "train"]
+    assert len(reasons) == 2 and all("partition 0 is quarantined: nodes [11, 12]" in r for r in reasons)
 
 
 def test_a_partition_moves_to_a_new_node_once_its_node_has_left():

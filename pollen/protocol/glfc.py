@@ -14,8 +14,8 @@ by version, and the proxy's prototype gradients — every array by name.
 | server → client | ``config["num-tasks"]``, ``["classes-per-task"]``, ``["rounds-per-task"]`` | | int | the task plan |
 | server → client | ``config["detect-only"]`` | | bool | evaluate messages only: run task detection on ``arrays``, train nothing |
 | server → client | query: ``config["query"]`` | | str | ``"partition-id"``, once per node whose partition is unknown |
-| client → server | ``arrays[<state-dict name>]`` | as received | as received | trained state; same keys, finite |
-| client → server | ``proto-grads["g{i}.{param}"]`` | LeNet param | float32 | gradient set i = 0..n-1 (one per new class, n <= classes-per-task); absent without a transition |
+| client → server | ``arrays[<state-dict name>]`` | as received | as received | trained state; same keys, finite; ‖reply − broadcast‖ ≤ ``max-update-norm`` · max(‖broadcast‖, 1) |
+| client → server | ``proto-grads["g{i}.{param}"]`` | LeNet param | float32 | gradient set i = 0..n-1 (one per new class, n <= classes-per-task); absent without a transition; each set's L2 norm ≤ ``max-grad-norm`` |
 | client → server | ``metrics["num-examples"]`` | | int | training samples (averaging is unweighted) |
 | client → server | ``metrics["partition-id"]`` | | int | the node's partition (stream client id); also the whole query reply |
 | client → server | ``metrics["old1-version"]``, ``["old2-version"]`` | | int | old-model versions the node has cached now |
@@ -52,7 +52,13 @@ from pollen.protocol.records import (
     array_record,
     reply_content,
 )
-from pollen.protocol.screening import ArraySpec, decode_record
+from pollen.protocol.screening import (
+    ArraySpec,
+    PayloadBounds,
+    check_gradient_norm,
+    check_update_norm,
+    decode_record,
+)
 
 OLD_MODEL = {1: "old-model-1", 2: "old-model-2"}
 PROTO_GRADS = "proto-grads"
@@ -139,13 +145,15 @@ def gradient_specs(lenet_shapes: Mapping[str, Sequence[int]], num_sets: int) -> 
             for i in range(num_sets) for name, shape in lenet_shapes.items()]
 
 
-def decode_gradients(record: Any, lenet_shapes: Mapping[str, Sequence[int]] | None,
-                     max_sets: int) -> tuple[list[dict[str, np.ndarray]] | None, str | None]:
+def decode_gradients(record: Any, lenet_shapes: Mapping[str, Sequence[int]] | None, max_sets: int,
+                     max_grad_norm: float = PayloadBounds.max_grad_norm,
+                     ) -> tuple[list[dict[str, np.ndarray]] | None, str | None]:
     """Server side: the gradient sets of a ``proto-grads`` record, from its keys, or a reason.
 
     ``lenet_shapes`` is the shared LeNet's ``{name: shape}`` (``None`` when the method runs no proxy:
     then only an absent or empty record is accepted). At most ``max_sets`` sets; keys and metadata are
-    checked before anything is decoded.
+    checked before anything is decoded; each set's L2 norm within ``max_grad_norm`` (``max-grad-norm``)
+    — so nothing absurd ever reaches the proxy's gradient inversion.
     """
     if record is None:
         return [], None
@@ -169,20 +177,35 @@ def decode_gradients(record: Any, lenet_shapes: Mapping[str, Sequence[int]] | No
     arrays, reason = decode_record(record, gradient_specs(lenet_shapes, num_sets))
     if arrays is None:
         return None, f"'{PROTO_GRADS}': {reason}"
-    return [{name: arrays[grad_key(i, name)] for name in lenet_shapes} for i in range(num_sets)], None
+    sets = [{name: arrays[grad_key(i, name)] for name in lenet_shapes} for i in range(num_sets)]
+    for i, gset in enumerate(sets):
+        reason = check_gradient_norm(f"{PROTO_GRADS}' set 'g{i}", gset.values(), max_grad_norm)
+        if reason is not None:
+            return None, reason
+    return sets, None
 
 
 def decode_train_reply(content: RecordDict, model_specs: Sequence[ArraySpec],
                        lenet_shapes: Mapping[str, Sequence[int]] | None, max_sets: int,
+                       broadcast: Mapping[str, np.ndarray] | None = None, bounds: PayloadBounds | None = None,
                        ) -> tuple[tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]] | None, str | None]:
-    """Server side: ``((state by name, gradient sets), None)`` or ``(None, reason naming the key)``."""
+    """Server side: ``((state by name, gradient sets), None)`` or ``(None, reason naming the key)``.
+
+    With ``broadcast`` (the global state sent this round) the state's update norm is bounded by
+    ``bounds.max_update_norm``; every gradient set's norm by ``bounds.max_grad_norm``.
+    """
+    bounds = bounds if bounds is not None else PayloadBounds()
     extra = [k for k in content.keys() if k not in REPLY_RECORDS]
     if extra:
         return None, f"unexpected record(s) {extra[:5]}"
     state, reason = decode_record(content.get(ARRAYS), model_specs)
     if state is None:
         return None, f"'{ARRAYS}': {reason}"
-    grads, reason = decode_gradients(content.get(PROTO_GRADS), lenet_shapes, max_sets)
+    if broadcast is not None:
+        reason = check_update_norm(state, broadcast, bounds.max_update_norm)
+        if reason is not None:
+            return None, f"'{ARRAYS}': {reason}"
+    grads, reason = decode_gradients(content.get(PROTO_GRADS), lenet_shapes, max_sets, bounds.max_grad_norm)
     if grads is None:
         return None, reason
     return (state, grads), None

@@ -7,7 +7,7 @@
 | server → client | ``config["contributed"]`` | | bool | this client's logits are in the mean |
 | server → client | ``config["contributor-partitions"]`` | k | int list | partitions whose logits are in the mean (when known); a node restarted under a new id finds its own here |
 | server → client | ``model`` (ArrayRecord) | state dict | any | homogeneous mode only: averaged weights |
-| client → server | ``arrays["logits"]`` | N0×C | float32 | rows in public-sample order, finite |
+| client → server | ``arrays["logits"]`` | N0×C | float32 | rows in public-sample order, finite, within ±``max-logit-abs`` |
 | client → server | ``model`` (ArrayRecord) | state dict | any | homogeneous mode only |
 | client → server | ``metrics["num-examples"]`` | | int | private training samples |
 | client → server | ``metrics["public-digest"]`` | | int | ``public_fingerprint`` of the client's public set as stored (before normalisation); a reply whose digest is not the federation's (most replies' in round 1) is refused |
@@ -25,7 +25,7 @@ import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
 from pollen.protocol.records import array_record, reply_content
-from pollen.protocol.screening import ArraySpec, decode_record
+from pollen.protocol.screening import ArraySpec, PayloadBounds, decode_record
 
 CONSENSUS = "consensus"
 CONTRIBUTORS = "contributors"
@@ -72,7 +72,10 @@ def encode_logit_reply(logits: np.ndarray, num_examples: int, metrics: Mapping[s
     return reply_content({LOGITS: np.asarray(logits, dtype=np.float32)}, num_examples, metrics, **extra)
 
 
-def decode_logit_reply(record: Any, num_public: int, num_classes: int) -> tuple[np.ndarray | None, str | None]:
-    """Server side: ``(logits, None)`` or ``(None, reason)``."""
-    arrays, reason = decode_record(record, [ArraySpec(LOGITS, (num_public, num_classes), "float32")])
+def decode_logit_reply(record: Any, num_public: int, num_classes: int,
+                       max_abs: float = PayloadBounds.max_logit_abs) -> tuple[np.ndarray | None, str | None]:
+    """Server side: ``(logits, None)`` or ``(None, reason)``; every logit finite and within ±``max_abs``
+    (``max-logit-abs``, :class:`~pollen.protocol.screening.PayloadBounds`)."""
+    arrays, reason = decode_record(record, [ArraySpec(LOGITS, (num_public, num_classes), "float32",
+                                                      max_abs=max_abs)])
     return (arrays[LOGITS] if arrays is not None else None), reason

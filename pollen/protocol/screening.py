@@ -129,8 +129,16 @@ def _finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# Sane finite ranges for every metric value: a number beyond them is no measurement, and summing a few
+# (the round's weighted means) would overflow. 2**53: the largest magnitude at which a float still holds
+# every integer (52-bit digests fit); losses (any key ending in "loss") far below, so a mean stays finite.
+MAX_METRIC_ABS = 2.0**53
+MAX_LOSS_ABS = 1e12
+
+
 def check_metrics(metrics: Any, bounds: Mapping[str, MetricBound]) -> str | None:
-    """Every value a finite number (or list of them); known keys within their bounds."""
+    """Every value a finite number (or list of them) within ``MAX_METRIC_ABS`` (keys ending in ``loss``:
+    ``MAX_LOSS_ABS``); known keys within their bounds."""
     if not isinstance(metrics, (MetricRecord, dict)):
         return f"metrics: expected a MetricRecord, got {type(metrics).__name__}"
     for key, spec in bounds.items():
@@ -141,6 +149,9 @@ def check_metrics(metrics: Any, bounds: Mapping[str, MetricBound]) -> str | None
         for v in values:
             if not _finite_number(v):
                 return f"metric '{key}' = {v!r} is not a finite number"
+            cap = MAX_LOSS_ABS if key.endswith("loss") else MAX_METRIC_ABS
+            if abs(v) > cap:
+                return f"metric '{key}' = {v!r} is beyond the sane range ±{cap:g}"
         bound = bounds.get(key)
         if bound is None:
             continue
@@ -180,4 +191,69 @@ def check_accuracy_keys(metrics: Mapping[str, Any]) -> str | None:
         if key.endswith("accuracy") and not isinstance(value, list) and _finite_number(value) \
                 and not 0.0 <= value <= 1.0:
             return f"metric '{key}' = {value!r} is outside [0, 1]"
+    return None
+
+
+@dataclass(frozen=True)
+class PayloadBounds:
+    """The declared bound of each payload kind, checked before anything is aggregated (run keys in
+    parentheses; prototypes keep ``pollen.protocol.prototypes.MAX_PROTOTYPE_ABS``).
+
+    * ``max_update_norm`` (``max-update-norm``): weights, GLFC models and homogeneous-mode logit models.
+      The rule is relative, ``‖reply − broadcast‖₂ ≤ max_update_norm · max(‖broadcast‖₂, 1)`` over the
+      float entries: one number then fits models of every size and scale (an absolute per-value bound
+      would have to be loose enough for the largest BatchNorm variance of any task), and it measures
+      what a client changed rather than what it was given. The floor of 1 keeps a freshly zeroed model
+      trainable. Integer entries (BatchNorm's batch counters) are not norm-bounded: they are rounded
+      and clipped to their type when averaged.
+    * ``max_logit_abs`` (``max-logit-abs``): every public-set logit within ±this.
+    * ``max_grad_norm`` (``max-grad-norm``): the L2 norm of each GLFC prototype-gradient set (all LeNet
+      parameters of one set together), checked before the proxy sees any of it.
+
+    The defaults leave honest clients orders of magnitude of room (a LeNet gradient set measured at
+    norm ≈ 30; an honest round moves a model by well under its own norm) and refuse the absurd: a
+    reply of 3e38 is ~1e37 times any broadcast model.
+    """
+
+    max_update_norm: float = 1e4
+    max_logit_abs: float = 1e4
+    max_grad_norm: float = 1e4
+
+    def __post_init__(self) -> None:
+        for name in ("max_update_norm", "max_logit_abs", "max_grad_norm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _float_norm(arrays: Iterable[np.ndarray]) -> float:
+    """L2 norm over the float entries of ``arrays``, in float64 (inf when even float64 overflows)."""
+    total = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for a in arrays:
+            if a.dtype.kind == "f" and a.size:
+                total += float(np.square(a, dtype=np.float64).sum())
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def check_update_norm(reply: Mapping[str, np.ndarray], broadcast: Mapping[str, np.ndarray],
+                      max_update_norm: float) -> str | None:
+    """``None`` when ``‖reply − broadcast‖₂ ≤ max_update_norm · max(‖broadcast‖₂, 1)`` over the float
+    entries both hold (:class:`PayloadBounds`), else the reason with both norms."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        delta = _float_norm(np.asarray(reply[k], dtype=np.float64) - np.asarray(broadcast[k], dtype=np.float64)
+                            for k in broadcast if k in reply and np.asarray(broadcast[k]).dtype.kind == "f")
+    scale = max(_float_norm(np.asarray(v) for v in broadcast.values()), 1.0)
+    if not delta <= max_update_norm * scale:
+        return (f"update norm {delta:.4g} is {delta / scale:.4g} × the broadcast model's norm {scale:.4g}, "
+                f"above the bound max-update-norm = {max_update_norm:g}")
+    return None
+
+
+def check_gradient_norm(key: str, arrays: Iterable[np.ndarray], max_grad_norm: float) -> str | None:
+    """``None`` when the L2 norm of one gradient set is within ``max_grad_norm``, else the reason."""
+    norm = _float_norm(arrays)
+    if not norm <= max_grad_norm:
+        return f"'{key}': gradient norm {norm:.4g} above the bound max-grad-norm = {max_grad_norm:g}"
     return None

@@ -7,10 +7,17 @@ this class makes sure no reply reaches that code unchecked:
 
 * error replies are counted as failures with their reason;
 * metrics must be finite numbers, counts within ``max_examples``, accuracies in [0, 1];
-* a node's ``partition-id`` is bound to its node id for the run: a second node claiming the same
-  partition, or a node changing its claim, is rejected. Once the serving node has left (the grid
-  no longer lists it), a new node may take the partition over: that is how a SuperNode restarted
-  on the same state folder carries on;
+* a node's ``partition-id`` is a claim, never proof: answering first does not make it true. A node
+  keeps the partition it first claimed (a changed claim is rejected). When two connected nodes
+  claim one partition, neither is trusted: the partition is *quarantined* — every reply claiming it
+  is rejected, a WARNING names the nodes and the partition each round, and the round report keeps
+  it (``quarantined``) — until one of them leaves the grid. Once a claimant has left, its claim
+  lapses: that is how a SuperNode restarted on the same state folder carries on. The operator can
+  pin partitions to node ids (``partition_pins``): a pinned partition is served by its pinned node
+  only, whoever else claims it. The identity query (``identify``) follows the same rules;
+* a failure (an error reply, or no reply before the timeout) is recorded once, under the node the
+  message was *sent to* (its partition when known): in a deployment the SuperLink itself writes the
+  error reply for a node that has gone, so the reply's source would name the SuperLink;
 * arrays are checked from their metadata before decoding (:mod:`pollen.protocol.screening`).
 
 A rejected reply is logged as a WARNING naming the client, the key and the reason, and kept in the
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +42,14 @@ from flwr.serverapp.strategy import Result, Strategy
 from pollen.log import LOGGER
 from pollen.protocol.identity import PARTITION_ID, decode_identity_reply, query_content
 from pollen.protocol.records import ARRAYS, CONFIG, METRICS, record_bytes
-from pollen.protocol.screening import COMMON_METRICS, check_accuracy_keys, check_metrics, metric_bounds
+from pollen.protocol.screening import (
+    COMMON_METRICS,
+    PayloadBounds,
+    check_accuracy_keys,
+    check_metrics,
+    metric_bounds,
+)
+from pollen.strategies.aggregation import average_arrays, check_aggregation, robust_arrays
 from pollen.strategies.metrics import mean_std_metrics
 
 SIMULATION_NODE_WAIT_S = 5.0
@@ -71,6 +85,7 @@ class RoundReport:
     evaluate_clients: dict[str, dict] = field(default_factory=dict)
     rejected: list[dict] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
+    quarantined: list[dict] = field(default_factory=list)  # {"partition", "nodes"}: claimed by several
     fit: dict[str, Any] = field(default_factory=dict)
     evaluate: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
@@ -92,6 +107,11 @@ class PollenStrategy(Strategy):
         max_examples: the largest ``num-examples`` (and class count) a client may claim.
         max_empty_rounds: rounds allowed to train nobody before the run fails.
         seed: seeds this strategy's own sampling RNG (never the global ``random``).
+        aggregation / trim_fraction: ``mean`` (the family's weighted mean), ``median`` or
+            ``trimmed-mean`` (:mod:`pollen.strategies.aggregation`: breakdown points and cost).
+        bounds: the declared payload bounds (:class:`~pollen.protocol.screening.PayloadBounds`).
+        partition_pins: ``{partition: node id}`` the operator vouches for; a pinned partition is
+            served by that node only (module docstring).
     """
 
     family = "base"
@@ -100,7 +120,9 @@ class PollenStrategy(Strategy):
                  min_train_nodes: int = 1, min_evaluate_nodes: int = 1, min_available_nodes: int = 1,
                  evaluate_every: int = 1, num_rounds: int | None = None, max_examples: int = 10_000_000,
                  max_empty_rounds: int = 0, node_wait_s: float = 120.0, seed: int = 0,
-                 identify_nodes: bool = False, query_timeout: float | None = None):
+                 identify_nodes: bool = False, query_timeout: float | None = None, aggregation: str = "mean",
+                 trim_fraction: float = 0.2, bounds: PayloadBounds | None = None,
+                 partition_pins: Mapping[int, int] | None = None):
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
         if not 0.0 <= fraction_evaluate <= 1.0:
@@ -111,6 +133,17 @@ class PollenStrategy(Strategy):
                 raise ValueError(f"{name} must be an integer >= 1, got {value}")
         if min_evaluate_nodes < 0 or max_empty_rounds < 0 or node_wait_s < 0:
             raise ValueError("min_evaluate_nodes, max_empty_rounds and node_wait_s must be >= 0")
+        check_aggregation(aggregation, trim_fraction)
+        pins = dict(partition_pins or {})
+        for pid, node in pins.items():
+            if isinstance(pid, bool) or isinstance(node, bool) or int(pid) != pid or int(node) != node or pid < 0:
+                raise ValueError(f"partition_pins maps partition ids >= 0 to node ids, got {pid!r}: {node!r}")
+        if len(set(pins.values())) != len(pins):
+            raise ValueError(f"partition_pins pins one node to several partitions: {pins}")
+        self.aggregation = aggregation
+        self.trim_fraction = float(trim_fraction)
+        self.bounds = bounds if bounds is not None else PayloadBounds()
+        self.pins = {int(p): int(n) for p, n in pins.items()}
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
         self.min_train_nodes = min_train_nodes
@@ -123,8 +156,10 @@ class PollenStrategy(Strategy):
         self.node_wait_s = node_wait_s
         self.rng = random.Random(seed)
         self.empty_rounds = 0
-        self.partition_of: dict[int, int] = {}  # node id -> partition it claimed first
-        self.node_of: dict[int, int] = {}  # partition -> node id serving it
+        self.partition_of: dict[int, int] = {n: p for p, n in self.pins.items()}  # node id -> its (first) claim
+        self.node_of: dict[int, int] = dict(self.pins)  # partition -> the one node trusted to serve it
+        self.claims: dict[int, set[int]] = {p: {n} for p, n in self.pins.items()}  # partition -> claimants
+        self._outbox: list[Message] = []  # the messages of the current send: whom each reply answers
         self.grid: Grid | None = None  # the grid last sampled from: tells whether a node has left
         self.identify_nodes = identify_nodes  # ask partitions (QUERY) before sampling a fraction of nodes
         self.query_timeout = query_timeout
@@ -173,7 +208,11 @@ class PollenStrategy(Strategy):
         return sorted(self.rng.sample(nodes, size))
 
     def identify(self, server_round: int, grid: Grid, node_ids: Iterable[int]) -> None:
-        """Send one query to each node whose partition is unknown and bind the partitions they answer."""
+        """Send one query to each node whose partition is unknown and register the partitions they claim.
+
+        A claim here follows the rules of every reply (module docstring): a second connected node
+        claiming a partition quarantines it rather than losing to the first answer.
+        """
         unknown = sorted(n for n in node_ids if n not in self.partition_of and n not in self._queried)
         if not unknown:
             return
@@ -182,25 +221,24 @@ class PollenStrategy(Strategy):
                     for n in unknown]
         timeout = self.query_timeout if self.query_timeout is not None else self.timeout
         replies = list(grid.send_and_receive(messages, timeout=timeout))
-        rep = self.report(server_round)
+        replies = self._record_failures(server_round, "query", messages, replies)
+        self._prune_claims()
         bounds = {PARTITION_ID: COMMON_METRICS[PARTITION_ID]}
+        verdicts: list[tuple[int, int | None, str | None]] = []
         for msg in replies:
             node = int(msg.metadata.src_node_id)
-            if msg.has_error():
-                rep.failures.append({"stage": "query", "client": self.label(node), "code": int(msg.error.code),
-                                     "reason": str(msg.error.reason)[-500:]})
-                LOGGER.warning("round %d query: node %d could not say its partition (error %d); its ClientApp "
-                               "must answer QUERY messages with metrics['partition-id']: %s", server_round,
-                               node, int(msg.error.code), str(msg.error.reason).strip().splitlines()[-1:])
-                continue
             pid, reason = decode_identity_reply(msg.content)
             if pid is not None:
-                reason = check_metrics(msg.content[METRICS], bounds) or self.partition_claim_reason(pid)
-                reason = reason or self._check_partition(node, {PARTITION_ID: pid})
+                reason = check_metrics(msg.content[METRICS], bounds)
+            if pid is not None and reason is None:
+                self._register_claim(node, pid)
+            verdicts.append((node, pid, reason))
+        self._warn_quarantine(server_round)
+        for node, pid, reason in verdicts:
+            if reason is None and pid is not None:
+                reason = self._check_partition(node, {PARTITION_ID: pid})
             if reason is not None or pid is None:
                 self.reject(server_round, "query", self.label(node), reason or "no partition id")
-            else:
-                self._bind_partition(node, {PARTITION_ID: pid})
 
     def partition_claim_reason(self, pid: int) -> str | None:
         """Why a node may not serve partition ``pid`` (``None``: it may); strategies with a plan override it."""
@@ -221,6 +259,7 @@ class PollenStrategy(Strategy):
     def build_messages(self, server_round: int, node_ids: Sequence[int], message_type: str,
                        content_for: Callable[[int], RecordDict]) -> list[Message]:
         messages = [Message(content=content_for(n), message_type=message_type, dst_node_id=n) for n in node_ids]
+        self._outbox = messages  # the grid sets their ids when it sends them: screening maps replies back
         rep = self.report(server_round)
         rep.bytes_down += sum(record_bytes(m.content) for m in messages)
         if message_type == MessageType.TRAIN:
@@ -248,46 +287,147 @@ class PollenStrategy(Strategy):
         self.report(server_round).rejected.append(
             {"round": server_round, "stage": stage, "client": label, "reason": reason[:REASON_CHARS]})
 
+    # ------------------------------------------------------------------ failures, named by destination
+    def _record_failures(self, server_round: int, stage: str, sent: Sequence[Message],
+                         replies: Iterable[Message]) -> list[Message]:
+        """Record (and log, once each) every error reply and every message of ``sent`` that got no reply,
+        under the node the message was sent to; return the replies that are not errors.
+
+        A reply names the message it answers (``reply_to_message_id``); in a deployment an error reply for a
+        node that has gone is written by the SuperLink, so its source is the SuperLink, never the node.
+        Where the grid set no message ids (a test grid), the reply's source stands in for the destination.
+        """
+        rep = self.report(server_round)
+        dst_of = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in sent if m.metadata.message_id}
+        answered: set[int] = set()
+        good: list[Message] = []
+        for msg in replies:
+            node = dst_of.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
+            answered.add(node)
+            if not msg.has_error():
+                good.append(msg)
+                continue
+            code, reason = int(msg.error.code), str(msg.error.reason)
+            self._failure(rep, stage, node, code, reason)
+        for m in sent:
+            node = int(m.metadata.dst_node_id)
+            if node not in answered:
+                self._failure(rep, stage, node, None, "no reply before the round timeout")
+        return good
+
+    def _failure(self, rep: RoundReport, stage: str, node: int, code: int | None, reason: str) -> None:
+        label = self.label(node)
+        rep.failures.append({"stage": stage, "client": label, "node": node, "code": code,
+                             "reason": reason[-REASON_CHARS:]})
+        last = reason.strip().splitlines()[-1:] if reason.strip() else [""]
+        hint = ("; its ClientApp must answer QUERY messages with metrics['partition-id']"
+                if stage == "query" and code is not None else "")
+        who = label if label == f"node {node}" else f"{label} (node {node})"
+        LOGGER.warning("round %d %s: %s failed%s: %s%s", rep.round, stage, who,
+                       "" if code is None else f" (error {code})", last[0][:500], hint)
+
+    # ------------------------------------------------------------------ partition claims
+    def _prune_claims(self) -> None:
+        """The claims of nodes that have left the grid lapse (a restarted SuperNode returns under a new id);
+        a pinned node's never does."""
+        if self.grid is None:
+            return
+        live = set(self.grid.get_node_ids())
+        for pid, nodes in self.claims.items():
+            gone = {n for n in nodes if n not in live and self.pins.get(pid) != n}
+            if gone:
+                LOGGER.info("partition %d: node(s) %s left the grid; their claim lapses", pid, sorted(gone))
+                nodes -= gone
+                for n in gone:
+                    self.partition_of.pop(n, None)
+                self._refresh_owner(pid)
+
+    def _refresh_owner(self, pid: int) -> None:
+        """``node_of[pid]``: the pinned node, else the sole claimant; nobody when several claim it."""
+        nodes = self.claims.get(pid, set())
+        if pid in self.pins:
+            self.node_of[pid] = self.pins[pid]
+        elif len(nodes) == 1:
+            self.node_of[pid] = next(iter(nodes))
+        else:
+            self.node_of.pop(pid, None)
+
+    def _register_claim(self, node_id: int, pid: int) -> None:
+        """Record that ``node_id`` claims ``pid`` — unless the claim is refused outright (another node's pin,
+        a changed claim, a partition outside the plan), which then claims nothing."""
+        pinned = self.pins.get(pid)
+        if pinned is not None and pinned != node_id:
+            return
+        if self.partition_of.get(node_id, pid) != pid or self.partition_claim_reason(pid) is not None:
+            return
+        self.partition_of[node_id] = pid
+        self.claims.setdefault(pid, set()).add(node_id)
+        self._refresh_owner(pid)
+
+    def quarantined(self) -> dict[int, list[int]]:
+        """``{partition: claiming node ids}`` for every unpinned partition that several nodes claim."""
+        return {pid: sorted(nodes) for pid, nodes in sorted(self.claims.items())
+                if len(nodes) > 1 and pid not in self.pins}
+
+    def _warn_quarantine(self, server_round: int) -> None:
+        """A WARNING per quarantined partition, once per round, kept in the round report."""
+        rep = self.report(server_round)
+        logged = {q["partition"] for q in rep.quarantined}
+        for pid, nodes in self.quarantined().items():
+            if pid in logged:
+                continue
+            rep.quarantined.append({"partition": pid, "nodes": nodes})
+            LOGGER.warning("round %d: partition %d is claimed by nodes %s: quarantined, none of them is trusted "
+                           "(pin the partition to its node with partition-pins)", server_round, pid, nodes)
+
     def _check_partition(self, node_id: int, metrics: dict[str, Any]) -> str | None:
-        """A node keeps the partition it first served; a partition keeps the node that first served it."""
-        if "partition-id" not in metrics:
-            return None
-        pid = int(metrics["partition-id"])
+        """Why this node's reply may not count for the partition it claims (or claimed before)."""
         claimed = self.partition_of.get(node_id)
-        if claimed is not None and claimed != pid:
-            return f"partition-id {pid} differs from partition {claimed} this node claimed before"
-        owner = self.node_of.get(pid)
-        if owner is not None and owner != node_id and not self._has_left(owner):
-            return f"partition {pid} is already served by node {owner}"
+        target = claimed
+        if PARTITION_ID in metrics:
+            pid = int(metrics[PARTITION_ID])
+            pinned = self.pins.get(pid)
+            if pinned is not None and pinned != node_id:
+                return f"partition {pid} is pinned to node {pinned}, not to this node ({node_id})"
+            if claimed is not None and claimed != pid:
+                return f"partition-id {pid} differs from partition {claimed} this node claimed before"
+            reason = self.partition_claim_reason(pid)
+            if reason is not None:
+                return reason
+            target = pid
+        nodes = self.quarantined().get(target) if target is not None else None
+        if nodes:
+            return (f"partition {target} is quarantined: nodes {nodes} all claim it, so none is trusted "
+                    f"(this is node {node_id}; pin the partition with partition-pins)")
         return None
-
-    def _has_left(self, node_id: int) -> bool:
-        """True once the grid no longer lists ``node_id`` (stopped, or its heartbeats expired)."""
-        return self.grid is not None and node_id not in set(self.grid.get_node_ids())
-
-    def _bind_partition(self, node_id: int, metrics: dict[str, Any]) -> None:
-        """Bind only once a reply is accepted: a rejected reply claims nothing."""
-        if "partition-id" in metrics:
-            pid = int(metrics["partition-id"])
-            owner = self.node_of.get(pid)
-            if owner is not None and owner != node_id:  # the owner has left (checked in screening)
-                LOGGER.info("partition %d moves from node %d, which has left, to node %d", pid, owner, node_id)
-                self.partition_of.pop(owner, None)
-            self.partition_of[node_id] = pid
-            self.node_of[pid] = node_id
 
     def screen(self, server_round: int, stage: str, replies: Iterable[Message],
                decode: Callable[[Message, dict[str, Any]], tuple[Any, str | None]]) -> list[Accepted]:
-        """Failures counted, bad replies rejected with a reason, the rest decoded by ``decode``."""
+        """Failures recorded by destination, partition claims registered (all of the round's replies before
+        any is judged, so the order of answers decides nothing), bad replies rejected with a reason, the
+        rest decoded by ``decode``."""
         rep = self.report(server_round)
+        wanted = MessageType.TRAIN if stage == "train" else MessageType.EVALUATE
+        sent = [m for m in self._outbox if m.metadata.message_type == wanted]
+        self._outbox = []
+        good = self._record_failures(server_round, stage, sent, replies)
+        self._prune_claims()
+        bounds = metric_bounds(self.max_examples, evaluate=stage == "evaluate")
+        first: set[int] = set()
+        for msg in good:  # claims first: one per node and round, from metrics that pass screening
+            node = int(msg.metadata.src_node_id)
+            if node in first:
+                continue
+            first.add(node)
+            rec = msg.content.get(METRICS)
+            if isinstance(rec, MetricRecord) and PARTITION_ID in rec and check_metrics(rec, bounds) is None \
+                    and check_accuracy_keys(rec) is None:
+                self._register_claim(node, int(rec[PARTITION_ID]))
+        self._warn_quarantine(server_round)
         accepted: list[Accepted] = []
         seen: set[int] = set()
-        for msg in replies:
+        for msg in good:
             node = int(msg.metadata.src_node_id)
-            if msg.has_error():
-                rep.failures.append({"stage": stage, "client": self.label(node), "code": int(msg.error.code),
-                                     "reason": str(msg.error.reason)[-REASON_CHARS:]})
-                continue
             rep.bytes_up += record_bytes(msg.content)
             label = self.label(node)
             if node in seen:
@@ -298,24 +438,29 @@ class PollenStrategy(Strategy):
             if not isinstance(metrics_rec, MetricRecord):
                 self.reject(server_round, stage, label, f"no MetricRecord under '{METRICS}'")
                 continue
-            reason = (check_metrics(metrics_rec, metric_bounds(self.max_examples, evaluate=stage == "evaluate"))
-                      or check_accuracy_keys(metrics_rec))
+            reason = check_metrics(metrics_rec, bounds) or check_accuracy_keys(metrics_rec)
             metrics = _plain(metrics_rec)
             if reason is None:
                 reason = self._check_partition(node, metrics)
-            if reason is None and "partition-id" in metrics:  # a consistent claim names the client
-                label = f"partition {int(metrics['partition-id'])}"
+            if reason is None and PARTITION_ID in metrics:  # a consistent claim names the client
+                label = f"partition {int(metrics[PARTITION_ID])}"
             if reason is None:
                 payload, reason = decode(msg, metrics)
             if reason is not None:
                 self.reject(server_round, stage, label, reason)
                 continue
-            self._bind_partition(node, metrics)
             label = self.label(node)
             accepted.append(Accepted(node, label, payload, metrics, int(metrics["num-examples"])))
             target = rep.fit_clients if stage == "train" else rep.evaluate_clients
             target[label] = metrics
         return accepted
+
+    def combine(self, client_arrays: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> list[np.ndarray]:
+        """The accepted clients' arrays combined by the strategy's ``aggregation``: the family's weighted
+        mean (``weights``), or the unweighted median / trimmed mean (:mod:`pollen.strategies.aggregation`)."""
+        if self.aggregation == "mean":
+            return average_arrays(client_arrays, weights)
+        return robust_arrays(client_arrays, self.aggregation, self.trim_fraction)
 
     def close_train_round(self, server_round: int, accepted: Sequence[Accepted]) -> None:
         """Count the round; an empty one is a WARNING, too many of them fail the run."""

@@ -25,8 +25,12 @@ runs it from any ``@app.main()`` ServerApp). Its wire contract is :mod:`pollen.p
 * with ``detect_all_clients`` (the official code) sends the new global model to every active node that
   was not sampled, as a detect-only ``evaluate`` message, so it runs task detection too;
 * screens every reply before use (base class + :func:`pollen.protocol.glfc.decode_train_reply`):
-  state keys/shapes/dtypes as the global model, gradient sets from their keys (at most
-  ``classes_per_task``), LeNet shapes, float32, finite — bad replies are rejected with a reason.
+  state keys/shapes/dtypes as the global model and its update norm within ``max-update-norm``,
+  gradient sets from their keys (at most ``classes_per_task``), LeNet shapes, float32, finite, each
+  set's norm within ``max-grad-norm`` — bad replies are rejected with a reason, and nothing of them
+  reaches the proxy;
+* combines the accepted states by the strategy's ``aggregation`` (unweighted mean, median or
+  trimmed mean: :mod:`pollen.strategies.aggregation`).
 
 torch is imported only inside the methods that need it (model growth, evaluation, the proxy), and
 this module is not imported by ``pollen.strategies``.
@@ -58,7 +62,6 @@ from pollen.protocol.screening import (
     decode_record,
 )
 from pollen.strategies.base import Accepted, NoTrainingError, PollenStrategy
-from pollen.strategies.weights import average_arrays
 
 OLD_MODEL_SOURCES = ("proxy", "previous-task", "none")
 
@@ -370,6 +373,7 @@ class IncrementalFedAvg(PollenStrategy):
         active = self.schedule.active_clients(task)
         nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, len(active)))
         self.identify(server_round, grid, nodes)
+        self._warn_quarantine(server_round)  # a quarantined partition is never sampled: say so every round
         connected = set(nodes)
         candidates = sorted(pid for pid in active if self.node_of.get(pid) in connected)
         self._sampled = set()
@@ -412,6 +416,7 @@ class IncrementalFedAvg(PollenStrategy):
         specs = self.model_specs()
         bounds = self._train_bounds()
         max_sets = self.schedule.classes_per_task
+        broadcast = dict(zip(self.keys, self._global))  # the state sent this round: the update bound's base
 
         def decode(msg: Message, metrics: dict) -> tuple[object, str | None]:
             node = int(msg.metadata.src_node_id)
@@ -420,7 +425,7 @@ class IncrementalFedAvg(PollenStrategy):
             reason = check_metrics(metrics, bounds)
             if reason is not None:
                 return None, reason
-            return protocol.decode_train_reply(msg.content, specs, self.lenet_shapes, max_sets)
+            return protocol.decode_train_reply(msg.content, specs, self.lenet_shapes, max_sets, broadcast, self.bounds)
 
         accepted = self.screen(server_round, "train", replies, decode)
         pool: list[list[np.ndarray]] = []
@@ -430,16 +435,16 @@ class IncrementalFedAvg(PollenStrategy):
             pool += [[g[name] for name in lenet_names] for g in a.payload[1]]
         extra: dict[str, Any] = {"task": self.task, "num-classes": self.num_classes}
         if accepted:
-            self._global = average_arrays([[a.payload[0][k] for k in self.keys] for a in accepted],
-                                          [1.0] * len(accepted))
+            self._global = self.combine([[a.payload[0][k] for k in self.keys] for a in accepted],
+                                        [1.0] * len(accepted))
             extra["transitions"] = sum(int(a.metrics.get(protocol.TRANSITION, 0)) for a in accepted)
             if self.old_model == "proxy":
-                extra.update(self._run_proxy(pool))
+                extra.update(self._run_proxy(server_round, pool))
         metrics = self.train_metrics(server_round, accepted, **extra)
         self.close_train_round(server_round, accepted)
         return (self.global_record() if accepted else None), metrics
 
-    def _run_proxy(self, pool: list[list[np.ndarray]]) -> dict[str, Any]:
+    def _run_proxy(self, server_round: int, pool: list[list[np.ndarray]]) -> dict[str, Any]:
         from pollen.strategies.proxy import monitor_accuracy, reconstruct_batched
 
         out: dict[str, Any] = {"proxy-gradients": len(pool)}
@@ -453,7 +458,10 @@ class IncrementalFedAvg(PollenStrategy):
             x, y = rec.samples()
             out["proxy-rotated"] = int(self.proxy.receive(self.task, x, y, self.proxy_reset))
             out["proxy-seconds"] = round(rec.seconds, 3)
-            out["proxy-matching-loss"] = float(rec.losses.mean())
+            out["proxy-matching-loss"] = loss = float(rec.losses.mean())
+            if not np.isfinite(loss):
+                LOGGER.warning("round %d: the proxy's gradient-matching loss is %s: its reconstructions of this "
+                               "round's %d gradient set(s) are unreliable", server_round, loss, len(grads))
             out["proxy-images-per-s"] = len(grads) / max(rec.seconds, 1e-9)
         model = self._new_model(self.num_classes, self._global).to(self.device)
         score = monitor_accuracy(model, self.proxy.monitor_x, self.proxy.monitor_y, self.device)

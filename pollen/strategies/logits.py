@@ -3,7 +3,9 @@
 Clients never send parameters (heterogeneous architectures have nothing to average); each sends its
 logits on the shared unlabeled public set (contract: :mod:`pollen.protocol.logits`). The server keeps
 their unweighted mean (the *consensus*) and sends it back next round with the number of contributors,
-so a client whose own reply is in the mean can take it out again (leave-one-out target).
+so a client whose own reply is in the mean can take it out again (leave-one-out target). With
+``aggregation = median | trimmed-mean`` the consensus is that robust statistic instead (a client's
+leave-one-out then only approximates removing its own logits).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from flwr.serverapp import Grid
 from pollen.protocol.logits import MODEL, PUBLIC_DIGEST, decode_logit_reply, encode_consensus
 from pollen.protocol.records import ARRAYS, CONFIG, METRICS, array_record
 from pollen.protocol.weights import decode_weights_reply
+from pollen.strategies.aggregation import robust_stack
 from pollen.strategies.base import PollenStrategy
-from pollen.strategies.weights import average_arrays
 
 
 def mean_logits(client_logits: Sequence[np.ndarray]) -> np.ndarray:
@@ -64,6 +66,7 @@ class LogitAveraging(PollenStrategy):
         self.contributors: set[int] = set()  # node ids whose logits are in the consensus
         self.contributor_partitions: set[int] = set()  # the same, by partition: survives a restart
         self.weights: ArrayRecord | None = None
+        self._broadcast: dict[str, np.ndarray] | None = None  # self.weights decoded, once per round
         # The federation's public images (their digest): fixed by the first round's majority.
         self.public_digest: int | None = None
 
@@ -146,13 +149,14 @@ class LogitAveraging(PollenStrategy):
         reason = self._check_public(metrics)
         if reason is not None:
             return None, reason
-        logits, reason = decode_logit_reply(msg.content.get(ARRAYS), self.num_public, self.num_classes)
+        logits, reason = decode_logit_reply(msg.content.get(ARRAYS), self.num_public, self.num_classes,
+                                            self.bounds.max_logit_abs)
         if reason is not None or not self.average_weights:
             return (logits, None), reason
         model = msg.content.get(MODEL)
         if reference is None:
             return None, f"homogeneous mode needs the model state under '{MODEL}'"
-        state, reason = decode_weights_reply(model, reference)
+        state, reason = decode_weights_reply(model, reference, self.bounds.max_update_norm, self._broadcast)
         return ((logits, state), None) if reason is None else (None, f"{MODEL}: {reason}")
 
     def _majority_state(self, replies: list[Message]) -> ArrayRecord | None:
@@ -178,6 +182,12 @@ class LogitAveraging(PollenStrategy):
         if self.public_digest is None:
             self.public_digest = self._majority_digest(replies)
 
+        # The update bound is relative to the model broadcast last round; before any (no initial model),
+        # to the zero model: the norm itself is then bounded by max-update-norm.
+        if reference is not None:
+            self._broadcast = {k: (a.numpy() if self.weights is not None else np.zeros(a.shape, a.dtype))
+                               for k, a in reference.items()}
+
         def decode(msg: Message, metrics: dict) -> tuple[object, str | None]:
             return self._decode(msg, reference, metrics)
 
@@ -186,14 +196,16 @@ class LogitAveraging(PollenStrategy):
         self.close_train_round(server_round, accepted)
         if not accepted:  # keep last round's consensus: better stale than nothing
             return None, metrics
-        self.consensus = mean_logits([a.payload[0] for a in accepted])
+        self.consensus = (mean_logits([a.payload[0] for a in accepted]) if self.aggregation == "mean" else
+                          robust_stack([a.payload[0] for a in accepted], self.aggregation,
+                                       self.trim_fraction).astype(np.float32))
         self.contributors = {a.node_id for a in accepted}
         self.contributor_partitions = {self.partition_of[a.node_id] for a in accepted if a.node_id in self.partition_of}
         if self.average_weights:
             assert reference is not None  # without a reference state _decode rejects every reply
             keys = list(reference.keys())
-            averaged = average_arrays([[a.payload[1][k] for k in keys] for a in accepted],
-                                      [float(a.num_examples) for a in accepted])
+            averaged = self.combine([[a.payload[1][k] for k in keys] for a in accepted],
+                                    [float(a.num_examples) for a in accepted])
             self.weights = array_record(dict(zip(keys, averaged)))
         return self.consensus_record(), metrics
 

@@ -17,22 +17,27 @@ from flwr.serverapp import Grid
 
 from pollen.protocol.prototypes import decode_prototype_reply, encode_global_prototypes
 from pollen.protocol.records import ARRAYS, CONFIG
+from pollen.strategies.aggregation import check_aggregation, robust_stack
 from pollen.strategies.base import PollenStrategy
 
 PROTO_WEIGHTINGS = ("samples", "uniform")
 
 
 def aggregate_prototypes(protos: Sequence[np.ndarray], counts: Sequence[np.ndarray],
-                         weighting: str = "samples") -> tuple[np.ndarray, np.ndarray]:
+                         weighting: str = "samples", aggregation: str = "mean",
+                         trim_fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
     """Class-wise average of client prototypes over the clients that hold each class.
 
     ``C̄^j = Σ_i w_ij C_i^j / Σ_i w_ij`` with ``w_ij = |D_ij|`` (``"samples"``, the paper) or
     ``w_ij = 1[|D_ij| > 0]`` (``"uniform"``, the official code). Returns ``(global C×d float32,
     present C bool)``; a class no client holds stays absent (its row is zeros and must not be read) —
     averaging zero vectors in would drag every embedding of that class towards the origin.
+    ``aggregation = median | trimmed-mean`` replaces the weighted mean by that coordinate-wise statistic
+    over the holders of each class, unweighted (:mod:`pollen.strategies.aggregation`).
     """
     if weighting not in PROTO_WEIGHTINGS:
         raise ValueError(f"weighting must be one of {PROTO_WEIGHTINGS}, got {weighting!r}")
+    check_aggregation(aggregation, trim_fraction)
     if len(protos) != len(counts) or not protos:
         raise ValueError(f"need the same positive number of prototype and count arrays, "
                          f"got {len(protos)} and {len(counts)}")
@@ -55,7 +60,12 @@ def aggregate_prototypes(protos: Sequence[np.ndarray], counts: Sequence[np.ndarr
         weight += np.where(held, w, 0.0)
     present = weight > 0
     out = np.zeros((num_classes, dim), dtype=np.float32)
-    out[present] = (total[present] / weight[present, None]).astype(np.float32)
+    if aggregation == "mean":
+        out[present] = (total[present] / weight[present, None]).astype(np.float32)
+        return out, present
+    for j in np.flatnonzero(present):
+        holders = [p[j] for p, c in zip(protos, counts) if np.asarray(c)[j] > 0]
+        out[j] = robust_stack(holders, aggregation, trim_fraction).astype(np.float32)
     return out, present
 
 
@@ -144,7 +154,8 @@ class PrototypeStrategy(PollenStrategy):
         accepted = self.screen(server_round, "train", replies, decode)
         if accepted:
             protos, present = aggregate_prototypes([a.payload[0] for a in accepted],
-                                                   [a.payload[1] for a in accepted], self.weighting)
+                                                   [a.payload[1] for a in accepted], self.weighting,
+                                                   self.aggregation, self.trim_fraction)
             self.protos[present] = protos[present]  # unreported classes keep their last prototype
             self.present |= present
             self.margin = prototype_margin(self.protos, self.present)

@@ -1,13 +1,14 @@
 """Parameter averaging on the Message API: FedAvg / FedProx (one class) and local-only training.
 
-The aggregation is a pure function (:func:`average_arrays`); :class:`WeightAveraging` screens each
-reply against the current global state (same names, shapes, dtypes, finite values — see
-:mod:`pollen.protocol.weights`) and calls it. FedProx's μ travels to clients as ``proximal-mu``.
+The aggregation is a pure function (:func:`average_arrays`, or the robust rules of
+:mod:`pollen.strategies.aggregation`); :class:`WeightAveraging` screens each reply against the current
+global state (same names, shapes, dtypes, finite values, an update norm within ``max-update-norm`` —
+see :mod:`pollen.protocol.weights`) and calls it. FedProx's μ travels to clients as ``proximal-mu``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -15,36 +16,10 @@ from flwr.serverapp import Grid
 
 from pollen.protocol.records import ARRAYS, CONFIG, array_record
 from pollen.protocol.weights import PROXIMAL_MU, decode_weights_reply
+from pollen.strategies.aggregation import average_arrays  # noqa: F401  (public here since v2)
 from pollen.strategies.base import PollenStrategy
 
 WEIGHTINGS = ("samples", "uniform")
-
-
-def average_arrays(client_arrays: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> list[np.ndarray]:
-    """Weighted mean of each array position across clients, in float64, cast back to the input dtype.
-
-    Integer arrays (e.g. BatchNorm's ``num_batches_tracked``) are rounded, so the result keeps the
-    exact dtypes the clients use.
-    """
-    if not client_arrays:
-        raise ValueError("average_arrays needs at least one client")
-    w = np.asarray(weights, dtype=np.float64)
-    if w.shape != (len(client_arrays),) or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"weights must be {len(client_arrays)} non-negative numbers with a positive sum")
-    w = w / w.sum()
-    out = []
-    for position in zip(*client_arrays):
-        acc = sum(wi * a.astype(np.float64) for wi, a in zip(w, position))
-        ref = position[0]
-        if ref.dtype.kind in "iu":  # round, and clip so the float64 mean never wraps the integer type
-            info = np.iinfo(ref.dtype)
-            with np.errstate(invalid="ignore"):
-                out.append(np.clip(np.rint(acc), float(info.min), float(info.max)).astype(ref.dtype))
-                if len(client_arrays) == 1:  # one client: its own value, exactly (float64 has 53 bits)
-                    out[-1] = position[0].copy()
-        else:
-            out.append(acc.astype(ref.dtype))
-    return out
 
 
 class WeightAveraging(PollenStrategy):
@@ -68,7 +43,8 @@ class WeightAveraging(PollenStrategy):
         self.current: ArrayRecord | None = None
 
     def __repr__(self) -> str:
-        return f"WeightAveraging(weighting={self.weighting}, proximal_mu={self.proximal_mu})"
+        return (f"WeightAveraging(weighting={self.weighting}, proximal_mu={self.proximal_mu}, "
+                f"aggregation={self.aggregation})")
 
     def state(self) -> tuple[dict[str, np.ndarray], dict]:
         arrays, values = super().state()
@@ -96,8 +72,10 @@ class WeightAveraging(PollenStrategy):
         reference = self.current
         assert reference is not None  # configure_train sets it every round
 
+        broadcast = {k: a.numpy() for k, a in reference.items()}
+
         def decode(msg: Message, _metrics: dict) -> tuple[object, str | None]:
-            return decode_weights_reply(msg.content.get(ARRAYS), reference)
+            return decode_weights_reply(msg.content.get(ARRAYS), reference, self.bounds.max_update_norm, broadcast)
 
         accepted = self.screen(server_round, "train", replies, decode)
         metrics = self.train_metrics(server_round, accepted)
@@ -106,7 +84,7 @@ class WeightAveraging(PollenStrategy):
             return None, metrics
         keys = list(reference.keys())
         weights = [float(a.num_examples) if self.weighting == "samples" else 1.0 for a in accepted]
-        averaged = average_arrays([[a.payload[k] for k in keys] for a in accepted], weights)
+        averaged = self.combine([[a.payload[k] for k in keys] for a in accepted], weights)
         self.current = array_record(dict(zip(keys, averaged)))
         return self.current, metrics
 

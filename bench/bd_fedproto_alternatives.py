@@ -1,6 +1,6 @@
 """BD-FedProto's documented alternatives, chosen on held-out seeds and reported on fresh ones (issue 17, item 2).
 
-When neither CPA nor DA helps in the main study (``bench/bd_fedproto_study.py``), the reconstruction's
+When neither CPA nor DA helps in the main study (``bench.bd_fedproto_study``), the reconstruction's
 documented alternatives get one fair chance, on the hardest cell (Fashion-MNIST, 5-way):
 
 1. **select**: FedProto, BD-FedProto (defaults: hinge negatives, β = 0.5, α = 0.5 — the paper's best
@@ -17,9 +17,9 @@ which is always evaluated, and training does not depend on the evaluation period
 ``bench/results/bd_fedproto_alternatives.json`` (one entry per run, resumable; a file never mixes two
 settings) and ``.md``::
 
-    nohup .venv/bin/python bench/bd_fedproto_alternatives.py --data-root ../shared/data --evaluate-every 5 \
+    nohup .venv/bin/python -m bench.bd_fedproto_alternatives --data-root ../shared/data --evaluate-every 5 \
         > /tmp/bd_alt.log 2>&1 &
-    .venv/bin/python bench/bd_fedproto_alternatives.py --report
+    .venv/bin/python -m bench.bd_fedproto_alternatives --report
 """
 
 from __future__ import annotations
@@ -33,27 +33,22 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-for p in (str(ROOT), str(BENCH)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from bd_fedproto_study import (  # noqa: E402  (bench/bd_fedproto_study.py)
-    arm_of,
+from bench.bd_fedproto_study import arm_of, entry_key, load_results, metric, paired, study_setting
+from bench.bd_fedproto_study import run_config as study_run_config
+from bench.kit import (
+    CONTRADICTED,
+    RESULTS,
+    ROOT,
+    SUPPORTED,
     check_setting,
-    entry_key,
-    fmt_ms,
+    default_data_root,
+    fmt_mean_sd,
     fmt_paired,
-    load_results,
-    metric,
-    paired,
-    study_setting,
     verdict,
+    write_atomic,
 )
-from bd_fedproto_study import run_config as study_run_config  # noqa: E402
 
-RESULTS_PATH = BENCH / "results" / "bd_fedproto_alternatives.json"
+RESULTS_PATH = RESULTS / "bd_fedproto_alternatives.json"
 DATASET, WAYS = "fmnist-shot", 5
 SELECT_SEEDS = (100, 101, 102)
 CONFIRM_SEEDS = (200, 201, 202, 203, 204)
@@ -120,7 +115,7 @@ def run_cell(arm: str, seed: int, args: argparse.Namespace, stop: dict) -> bool:
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     print(f"[alternatives] start {label} (log {run_dir / 'worker.log'})", flush=True)
     with open(run_dir / "worker.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(BENCH / "bd_fedproto_study.py"), "--worker",
+        proc = subprocess.Popen([sys.executable, "-m", "bench.bd_fedproto_study", "--worker",
                                  str(run_dir / "spec.json")], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True)
     while proc.poll() is None:
@@ -201,8 +196,8 @@ def markdown(results: dict) -> str:
                     for w in ("accuracy", "proto-accuracy")}
             deltas = ["–"] * 3 if arm == "fedproto" else [
                 fmt_paired(paired(base, g, w)) for w in ("accuracy", "proto-accuracy", "accuracy-last-std")]
-            lines.append(f"| {arm} | {keys} | {len(g)} | {fmt_ms(vals['accuracy'])} | "
-                         f"{fmt_ms(vals['proto-accuracy'])} | " + " | ".join(deltas) + " |")
+            lines.append(f"| {arm} | {keys} | {len(g)} | {fmt_mean_sd(vals['accuracy'])} | "
+                         f"{fmt_mean_sd(vals['proto-accuracy'])} | " + " | ".join(deltas) + " |")
         lines.append("")
     lines += terms_section(results)
     chosen = choose(results)
@@ -211,7 +206,7 @@ def markdown(results: dict) -> str:
         arms = by_arm(results, CONFIRM_SEEDS)
         d = paired(arms.get("fedproto", {}), arms.get(chosen, {}), "accuracy")
         if len(d) >= 2:
-            words = {"supported": "better than", "contradicted": "worse than"}
+            words = {SUPPORTED: "better than", CONTRADICTED: "worse than"}
             word = words.get(verdict(d), "not distinguishable from")
             lines.append(f"On the fresh seeds ({len(d)} of {len(CONFIRM_SEEDS)}), {chosen} is {word} FedProto in "
                          f"local accuracy: Δ {fmt_paired(d)} (2 s.e. rule).")
@@ -221,7 +216,7 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-root", default=str((ROOT / ".." / "shared" / "data").resolve()))
+    p.add_argument("--data-root", default=default_data_root())
     p.add_argument("--results", type=Path, default=RESULTS_PATH)
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--clients", type=int, default=20)
@@ -235,7 +230,7 @@ def main(argv=None) -> int:
     args.data_root = str(Path(args.data_root).resolve())
     md_path = args.results.with_suffix(".md")
     if args.report:
-        md_path.write_text(markdown(load_results(args.results)))
+        write_atomic(md_path, markdown(load_results(args.results)))
         return 0
     check_setting(args.results, study_setting(args))
     stop = {"signal": None}
@@ -262,11 +257,11 @@ def main(argv=None) -> int:
         for arm, seed in todo:
             if stop["signal"] is not None or not run_cell(arm, seed, args, stop):
                 break
-            md_path.write_text(markdown(load_results(args.results)))
+            write_atomic(md_path, markdown(load_results(args.results)))
         if stop["signal"] is not None:
             return 128 + int(stop["signal"])
     if args.results.exists():
-        md_path.write_text(markdown(load_results(args.results)))
+        write_atomic(md_path, markdown(load_results(args.results)))
     return 0
 
 

@@ -16,10 +16,10 @@ One entry per finished run is appended (under a file lock, written atomically) t
 already there is skipped, so the study can be stopped (Ctrl-C / SIGTERM stop every process it
 started) and continued later. The Markdown and plots are rewritten from the JSON::
 
-    python bench/bd_fedproto_study.py --dry-run                     # what would run
-    nohup python bench/bd_fedproto_study.py --parallel 2 > /tmp/bd_study.log 2>&1 &
-    python bench/bd_fedproto_study.py --only 'mnist-shot:5' 'fmnist-shot:*:fedproto'
-    python bench/bd_fedproto_study.py --report                      # Markdown + plots only
+    python -m bench.bd_fedproto_study --dry-run                     # what would run
+    nohup python -m bench.bd_fedproto_study --parallel 2 > /tmp/bd_study.log 2>&1 &
+    python -m bench.bd_fedproto_study --only 'mnist-shot:5' 'fmnist-shot:*:fedproto'
+    python -m bench.bd_fedproto_study --report                      # Markdown + plots only
 
 ``--only`` takes patterns ``dataset:n:arm:seed`` (shell wildcards per field, missing trailing fields
 match anything); arms: fedproto, bd-fedproto, cpa-only, da-only.
@@ -28,30 +28,35 @@ match anything); arms: fedproto, bd-fedproto, cpa-only, da-only.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import fnmatch
-import hashlib
 import json
 import math
-import os
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-for p in (str(ROOT), str(BENCH)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from bench.kit import (
+    RESULTS,
+    ROOT,
+    append_entry,
+    check_setting,
+    default_data_root,
+    fmt_mean_sd,
+    fmt_paired,
+    mean_sd,
+    pyplot,
+    read_json,
+    read_metrics,
+    save_figure,
+    verdict,
+    write_atomic,
+)
+from bench.prototypes import BD_RECONSTRUCTED, read_run
 
-from prototypes import BD_RECONSTRUCTED, read_run  # noqa: E402  (bench/prototypes.py)
-
-RESULTS_PATH = BENCH / "results" / "bd_fedproto_study.json"
+RESULTS_PATH = RESULTS / "bd_fedproto_study.json"
 DATASETS = ("mnist-shot", "fmnist-shot")
 WAYS = (3, 4, 5)
 # arm -> (method, variant, extra run config)
@@ -149,60 +154,10 @@ def cell_key(cell: tuple) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------
-# results file
+# results file: one entry per finished run, shared by parallel workers (bench.kit.append_entry)
 
 def load_results(path: Path) -> dict:
-    if path.exists():
-        return json.loads(path.read_text())
-    return {"runs": []}
-
-
-@contextlib.contextmanager
-def locked(path: Path):
-    """An exclusive lock per results file, kept outside the repository (in the temp folder)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-    with open(Path(tempfile.gettempdir()) / f"pollen-bd-study-{tag}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def append_entry(path: Path, entry: dict, setting: dict) -> bool:
-    """Add one finished run (False if its key is already there: the first one stays)."""
-    with locked(path):
-        results = load_results(path)
-        results.setdefault("setting", setting)
-        results.setdefault("bd-fedproto-reconstructed", BD_RECONSTRUCTED)
-        if any(entry_key(e) == entry_key(entry) for e in results["runs"]):
-            return False
-        results["runs"].append(entry)
-        write_atomic(path, json.dumps(results, indent=1) + "\n")
-        return True
-
-
-def check_setting(path: Path, setting: dict) -> None:
-    have = load_results(path).get("setting")
-    if have is not None and have != setting:
-        diff = {k: (have.get(k), v) for k, v in setting.items() if have.get(k) != v}
-        raise SystemExit(f"{path} holds runs of another setting (file vs now: {diff}); "
-                         "use --results for a separate file")
+    return read_json(path, {"runs": []})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +175,7 @@ def run_entry(run_dir: Path, rounds: int) -> dict:
     the last-rounds stability."""
     base = read_run(run_dir)
     curves = base.pop("curves")
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    recs = read_metrics(run_dir)
     pct = lambda v: None if v is None else 100.0 * v  # noqa: E731
     out = {k: v for k, v in base.items()}
     c = {"round": curves["round"],
@@ -276,7 +231,8 @@ def worker(spec_path: Path) -> int:
              "evaluate-every": cfg["proto-evaluate-every"], "run-id": str(outcome.run_id),
              "run-dir": str(run_dir), "wall-time-s": round(wall, 1), "config": cfg,
              "finished-at": time.strftime("%Y-%m-%dT%H:%M:%S"), **run_entry(run_dir, cfg["num-server-rounds"])}
-    added = append_entry(Path(spec["results"]), entry, spec["setting"])
+    added = append_entry(Path(spec["results"]), entry, entry_key,
+                         {"setting": spec["setting"], "bd-fedproto-reconstructed": BD_RECONSTRUCTED})
     acc, pro = entry.get("accuracy", {}), entry.get("proto-accuracy", {})
     print(f"[study] {spec['label']}: local {acc.get('mean', float('nan')):.2f} ± {acc.get('std', float('nan')):.2f}, "
           f"proto {pro.get('mean', float('nan')):.2f} ± {pro.get('std', float('nan')):.2f} in {wall:.0f} s "
@@ -333,7 +289,7 @@ def run_study(args: argparse.Namespace) -> int:
                 spec_path = run_dir / "spec.json"
                 spec_path.write_text(json.dumps(spec, indent=1))
                 log = open(run_dir / "worker.log", "w")
-                proc = subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path)],
+                proc = subprocess.Popen([sys.executable, "-m", "bench.bd_fedproto_study", "--worker", str(spec_path)],
                                         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                         start_new_session=True)  # a terminal's Ctrl-C reaches only us
                 log.close()
@@ -380,33 +336,6 @@ def run_study(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 # report
 
-def _mean(vals: list[float]) -> float:
-    return sum(vals) / len(vals)
-
-
-def _sd(vals: list[float]) -> float | None:
-    """Sample s.d. (n − 1), None for fewer than two values."""
-    if len(vals) < 2:
-        return None
-    m = _mean(vals)
-    return math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
-
-
-def fmt_ms(vals: list[float]) -> str:
-    if not vals:
-        return "–"
-    sd = _sd(vals)
-    return f"{_mean(vals):.2f}" + (f" ± {sd:.2f}" if sd is not None else "")
-
-
-def fmt_paired(diffs: list[float]) -> str:
-    """Mean paired difference ± its standard error over seeds."""
-    if not diffs:
-        return "–"
-    sd = _sd(diffs)
-    return f"{_mean(diffs):+.2f}" + (f" ± {sd / math.sqrt(len(diffs)):.2f}" if sd is not None else " (1 seed)")
-
-
 def metric(e: dict, what: str) -> float | None:
     """accuracy / proto-accuracy (final client mean), *-client-std, *-last-std."""
     if what.endswith("-client-std"):
@@ -444,7 +373,8 @@ def mean_curve(entries: list[dict], key: str) -> tuple[list[int], list[float], l
             if y is not None:
                 by_round.setdefault(x, []).append(y)
     xs = sorted(by_round)
-    return xs, [_mean(by_round[x]) for x in xs], [_sd(by_round[x]) or 0.0 for x in xs]
+    stats = [mean_sd(by_round[x]) for x in xs]
+    return xs, [m for m, _ in stats], [sd or 0.0 for _, sd in stats]
 
 
 def plateau_round(entries: list[dict], key: str = "accuracy", tol: float = 0.25) -> int | None:
@@ -453,26 +383,8 @@ def plateau_round(entries: list[dict], key: str = "accuracy", tol: float = 0.25)
     if not xs:
         return None
     tail = [y for x, y in zip(xs, ys) if x > xs[-1] - LAST]
-    level = _mean(tail)
+    level = statistics.fmean(tail)
     return next((x for x, y in zip(xs, ys) if y >= level - tol), None)
-
-
-def verdict(diffs: list[float], lower_is_better: bool = False) -> str:
-    """The fixed rule for a paper's claim on a paired difference: it holds when the mean lies at least
-    two standard errors on the claimed side of zero, is contradicted at two on the other side, and is
-    not shown in between (or with fewer than two paired seeds)."""
-    if len(diffs) < 2:
-        return "not shown (fewer than 2 paired seeds)"
-    sd = _sd(diffs) or 0.0
-    se = sd / math.sqrt(len(diffs))
-    gain = -_mean(diffs) if lower_is_better else _mean(diffs)
-    if se == 0.0:
-        return "supported" if gain > 0 else "contradicted" if gain < 0 else "not shown (Δ = 0)"
-    if gain >= 2 * se:
-        return "supported"
-    if gain <= -2 * se:
-        return "contradicted"
-    return "not shown (|Δ| < 2 s.e.)"
 
 
 def claims_section(groups: dict[tuple, dict[int, dict]], datasets: list[str]) -> list[str]:
@@ -508,8 +420,9 @@ def claims_section(groups: dict[tuple, dict[int, dict]], datasets: list[str]) ->
         return []
     return ["## The paper's claims", "",
             "Each claim is checked cell by cell on the paired differences (arm − baseline, same seed, mean ± "
-            "standard error). Rule, fixed before the runs: *supported* when the mean lies ≥ 2 s.e. on the "
-            "claimed side of zero, *contradicted* when ≥ 2 s.e. on the other side, *not shown* in between. "
+            "standard error). Rule, fixed before the runs (`bench.kit.verdict`): *supported* when the mean lies ≥ "
+            "2 s.e. on the claimed side of zero, *contradicted* when ≥ 2 s.e. on the other side, *not shown* in "
+            "between. "
             "Stability metrics: lower is better (client std = std over clients of the final local accuracy; "
             f"last std = std of the client-mean local accuracy over the last {LAST} rounds). For *3-way: trades "
             "accuracy for stability* the accuracy row asks for a *lower* accuracy and the stability row for a "
@@ -547,7 +460,8 @@ def markdown(results: dict, results_path: Path) -> str:
         f"Stability (the paper's sense): *client std* = std over clients of the final accuracy (mean over "
         f"seeds); *round std* = std over the last {LAST} rounds of the client-mean accuracy (evaluated rounds "
         f"only; mean over seeds).", "",
-        f"Generated from `{results_path.name}` ({len(runs)} runs) by `bench/bd_fedproto_study.py --report`.", ""]
+        f"Generated from `{results_path.name}` ({len(runs)} runs) by `python -m bench.bd_fedproto_study --report`.",
+        ""]
     missing = [d for d in DATASETS if d not in tasks]
     if missing:
         lines += [f"Not run: {', '.join(missing)} — no such task is registered in `pollen/datasets/tasks.py`.", ""]
@@ -574,8 +488,8 @@ def markdown(results: dict, results_path: Path) -> str:
                 else:
                     dl, dp = fmt_paired(paired(base, g, "accuracy")), fmt_paired(paired(base, g, "proto-accuracy"))
                     npair = str(len(set(base) & set(g)))
-                lines.append(f"| {d} | {n} | {arm} | {seeds} | {fmt_ms(vals['accuracy'])} | "
-                             f"{fmt_ms(vals['proto-accuracy'])} | {dl} | {dp} | {npair} |")
+                lines.append(f"| {d} | {n} | {arm} | {seeds} | {fmt_mean_sd(vals['accuracy'])} | "
+                             f"{fmt_mean_sd(vals['proto-accuracy'])} | {dl} | {dp} | {npair} |")
     lines += ["", "## Stability", "",
               "Lower is more stable. Δ = arm − FedProto, paired by seed, ± standard error.", "",
               "| dataset | n | arm | seeds | client std local / proto | round std (last "
@@ -591,7 +505,7 @@ def markdown(results: dict, results_path: Path) -> str:
 
                 cols = []
                 for suffix in ("client-std", "last-std"):  # mean ± s.d. over seeds, local / proto
-                    cols.append(" / ".join(fmt_ms([v for v in (metric(e, f"{k}-{suffix}") for e in g.values())
+                    cols.append(" / ".join(fmt_mean_sd([v for v in (metric(e, f"{k}-{suffix}") for e in g.values())
                                                    if v is not None]) for k in ("accuracy", "proto-accuracy")))
                 for suffix in ("client-std", "last-std"):  # paired Δ to FedProto ± standard error
                     cols.append(" / ".join("–" if arm == "fedproto" else fmt_paired(paired(base, g, f"{k}-{suffix}"))
@@ -636,8 +550,9 @@ def markdown(results: dict, results_path: Path) -> str:
                 steady = [statistics.median(c[1:]) for c in t if len(c) > 1]
                 lines.append(f"| {d} | {n} | {arm} | {plateau_round(es) or '–'} | "
                              f"{plateau_round(es, 'proto-accuracy') or '–'} | "
-                             f"{_mean(steady) if steady else float('nan'):.1f} | {_mean([c[0] for c in t]):.0f} | "
-                             f"{_mean([e['wall-time-s'] for e in es]):.0f} |")
+                             f"{statistics.fmean(steady) if steady else float('nan'):.1f} | "
+                             f"{statistics.fmean([c[0] for c in t]):.0f} | "
+                             f"{statistics.fmean([e['wall-time-s'] for e in es]):.0f} |")
     plots = plot_paths(results_path)
     lines += ["", "## Plots", ""]
     for d in datasets:
@@ -664,12 +579,9 @@ def markdown(results: dict, results_path: Path) -> str:
 
 
 def plot(results: dict, results_path: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    plt = pyplot()
     groups = groups_of(results.get("runs", []))
     paths = plot_paths(results_path)
     written = []
@@ -710,9 +622,7 @@ def plot(results: dict, results_path: Path) -> list[Path]:
                     ax.legend(fontsize=7, loc="lower right")
         fig.suptitle(f"{d}: accuracy vs round\nmean over seeds, band = s.d. over seeds, y zoomed to rounds ≥ 5",
                      fontsize=9)
-        fig.tight_layout()
-        fig.savefig(paths[f"accuracy-{d}"], dpi=90)
-        plt.close(fig)
+        save_figure(fig, paths[f"accuracy-{d}"], dpi=90)
         written.append(paths[f"accuracy-{d}"])
 
     cells = [(d, n) for d in datasets for n in WAYS if any(k[:2] == (d, n) for k in groups)]
@@ -743,9 +653,7 @@ def plot(results: dict, results_path: Path) -> list[Path]:
                 axes[idx // cols][idx % cols].axis("off")
             fig.suptitle("DA: λ_D per round (client mean)\nmean ± s.d. over seeds" if what == "lambda"
                          else "MI monitor per round (client mean)\nmean over seeds (band: s.d., mi only)", fontsize=9)
-            fig.tight_layout()
-            fig.savefig(paths[what], dpi=90)
-            plt.close(fig)
+            save_figure(fig, paths[what], dpi=90)
             written.append(paths[what])
     return written
 
@@ -763,8 +671,9 @@ def write_report(results_path: Path, plots: bool = True) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-root", default=str((ROOT / ".." / "shared" / "data").resolve()),
-                        help="folder with MNIST/raw and FashionMNIST/raw (default ../shared/data)")
+    parser.add_argument("--data-root", default=default_data_root(),
+                        help="folder with MNIST/raw and FashionMNIST/raw (default: $POLLEN_DATA_ROOT, else "
+                             "../shared/data)")
     parser.add_argument("--results", type=Path, default=RESULTS_PATH,
                         help="results JSON; the Markdown (.md) and the plots (<stem>_*.png) go beside it")
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)

@@ -10,31 +10,37 @@ Results accumulate in ``bench/results/prototypes_mnist.json`` (a finished (metho
 entry is skipped on the next call, so the benchmark can be run in pieces); the Markdown table and
 the MI / λ_D plots are rewritten from the JSON each time::
 
-    python bench/prototypes.py --data-root ../shared/data --ways 3 4 --methods fedproto bd-fedproto
-    python bench/prototypes.py --data-root ../shared/data --ways 3 --methods fedavg fedprox local --rounds 50
+    python -m bench.prototypes --data-root ../shared/data --ways 3 4 --methods fedproto bd-fedproto
+    python -m bench.prototypes --data-root ../shared/data --ways 3 --methods fedavg fedprox local --rounds 50
 
-With ``bench/results/prototypes_reference.json`` present (``bench/fedproto_reference.py``: the
+With ``bench/results/prototypes_reference.json`` present (``python -m bench.fedproto_reference``: the
 official procedure without Flower), the table adds a seed-by-seed comparison of Pollen's
 ``official-split`` runs with the reference on the same split::
 
-    python bench/prototypes.py --data-root ../shared/data --ways 3 --methods fedproto --seed 0 \
+    python -m bench.prototypes --data-root ../shared/data --ways 3 --methods fedproto --seed 0 \
         --variant official-split --extra-config "shot-split='official'"
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.kit import (
+    RESULTS,
+    fmt_paired,
+    pyplot,
+    read_json,
+    read_metrics,
+    read_summary,
+    save_figure,
+    table,
+    write_atomic,
+    write_json,
+)
 
-from pollen.app.launch import simulate  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
 JSON_PATH = RESULTS / "prototypes_mnist.json"
 MD_PATH = RESULTS / "prototypes_mnist.md"
 REFERENCE_PATH = RESULTS / "prototypes_reference.json"
@@ -52,20 +58,19 @@ BD_RECONSTRUCTED = ("CPA's negative loss (hinge on the element-wise MSE distance
                     "follow the official code.")
 
 
-def run_config(method: str, ways: int, rounds: int, args: argparse.Namespace, out_dir: Path) -> str:
-    keys = {
-        "method": f"'{method}'", "task": "'mnist-shot'", "num-server-rounds": rounds, "seed": args.seed,
-        "data-root": f"'{args.data_root}'", "out-dir": f"'{out_dir}'", "shot-ways": ways,
-        "shot-shots": 100, "shot-stdev": 2, "shot-test-per-class": 40, "batch-size": 4, "lr": 0.01,
-        "momentum": 0.5, "local-epochs": 1, "proto-evaluate-every": args.evaluate_every,
-    }
-    line = " ".join(f"{k}={v}" for k, v in keys.items())
-    return f"{line} {args.extra_config}".strip()
+def run_config(method: str, ways: int, rounds: int, args: argparse.Namespace, out_dir: Path) -> dict:
+    """FedProto's MNIST setting for one method and n; a variant's ``--extra-config`` keys on top."""
+    from pollen.app.launch import parse_run_config
+
+    return {"method": method, "task": "mnist-shot", "num-server-rounds": rounds, "seed": args.seed,
+            "data-root": str(args.data_root), "out-dir": str(out_dir), "shot-ways": ways, "shot-shots": 100,
+            "shot-stdev": 2, "shot-test-per-class": 40, "batch-size": 4, "lr": 0.01, "momentum": 0.5,
+            "local-epochs": 1, "proto-evaluate-every": args.evaluate_every, **parse_run_config(args.extra_config)}
 
 
 def read_run(run_dir: Path) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    summary = read_summary(run_dir)
+    rounds = read_metrics(run_dir)
     final = summary["final"]["evaluate"]
     per_client = summary["final"]["evaluate-clients"]
     out = {"rounds": summary["rounds"], "app-wall-time-s": summary["wall-time-s"],
@@ -87,18 +92,16 @@ def read_run(run_dir: Path) -> dict:
 
 
 def load_results() -> dict:
-    if JSON_PATH.exists():
-        return json.loads(JSON_PATH.read_text())
-    return {"setting": {"task": "mnist-shot", "clients": 20, "shots": 100, "stdev": 2, "batch-size": 4,
-                        "lr": 0.01, "momentum": 0.5, "local-epochs": 1},
-            "official": {str(k): v for k, v in OFFICIAL.items()}, "official-wall-time-s": OFFICIAL_SECONDS,
-            "bd-fedproto-reconstructed": BD_RECONSTRUCTED, "runs": []}
+    return read_json(JSON_PATH) or {
+        "setting": {"task": "mnist-shot", "clients": 20, "shots": 100, "stdev": 2, "batch-size": 4, "lr": 0.01,
+                    "momentum": 0.5, "local-epochs": 1},
+        "official": {str(k): v for k, v in OFFICIAL.items()}, "official-wall-time-s": OFFICIAL_SECONDS,
+        "bd-fedproto-reconstructed": BD_RECONSTRUCTED, "runs": []}
 
 
 def save_results(results: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    JSON_PATH.write_text(json.dumps(results, indent=1) + "\n")
-    MD_PATH.write_text(markdown(results))
+    write_json(JSON_PATH, results)
+    write_atomic(MD_PATH, markdown(results))
     plot(results)
 
 
@@ -140,16 +143,8 @@ def _seed_spread(group: list[dict]) -> str:
 
 
 def load_reference() -> list[dict]:
-    """Rows of ``bench/fedproto_reference.py`` (the official procedure without Flower), if run."""
-    return json.loads(REFERENCE_PATH.read_text()) if REFERENCE_PATH.exists() else []
-
-
-def _mean_sd(vals: list[float]) -> str:
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return f"{m:+.2f}"
-    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
-    return f"{m:+.2f} ± {sd / len(vals) ** 0.5:.2f}"
+    """Rows of ``python -m bench.fedproto_reference`` (the official procedure without Flower), if run."""
+    return read_json(REFERENCE_PATH, [])
 
 
 def reference_lines(runs: list[dict]) -> list[str]:
@@ -162,7 +157,7 @@ def reference_lines(runs: list[dict]) -> list[str]:
     ref = [r for r in load_reference() if r["rounds"] == 100]
     if not ref:
         return []
-    lines = ["", "Against the official procedure re-run here without Flower (`bench/fedproto_reference.py`: the "
+    lines = ["", "Against the official procedure re-run here without Flower (`python -m bench.fedproto_reference`: the "
              "official code's order of random draws, split, training-time prototypes and unweighted mean, in one "
              "process; `prototypes_reference.md`), seed by seed on the same split (Pollen's *official-split* "
              "variant). Δ = Pollen − reference; the last row per n is the mean Δ ± its standard error:", "",
@@ -181,11 +176,11 @@ def reference_lines(runs: list[dict]) -> list[str]:
             lines.append(f"| {ways} | {r['seed']} | {r['accuracy']['mean']:.2f} | {r['proto-accuracy']['mean']:.2f} | "
                          f"{twin['local-mean']:.2f} | {twin['proto-mean']:.2f} | {d[0]:+.2f} | {d[1]:+.2f} |")
         if pairs:
-            lines.append(f"| {ways} | mean of {len(pairs)} | | | | | {_mean_sd([d[0] for d in pairs])} | "
-                         f"{_mean_sd([d[1] for d in pairs])} |")
+            lines.append(f"| {ways} | mean of {len(pairs)} | | | | | {fmt_paired([d[0] for d in pairs])} | "
+                         f"{fmt_paired([d[1] for d in pairs])} |")
     lines += ["", "The reference itself, averaged over all its seeds, against the official run (seed 1234):", "",
-              "| ways | reference seeds | reference local | reference proto | official local / proto | Δ local | Δ proto |",
-              "|---|---|---|---|---|---|---|"]
+              *table(("ways", "reference seeds", "reference local", "reference proto", "official local / proto",
+                      "Δ local", "Δ proto"), ())]
     for ways in sorted({r["ways"] for r in ref}):
         group = [r for r in ref if r["ways"] == ways]
         loc = sum(r["local-mean"] for r in group) / len(group)
@@ -193,7 +188,8 @@ def reference_lines(runs: list[dict]) -> list[str]:
         off = OFFICIAL.get(ways)
         lines.append(f"| {ways} | {len(group)} | {loc:.2f} | {pro:.2f} | "
                      + (f"{off['accuracy'][0]:.2f} / {off['proto-accuracy'][0]:.2f} | "
-                        f"{loc - off['accuracy'][0]:+.2f} | {pro - off['proto-accuracy'][0]:+.2f} |" if off else "– | – | – |"))
+                        f"{loc - off['accuracy'][0]:+.2f} | {pro - off['proto-accuracy'][0]:+.2f} |" if off
+                        else "– | – | – |"))
     return lines
 
 
@@ -206,7 +202,8 @@ def markdown(results: dict) -> str:
         "samples per own class per client. Accuracy in %, mean ± std over clients (counters reset per "
         "client). *Local*: the client's own classifier (FedAvg / FedProx: the global model); *proto*: "
         "nearest global prototype among the client's classes. Prototype methods evaluate every "
-        "10 rounds and in the last, the baselines every round (as Pollen's weight strategies do). Wall time: the whole `flwr run` (SuperLink start to final status, 20 "
+        "10 rounds and in the last, the baselines every round (as Pollen's weight strategies do). Wall time: "
+        "the whole `flwr run` (SuperLink start to final status, 20 "
         "SuperNodes, 2 Ray actors) on this machine's 2 CPU cores, shared with other jobs; the official "
         f"FedProto code takes {results['official-wall-time-s']:.0f} s for 100 rounds. Variant *default* = "
         "Pollen's defaults (count-weighted aggregation, prototypes from a no-grad pass after training); "
@@ -265,11 +262,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = [r for r in results["runs"] if r["method"] in PROTO_METHODS]
     if not runs:
         return
@@ -292,9 +285,7 @@ def plot(results: dict) -> None:
     ax.set_title("MI monitor, mean over clients")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(RESULTS / "prototypes_mnist_mi.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, RESULTS / "prototypes_mnist_mi.png", dpi=100)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
@@ -312,9 +303,7 @@ def plot(results: dict) -> None:
     ax.set_title("DA: global-loss weight, mean ± std over clients")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "prototypes_mnist_lambda.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, RESULTS / "prototypes_mnist_lambda.png", dpi=100)
 
 
 def main(argv=None) -> int:
@@ -339,6 +328,8 @@ def main(argv=None) -> int:
     if args.replot:
         save_results(results)
         return 0
+    from pollen.app.launch import simulate
+
     for ways in args.ways:
         for method in args.methods:
             if any(r["method"] == method and r["ways"] == ways and r["rounds"] == args.rounds

@@ -34,9 +34,13 @@ run: $(STAMP)
 	$(PY) -m pollen.app.launch $(if $(NUM_SUPERNODES),--num-supernodes $(NUM_SUPERNODES)) \
 		--run-config "out-dir='$(OUT_DIR)' $(RUN_CONFIG)"
 
-# The full suite (what CI runs).
+# The full suite (what CI runs), in two passes: the tests that launch nothing, one pytest-xdist worker
+# per core (they share only the read-only datasets); then the `e2e` tests one at a time (each starts a
+# SuperLink, SuperNodes or Ray and wants both cores). Coverage, when asked for, adds up over both passes;
+# each pass lists its slowest tests, so CI's log says where the time goes.
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not e2e" -n auto --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m e2e --durations=25 $(if $(findstring --cov,$(PYTEST_ARGS)),--cov-append) $(PYTEST_ARGS)
 
 # Everything but the `e2e` tests (no SuperLink, SuperNode, `flwr run` or Ray launches), one worker
 # process per core (pytest-xdist): these tests share nothing but the read-only datasets.
@@ -45,7 +49,7 @@ test-fast: $(STAMP)
 
 # The full suite with a per-file coverage report for the `pollen` package (what .ci/run prints).
 coverage: $(STAMP)
-	$(PY) -m pytest -q --cov=pollen --cov-report=term $(PYTEST_ARGS)
+	$(MAKE) test PYTEST_ARGS="--cov=pollen --cov-report=term $(PYTEST_ARGS)"
 
 # The linter and the type checker, both configured in pyproject.toml (CI runs this after the tests).
 lint: $(STAMP)

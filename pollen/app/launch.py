@@ -806,12 +806,17 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
     home = (Path(tempfile.mkdtemp(prefix="pollen-flwr-")) if flwr_home is None else Path(flwr_home)).resolve()
     tree = ProcessTree()
     outcome: RunOutcome | None = None
+    cluster_info = None
     if echo:
         print(ray_line(ray_address), flush=True)
         print(f"[pollen] FLWR_HOME {home}" + (" (private, removed at the end)" if private_home else ""), flush=True)
     teardown_from: float | None = None
     try:
         try:
+            if ray_address != "local":  # look before attaching: unreachable or too small is exit 2
+                from pollen.app import cluster
+                cluster_info = cluster.attach(ray_address, source="--ray-address", cpus_per_client=cpus_per_client,
+                                              gpus_per_client=gpus_per_client, echo=echo)
             with superlink(home, simulation=True, tree=tree, ray_address=ray_address) as (conn, port, proc):
                 log_path = home / f"superlink-{port}.log"
                 kept_log = None if private_home else log_path  # a private home is removed: no pointer to it
@@ -840,6 +845,8 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
     finally:
         if private_home:
             shutil.rmtree(home, ignore_errors=True)
+    if cluster_info is not None:  # where the ClientApps ran, from Ray's records of this run's job
+        cluster.placement(cluster_info, list(tree.seen), echo=echo, run_dir=outcome.results_dir)
     return outcome
 
 

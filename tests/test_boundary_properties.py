@@ -14,7 +14,8 @@ Properties, for every input:
 
 * the strategy raises nothing — except :class:`NoTrainingError` from ``aggregate_train`` when no
   reply at all was accepted (the documented "run trained nobody" failure);
-* every reply is accounted for: ``accepted + rejected + failed == replies``; every rejection has a
+* every reply is accounted for: ``accepted + rejected + failed == replies + unanswered messages``
+  (a node sent a message that never answered is a failure of that node); every rejection has a
   non-empty reason and is logged as a WARNING naming the client and that reason;
 * the verdict is the one the wire contract (``pollen.protocol``) gives: an independent oracle below
   (:func:`oracle`) re-derives from the documented rules which replies must be accepted, and the
@@ -26,8 +27,8 @@ Properties, for every input:
   and the next global record decodes with the client-side decoder of the family's protocol.
 
 Hostile replies never claim partition 0 (the good reply's): a reply that does — and passes the
-metric checks before the good one arrives — takes partition 0 for the run by design of the identity
-binding, so "the good reply is unaffected" would not hold by construction.
+metric checks — quarantines partition 0 (two claimants, neither trusted) by design of the identity
+rules, so "the good reply is accepted" would not hold by construction.
 
 Each (strategy, stage) runs ``EXAMPLES`` = 200 examples.
 """
@@ -147,6 +148,8 @@ ANY_SCALE = (1.0, 1e3, 1e19, 3e38)
 METRIC_MAX = 1.7e308
 PROTO_MAX = 3e38
 MAX_PROTOTYPE_ABS = 1e6  # pollen.protocol.prototypes.MAX_PROTOTYPE_ABS, restated as the contract
+MAX_LOGIT_ABS = 1e4  # max-logit-abs: its documented default, restated
+MAX_UPDATE_NORM = 1e4  # max-update-norm: its documented default, restated
 
 
 @functools.cache
@@ -397,6 +400,9 @@ def metrics_ok(metrics: Any, stage: str, max_examples: int) -> bool:
     for key, value in metrics.items():
         if not all(_number(v) for v in (value if isinstance(value, list) else [value])):
             return False
+        # sane ranges: |x| <= 1e12 for a key ending in "loss", |x| <= 2**53 for any other
+        if any(abs(v) > (1e12 if key.endswith("loss") else 2**53) for v in (value if isinstance(value, list) else [value])):
+            return False
         if key.endswith("accuracy") and not isinstance(value, list) and not 0.0 <= value <= 1.0:
             return False
     # whole numbers; Pollen compares them as floats, so an int float64 cannot hold (> 2**53) is refused
@@ -446,7 +452,15 @@ def arrays_ok(kind: str, record: Any, max_examples: int) -> bool:
         if finite.size and np.abs(finite).max() > MAX_PROTOTYPE_ABS:
             return False
         return bool(np.isfinite(protos[counts > 0]).all())
-    return all(np.isfinite(v).all() for v in values.values() if v.dtype.kind == "f")
+    if not all(np.isfinite(v).all() for v in values.values() if v.dtype.kind == "f"):
+        return False
+    if kind == "logits":  # every logit within ±1e4 (max-logit-abs)
+        return bool(np.abs(values["logits"].astype(np.float64)).max() <= MAX_LOGIT_ABS)
+    # weights: the float entries move at most 1e4 × the broadcast state's norm (floor 1) (max-update-norm)
+    floats = [k for k in STATE if STATE[k].dtype.kind == "f"]
+    moved = math.sqrt(sum(float(((values[k].astype(np.float64) - STATE[k]) ** 2).sum()) for k in floats))
+    scale = max(math.sqrt(sum(float((STATE[k].astype(np.float64) ** 2).sum()) for k in floats)), 1.0)
+    return moved <= MAX_UPDATE_NORM * scale
 
 
 @dataclass
@@ -456,10 +470,23 @@ class Verdicts:
     failed: int = 0
 
 
-def oracle(kind: str, stage: str, replies: list[tuple[int, RecordDict | None]], max_examples: int) -> Verdicts:
-    """Which replies the contract accepts, including the identity rules (one reply per node per round;
-    a partition is bound to the first node whose reply is accepted)."""
-    out, seen, node_of, part_of = Verdicts(), set(), {}, {}
+def oracle(kind: str, stage: str, replies: list[tuple[int, RecordDict | None]], max_examples: int,
+           sent: list[int] = ()) -> Verdicts:
+    """Which replies the contract accepts, including the identity rules (one reply per node per round; a
+    partition two nodes claim — each with its first reply, whose metrics pass — is trusted to neither),
+    and which fail: error replies, and every node of ``sent`` that did not answer."""
+    out, seen = Verdicts(), set()
+    out.failed = len(set(sent) - {node for node, _ in replies})
+    claimants: dict[int, set[int]] = {}
+    for node, content in replies:
+        if content is None or node in seen:
+            continue
+        seen.add(node)
+        metrics = content.get("metrics")
+        if metrics_ok(metrics, stage, max_examples) and "partition-id" in metrics:
+            claimants.setdefault(int(metrics["partition-id"]), set()).add(node)
+    untrusted = {pid for pid, nodes in claimants.items() if len(nodes) > 1}
+    seen = set()
     for node, content in replies:
         if content is None:
             out.failed += 1
@@ -472,8 +499,7 @@ def oracle(kind: str, stage: str, replies: list[tuple[int, RecordDict | None]], 
         if not metrics_ok(metrics, stage, max_examples):
             out.rejected += 1
             continue
-        pid = int(metrics["partition-id"]) if "partition-id" in metrics else None
-        if pid is not None and (part_of.get(node, pid) != pid or node_of.get(pid, node) != node):
+        if "partition-id" in metrics and int(metrics["partition-id"]) in untrusted:
             out.rejected += 1
             continue
         if stage == "train" and not arrays_ok(kind, content.get("arrays"), max_examples):
@@ -483,8 +509,6 @@ def oracle(kind: str, stage: str, replies: list[tuple[int, RecordDict | None]], 
                                                          and metrics["public-digest"] == GOOD_DIGEST):
             out.rejected += 1  # logits on another (or an unnamed) public set
             continue
-        if pid is not None:  # only an accepted reply binds its partition
-            part_of[node], node_of[pid] = pid, node
         out.accepted.append(node)
     return out
 
@@ -541,7 +565,7 @@ def check_round(kind: str, stage: str, nodes, replies, with_good: bool, caplog) 
     with caplog.at_level(logging.WARNING, logger="flwr.pollen"):
         strategy, result, failure = aggregate(kind, stage, nodes, replies)
     report = strategy.reports[1]
-    want = oracle(kind, stage, replies, strategy.max_examples)
+    want = oracle(kind, stage, replies, strategy.max_examples, nodes)
     got = accepted_nodes(strategy, stage)
     if currently_in_test_context():
         event(f"accepted {len(got)} of {len(replies)}")
@@ -549,7 +573,8 @@ def check_round(kind: str, stage: str, nodes, replies, with_good: bool, caplog) 
     # accounting: every reply accepted, rejected (with a reason) or failed
     assert got == want.accepted, (got, want, report.rejected)
     assert len(report.rejected) == want.rejected and len(report.failures) == want.failed
-    assert len(got) + len(report.rejected) + len(report.failures) == len(replies)
+    answered = {node for node, _ in replies}
+    assert len(got) + len(report.rejected) + len(report.failures) == len(replies) + len(set(nodes) - answered)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     for rej in report.rejected:
         assert rej["reason"].strip() and rej["stage"] == stage

@@ -4,7 +4,7 @@ FCCL's collaborative step pulls each model's logits on the unlabelled public set
 averaged logits (the *consensus*). When its inter-domain gain over SOLO is small, two questions decide
 why: does the collaboration actually align the models on the public set, and does the federation hold
 knowledge about a domain that its own model lacks? This script answers both from the models each run
-of ``bench/fccl_study.py`` left on disk (``bench/work/fccl-study/<method>-seed<s>/<run>/nodes/``):
+of ``bench.fccl_study`` left on disk (``bench/work/fccl-study/<method>-seed<s>/<run>/nodes/``):
 every node's ``final-model.safetensors`` (last round) and ``fccl-solo.safetensors`` (the SOLO start,
 round 0, identical for every method of a seed).
 
@@ -24,36 +24,31 @@ and on each domain's test set:
 Only runs whose work directory still exists are measured (the study keeps one per run; a fresh
 checkout has none until the study runs). Writes ``bench/results/fccl_consensus.{json,md}``::
 
-    .venv/bin/python bench/fccl_consensus.py
+    .venv/bin/python -m bench.fccl_consensus
+    .venv/bin/python -m bench.fccl_consensus --report     # the Markdown from the committed JSON
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-for p in (str(ROOT), str(BENCH)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import torch
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-from fccl import DOMAINS, LABELS, SHORT  # noqa: E402  (bench/fccl.py)
-from safetensors.torch import load_file  # noqa: E402
+from bench.fccl import DOMAINS, LABELS, SHORT
+from bench.kit import BENCH, RESULTS, read_json, read_summary, write_atomic, write_json
+from pollen.datasets.domain_tasks import domain_client_data, public_set
+from pollen.datasets.tasks import TaskOptions
+from pollen.methods.logit_losses import cross_correlation_matrix
+from pollen.methods.training import predict_logits
+from pollen.predict import load_personal_model
 
-from pollen.datasets.domain_tasks import domain_client_data, public_set  # noqa: E402
-from pollen.datasets.tasks import TaskOptions  # noqa: E402
-from pollen.methods.logit_losses import cross_correlation_matrix  # noqa: E402
-from pollen.methods.training import predict_logits  # noqa: E402
-from pollen.predict import load_personal_model  # noqa: E402
-
-RESULTS = BENCH / "results" / "fccl_consensus"
-WORK = BENCH / "work" / "fccl-study"  # bench/fccl_study.py's --work default
+OUT = RESULTS / "fccl_consensus"
+WORK = BENCH / "work" / "fccl-study"  # bench.fccl_study's --work default
 METHOD_ORDER = ("solo", "fedmd", "feddf", "fccl-wo-con", "fccl")
 
 
@@ -125,9 +120,10 @@ def pct(v: float) -> str:
 def markdown(results: list[dict]) -> str:
     seeds = sorted({r["seed"] for r in results})
     lines = ["# FCCL: how good is the consensus? (post-hoc, the study's saved models)", "",
-             "From `bench/fccl_study.py`'s runs whose models are still on disk (seeds measured: "
+             "From `bench.fccl_study`'s runs whose models are still on disk (seeds measured: "
              f"{', '.join(map(str, seeds))}); round 0 is the SOLO start every method of a seed shares. "
-             "Public set: the study's X0 (Fashion-MNIST, 1,000 images). Definitions: `bench/fccl_consensus.py`.", "",
+             "Public set: the study's X0 (Fashion-MNIST, 1,000 images). Definitions: `bench/fccl_consensus.py`.",
+             "",
              "## Alignment on the public set", "",
              "| method | seed | round | agreement with the consensus's top class | per-class logit correlation |",
              "|---|---|---|---|---|"]
@@ -146,16 +142,20 @@ def markdown(results: list[dict]) -> str:
                 lines.append(f"| {LABELS.get(r['method'], r['method'])} | {r['seed']} | {r['round']} | {SHORT[dom]} | "
                              f"{pct(v['own'])} | {pct(v['others'])} | {pct(v['best-other'])} | "
                              f"{pct(v['others-ensemble'])} | {pct(v['all-ensemble'])} |")
-    lines += ["", "Reproduce: `bench/fccl_study.py` (keeps each run's models under `bench/work/fccl-study/`), "
-              "then `bench/fccl_consensus.py`.", ""]
+    lines += ["", "Reproduce: `python -m bench.fccl_study` (keeps each run's models under `bench/work/fccl-study/`), "
+              "then `python -m bench.fccl_consensus`.", ""]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=WORK)
-    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--results", type=Path, default=OUT)
+    p.add_argument("--report", action="store_true", help="only rewrite the Markdown from the results JSON")
     args = p.parse_args(argv)
+    if args.report:
+        write_atomic(args.results.with_suffix(".md"), markdown(read_json(args.results.with_suffix(".json"))["runs"]))
+        return 0
     torch.set_num_threads(1)
     found = run_dirs(args.work)
     if not found:
@@ -169,10 +169,10 @@ def main(argv=None) -> int:
             results.append({"method": "solo-start", "seed": seed, "round": 0, **measure(run, "solo")})
             solo_done.add(seed)
         print(f"[consensus] {method} seed {seed}: last round", flush=True)
-        rounds = int(json.loads((run / "summary.json").read_text())["rounds"])
+        rounds = int(read_summary(run)["rounds"])
         results.append({"method": method, "seed": seed, "round": rounds, **measure(run, "final")})
-    args.results.with_suffix(".json").write_text(json.dumps({"runs": results}, indent=1))
-    args.results.with_suffix(".md").write_text(markdown(results))
+    write_json(args.results.with_suffix(".json"), {"runs": results})
+    write_atomic(args.results.with_suffix(".md"), markdown(results))
     print(f"[consensus] wrote {args.results.with_suffix('.md')}", flush=True)
     return 0
 

@@ -4,26 +4,25 @@ FCCL is judged against SOLO (each client trained alone); a comparison only means
 SOLO works. This trains each domain's SOLO model exactly as a Pollen client does (the same
 ``LogitRound.pretrain_solo``: seeded init, CE, Adam, ``fccl-solo-epochs``), for the sizes and seeds
 asked, and reports the intra-domain test accuracy. The models land in the SOLO cache that
-``bench/fccl_study.py`` reads, so a size chosen here is not trained twice.
+``bench.fccl_study`` reads, so a size chosen here is not trained twice.
 
 One record per (domain, size, seed) in ``bench/results/fccl_solo_sizes.json``; records already
 there are skipped, so the sweep resumes. Run::
 
-    POLLEN_DATA_ROOT=../shared/data .venv/bin/python bench/fccl_solo_sizes.py \
+    POLLEN_DATA_ROOT=../shared/data .venv/bin/python -m bench.fccl_solo_sizes \
         --sizes mnist=150,300 uci=80 mnistm=1000,2000 syn=1000,1800 --seeds 0,1,2
+    .venv/bin/python -m bench.fccl_solo_sizes --report       # the Markdown from the committed JSON
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.kit import BENCH, RESULTS, default_data_root, read_json, write_atomic, write_json
 
 TASK = "digits-offline"
 BAND = 0.65  # the issue's bar: every domain's SOLO within the paper's band (paper: 70-75 %)
@@ -93,8 +92,8 @@ def write_markdown(records: list[dict], path: Path) -> None:
                      + ", ".join(f"{a:.3f}" for a in accs)
                      + f" | {sum(accs) / len(accs):.3f} | {'yes' if min(accs) >= BAND else 'no'} |")
     lines += ["", f"Test set: {records[0]['test-size'] if records else '?'} images per domain. "
-              "Reproduce: `bench/fccl_solo_sizes.py` (see its docstring).", ""]
-    path.write_text("\n".join(lines))
+              "Reproduce: `python -m bench.fccl_solo_sizes` (see its docstring).", ""]
+    write_atomic(path, "\n".join(lines))
 
 
 def main(argv=None) -> int:
@@ -105,13 +104,17 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=float, default=0.25)
     p.add_argument("--solo-epochs", type=int, default=30)
     p.add_argument("--test-size", type=int, default=300)
-    p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
-    p.add_argument("--cache", type=Path, default=ROOT / "bench" / "work" / "fccl-study" / "solo-cache")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--data-root", default=default_data_root())
+    p.add_argument("--cache", type=Path, default=BENCH / "work" / "fccl-study" / "solo-cache")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--report", action="store_true", help="only rewrite the Markdown from the results JSON")
     args = p.parse_args(argv)
     args.data_root = str(Path(args.data_root).resolve())
     out_json = args.out / "fccl_solo_sizes.json"
-    records = json.loads(out_json.read_text()) if out_json.exists() else []
+    records = read_json(out_json, [])
+    if args.report:
+        write_markdown(records, args.out / "fccl_solo_sizes.md")
+        return 0
     done = {(r["domain"], r["size"], r["seed"], r["width"], r["solo-epochs"], r["test-size"]) for r in records}
     seeds = [int(s) for s in args.seeds.split(",")]
     for spec in args.sizes:
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
                 records.append(rec)
                 print(f"[solo-sizes] {domain} size {size} seed {seed}: intra {rec['intra-accuracy']:.3f} "
                       f"({rec['train-s']:.0f} s{', cached' if rec['from-cache'] else ''})", flush=True)
-                out_json.write_text(json.dumps(records, indent=1) + "\n")
+                write_json(out_json, records)
                 write_markdown(records, args.out / "fccl_solo_sizes.md")
     write_markdown(records, args.out / "fccl_solo_sizes.md")
     return 0

@@ -11,7 +11,7 @@ a task the rate of a task's last round is below 1 % of the base rate, so no last
 model (the record with ``lr_schedule = cosine`` in the JSON). The official code's step schedule
 (``glfc-lr-schedule='code'``, the default here) keeps the base rate, as in the paper's runs, and there
 the lone client's update degrades the model. Everything else is the study's setting
-(``bench/glfc_study.py``), run through the real strategy and ClientApp handlers (``bench/glfc.py``'s
+(``bench.glfc_study``), run through the real strategy and ClientApp handlers (``bench.glfc``'s
 in-process grid) up to the end of task 2.
 
 Reported per seed and arm: the accuracy of the last task-1 model and of the one before it, the proxy's
@@ -19,28 +19,20 @@ scores of both, the round and accuracy of the old model the arm keeps, and the a
 classes at the end of task 2 (what distilling from a better old model should protect). Writes
 ``bench/results/glfc_proxy_case.{json,md}``; finished (arm, seed) pairs are skipped::
 
-    POLLEN_DATA_ROOT=../shared/data .venv/bin/python bench/glfc_proxy_case.py --seeds 0,1,2
+    POLLEN_DATA_ROOT=../shared/data .venv/bin/python -m bench.glfc_proxy_case --seeds 0,1,2
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-for p in (str(ROOT), str(BENCH)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from bench.glfc_study import DEFAULTS, bench_args
+from bench.kit import RESULTS, default_data_root, fmt_paired, read_json, write_atomic, write_json
 
-from glfc_study import DEFAULTS, bench_args  # noqa: E402  (bench/glfc_study.py)
-
-OUT = BENCH / "results" / "glfc_proxy_case.json"
+OUT = RESULTS / "glfc_proxy_case.json"
 ARMS = ("glfc", "glfc-wo-proxy")
 ONLINE = 0  # the one partition that answers in task 1's last round
 LR_SCHEDULE = "code"  # the official step schedule: the rate does not decay within a task
@@ -53,7 +45,8 @@ def setting_of(args: argparse.Namespace) -> dict:
 
 def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
     import torch
-    from glfc import method_config, run_inprocess
+
+    from bench.glfc import method_config, run_inprocess
 
     torch.set_num_threads(1)
     r = args.rounds_per_task
@@ -119,8 +112,7 @@ def report(records: list[dict], others: list[dict], rounds_per_task: int, eval_p
                   f"seed(s); the proxy kept an earlier model than the last one on {picks} of {len(seeds)} seed(s). "
                   "Task-1 accuracy at the end of task 2, GLFC − GLFC w/o proxy, per seed: "
                   + ", ".join(f"{d:+.3f}" for d in diffs)
-                  + (f" (mean ± s.e. {statistics.fmean(diffs):+.3f} ± "
-                     f"{statistics.stdev(diffs) / len(diffs) ** 0.5:.3f})" if len(diffs) > 1 else "") + "."]
+                  + (f" (mean ± s.e. {fmt_paired(diffs, 3)})" if len(diffs) > 1 else "") + "."]
         ties = [s for s in seeds if s in degraded and by[("glfc", s)]["kept-round"] == rounds_per_task]
         if ties:
             lines += ["", "Where the proxy kept the degraded last model (seed(s) " + ", ".join(map(str, ties))
@@ -135,7 +127,7 @@ def report(records: list[dict], others: list[dict], rounds_per_task: int, eval_p
             lines.append(f"| {rec['seed']} | {rec['arm']} | {st.get('lr_schedule', 'cosine')} | "
                          f"{st.get('degrade_epochs', st['epochs'])} | {rec['before-last-accuracy']:.3f} | "
                          f"{rec['last-accuracy']:.3f} |")
-    lines += ["", "Reproduce: `bench/glfc_proxy_case.py`.", ""]
+    lines += ["", "Reproduce: `python -m bench.glfc_proxy_case`.", ""]
     return "\n".join(lines)
 
 
@@ -148,13 +140,13 @@ def main(argv=None) -> int:
                    help="local epochs of the one online node in task 1's last round (default: the study's)")
     p.add_argument("--lr-schedule", default=LR_SCHEDULE, choices=("code", "cosine", "constant"),
                    help="glfc-lr-schedule of both arms")
-    p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
+    p.add_argument("--data-root", default=default_data_root())
     p.add_argument("--report", action="store_true")
     args = p.parse_args(argv)
     args.data_root = str(Path(args.data_root).resolve())
     setting = setting_of(args)
     report_args = (args.rounds_per_task, args.eval_per_class, args.degrade_epochs, args.lr_schedule)
-    stored = json.loads(OUT.read_text()) if OUT.exists() else []
+    stored = read_json(OUT, [])
     others = [r for r in stored if r["setting"] != setting]  # kept in the file, left out of this report
     records = [r for r in stored if r["setting"] == setting]
     if not args.report:
@@ -164,9 +156,9 @@ def main(argv=None) -> int:
                     continue
                 print(f"[proxy-case] {arm} seed {seed}", flush=True)
                 records.append(run(arm, seed, args))
-                OUT.write_text(json.dumps(others + records, indent=1) + "\n")
-                OUT.with_suffix(".md").write_text(report(records, others, *report_args))
-    OUT.with_suffix(".md").write_text(report(records, others, *report_args))
+                write_json(OUT, others + records)
+                write_atomic(OUT.with_suffix(".md"), report(records, others, *report_args))
+    write_atomic(OUT.with_suffix(".md"), report(records, others, *report_args))
     return 0
 
 

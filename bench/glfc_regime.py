@@ -1,33 +1,27 @@
 """How many rounds does the GLFC-family global model need to learn task 1? The regime search behind
-``bench/glfc_study.py``.
+``bench.glfc_study``.
 
 A method is only judged on class-incremental learning when it learns each task first. This runs the
 first task of the MNIST + Fashion-MNIST stream (digits 0-4) with Finetune — the plain FedAvg core every
-GLFC variant shares in task 1 — through the real strategy and ClientApp handlers (``bench/glfc.py``'s
+GLFC variant shares in task 1 — through the real strategy and ClientApp handlers (``bench.glfc``'s
 in-process grid), and records the server's accuracy after every round of task 1. One record per
 (setting, seed) in ``bench/results/glfc_regime.json``; finished ones are skipped::
 
-    .venv/bin/python bench/glfc_regime.py --rounds-per-task 10 --seeds 0,1
-    .venv/bin/python bench/glfc_regime.py --report
+    .venv/bin/python -m bench.glfc_regime --rounds-per-task 10 --seeds 0,1
+    .venv/bin/python -m bench.glfc_regime --report
 """
 
 from __future__ import annotations
 
 import argparse
 import builtins
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-for p in (str(ROOT), str(BENCH)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from bench.kit import RESULTS, default_data_root, read_json, write_atomic, write_json
 
-OUT = BENCH / "results" / "glfc_regime.json"
+OUT = RESULTS / "glfc_regime.json"
 KNOBS = ("rounds_per_task", "epochs", "lr", "width", "initial_clients", "new_clients", "clients_per_round",
          "max_per_class", "batch_size")
 
@@ -39,7 +33,8 @@ class _TaskOneDone(Exception):
 def task_one(args: argparse.Namespace, seed: int) -> list[float]:
     """Server accuracy after each round of task 1 (the run is stopped at the task's end)."""
     import torch
-    from glfc import method_config, run_inprocess
+
+    from bench.glfc import method_config, run_inprocess
 
     torch.set_num_threads(1)
     ns = argparse.Namespace(**{k: getattr(args, k) for k in KNOBS}, data_root=args.data_root, seed=seed, tasks=4,
@@ -83,7 +78,8 @@ def report(records: list[dict]) -> str:
               "4, 8 or 10 clients and with 1 local epoch, while seeds 0 and 2 pass 0.95; the curves flatten as the "
               "cosine schedule takes the learning rate towards 0 at the task's end. With 20 rounds per task seed 1 "
               "reaches 0.98. (More clients do not cure it: with 10 clients every class of seed 1 has at least two "
-              "holders and the run still stops at 0.79.) `glfc_methods.md` reports task 1 for every run of the study (`bench/glfc_study.py`).",
+              "holders and the run still stops at 0.79.) `glfc_methods.md` reports task 1 for every run of the study "
+              "(`python -m bench.glfc_study`).",
               ""]
     return "\n".join(lines)
 
@@ -100,11 +96,11 @@ def main(argv=None) -> int:
     p.add_argument("--clients-per-round", type=int, default=4)
     p.add_argument("--max-per-class", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--data-root", default=os.environ.get("POLLEN_DATA_ROOT", str(ROOT.parent / "shared" / "data")))
+    p.add_argument("--data-root", default=default_data_root())
     p.add_argument("--report", action="store_true")
     args = p.parse_args(argv)
     args.data_root = str(Path(args.data_root).resolve())
-    records = json.loads(OUT.read_text()) if OUT.exists() else []
+    records = read_json(OUT, [])
     if not args.report:
         for seed in (int(s) for s in args.seeds.split(",")):
             key = {**{k: getattr(args, k) for k in KNOBS}, "seed": seed}
@@ -113,8 +109,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             accs = task_one(args, seed)
             records.append({**key, "accuracy": accs, "wall-s": round(time.perf_counter() - t0, 1)})
-            OUT.write_text(json.dumps(records, indent=1) + "\n")
-    OUT.with_suffix(".md").write_text(report(records))
+            write_json(OUT, records)
+    write_atomic(OUT.with_suffix(".md"), report(records))
     return 0
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from pollen.app.run_keys import COMMON
+from pollen.protocol.identity import parse_partition_pins
+from pollen.protocol.screening import PayloadBounds
 
 PROFILES = ("quick", "paper")
 DEVICES = ("auto", "cpu", "cuda")
@@ -87,6 +89,14 @@ class RunConfig:
     checkpoint_every: int = 1
     checkpoint_keep: int = 2
     resume_from: str = ""
+    run_name: str = ""
+    # Hostile nodes: how accepted values combine, the payload bounds, operator-pinned partitions.
+    aggregation: str = "mean"
+    trim_fraction: float = 0.2
+    max_update_norm: float = PayloadBounds.max_update_norm
+    max_logit_abs: float = PayloadBounds.max_logit_abs
+    max_grad_norm: float = PayloadBounds.max_grad_norm
+    partition_pins: str = ""  # as given: "partition:node-id,..." (checked by parse_partition_pins)
     # Your own data (tasks image-folder, array): the folder, agreed classes and input format.
     data_dir: str = ""
     classes: str = ""  # as given: "a,b,c" or a file path (class_names holds the parsed names)
@@ -254,9 +264,23 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
         checkpoint_every=_value(merged, "checkpoint-every"),
         checkpoint_keep=_value(merged, "checkpoint-keep"),
         resume_from=_value(merged, "resume-from").strip(),
+        run_name=_value(merged, "run-name").strip(),
+        aggregation=_value(merged, "aggregation"),
+        trim_fraction=_value(merged, "trim-fraction"),
+        max_update_norm=_value(merged, "max-update-norm"),
+        max_logit_abs=_value(merged, "max-logit-abs"),
+        max_grad_norm=_value(merged, "max-grad-norm"),
+        partition_pins=_value(merged, "partition-pins").strip(),
         **_user_data(merged),
         extra={k: merged[k] for k in _own_keys(method)},  # config.json: shared keys + this method's only
     )
+    if cfg.run_name in (".", "..") or any(c in cfg.run_name for c in "/\\\0"):
+        raise ConfigError(f"run config key 'run-name' = {cfg.run_name!r} is invalid: expected a folder name "
+                          "(no '/', not '.' or '..')")
+    try:
+        parse_partition_pins(cfg.partition_pins)
+    except ValueError as err:
+        raise ConfigError(f"run config key 'partition-pins' = {cfg.partition_pins!r} is invalid: {err}") from None
     if cfg.shot_shots - cfg.shot_stdev < 1:
         raise ConfigError(
             f"run config keys 'shot-shots' = {cfg.shot_shots} and 'shot-stdev' = {cfg.shot_stdev} "

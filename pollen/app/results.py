@@ -4,12 +4,16 @@ per round.
 The strategies keep a :class:`~pollen.strategies.base.RoundReport` of what crossed the wire (bytes
 each way, per-client metrics, failures, rejected replies); the ServerApp hands it to
 :meth:`RunRecorder.record_report` when the round ends. The files are the interface for benchmarks and
-tests: they read these, never console output. ``summary.json`` says whether the run completed or
-failed, and why.
+tests: they read these, never console output. ``summary.json`` says whether the run ``completed``,
+``failed`` or was ``interrupted``, why (``failure-reason``) and its ``last-round``; the ServerApp writes
+it when the run ends, and the launcher (or its watchdog) writes it with :func:`write_stopped_summary`
+on every path where the ServerApp could not: Ctrl-C, SIGTERM, a timeout, a dead SuperLink, a killed
+launcher.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -18,17 +22,61 @@ from typing import Any
 
 from pollen.strategies.base import RoundReport
 
+STATUSES = ("completed", "failed", "interrupted")
+
 
 def run_directory(cfg, run_id: int | str) -> Path:
-    """``resume-from`` when continuing a run, else ``out-dir/<run-id>`` (``$POLLEN_OUT_DIR`` or
-    ``./pollen-runs`` when ``out-dir`` is empty). Pass absolute paths: relative ones resolve against
-    the working directory of the SuperLink (server) or SuperNode (clients)."""
+    """``resume-from`` when continuing a run, else ``out-dir/<run-name>`` (the launcher names runs
+    ``YYYYMMDD-HHMMSS-<method>-<task>``), else ``out-dir/<run-id>`` (``flwr run`` without the launcher).
+    ``out-dir`` empty: ``$POLLEN_OUT_DIR`` or ``./pollen-runs``. Pass absolute paths: relative ones
+    resolve against the working directory of the SuperLink (server) or SuperNode (clients)."""
     import os
 
     if cfg.resume_from:
         return Path(cfg.resume_from).expanduser().resolve()
     base = cfg.out_dir or os.environ.get("POLLEN_OUT_DIR") or "pollen-runs"
-    return Path(base).expanduser().resolve() / str(run_id)
+    return Path(base).expanduser().resolve() / (cfg.run_name or str(run_id))
+
+
+def last_round(run_dir: Path) -> int:
+    """The last round ``metrics.jsonl`` closed (0: none)."""
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    rounds = []
+    for line in lines:
+        try:
+            rounds.append(int(json.loads(line)["round"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return max(rounds, default=0)
+
+
+def write_stopped_summary(run_dir: Path, status: str, reason: str, flower_run_id: int | None = None,
+                          since: float | None = None) -> dict[str, Any] | None:
+    """``summary.json`` of a run that ended where its ServerApp could not write one (interrupted, killed,
+    a dead SuperLink). Kept as it is when the ServerApp wrote one after ``since`` (epoch seconds): that
+    one knows more. Returns what was written (``None``: nothing)."""
+    if status not in STATUSES:
+        raise ValueError(f"summary status {status!r}: expected one of {STATUSES}")
+    run_dir = Path(run_dir)
+    path = run_dir / "summary.json"
+    try:
+        if since is not None and path.stat().st_mtime >= since:
+            return None
+    except OSError:
+        pass
+    config: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((run_dir / "config.json").read_text())
+    summary = {"status": status, "failure-reason": reason, "last-round": last_round(run_dir),
+               "flower-run-id": flower_run_id, "method": config.get("method"), "task": config.get("task"),
+               "num-server-rounds": config.get("num-server-rounds"), "run-dir": str(run_dir)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
 
 
 def _clean(metrics: dict | None) -> dict[str, Any]:
@@ -47,8 +95,10 @@ class RunRecorder:
     """Collects one record per round and writes the run's files under ``run_dir``."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any], num_rounds: int, echo: bool = True,
-                 resume_after: int = 0):
+                 resume_after: int = 0, flower_run_id: int | None = None):
         self.run_dir = Path(run_dir)
+        self.flower_run_id = flower_run_id
+        self.first_round = resume_after + 1
         self.config = config
         self.num_rounds = num_rounds
         self.echo = echo
@@ -130,7 +180,16 @@ class RunRecorder:
         if rec["rejected"] or rec["failures"]:
             parts.append(f"rejected {len(rec['rejected'])} failed {rec['failures']}")
         parts.append(f"{rec['wall-time-s']:.1f}s")
+        parts.append(self.progress(rec["round"]))
         return " | ".join(parts)
+
+    def progress(self, server_round: int) -> str:
+        """``elapsed 12s, ETA 40s``: the mean of this process's rounds so far, times the rounds left."""
+        elapsed = time.perf_counter() - self.started
+        done = server_round - self.first_round + 1
+        left = self.num_rounds - server_round
+        eta = f", ETA {_fmt_seconds(elapsed / done * left)}" if done > 0 and left > 0 else ""
+        return f"elapsed {_fmt_seconds(elapsed)}{eta}"
 
     # end of run ----------------------------------------------------------------------------
     def finish(self, status: str = "completed", reason: str | None = None,
@@ -140,6 +199,9 @@ class RunRecorder:
         summary = {
             "status": status,
             "failure-reason": reason,
+            "last-round": self.rounds[-1]["round"] if self.rounds else 0,
+            "flower-run-id": self.flower_run_id,
+            "run-dir": str(self.run_dir),
             "files": files or {},
             "method": self.config.get("method"),
             "task": self.config.get("task"),
@@ -175,6 +237,17 @@ def _headline_accuracy(rec: dict[str, Any]) -> tuple[str, float, float | None] |
                 mean = metrics.get(f"{key}-client-mean", metrics[key])
                 return key, float(mean), (float(std) if std is not None else None)
     return None
+
+
+def _fmt_seconds(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
 
 
 def _fmt_bytes(n: float) -> str:

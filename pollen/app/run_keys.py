@@ -21,6 +21,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from pollen.protocol.screening import PayloadBounds
+
+_BOUNDS = PayloadBounds()  # the payload bounds' defaults are declared once, there
+
 # Common keys in the order of the page's sections; method keys are grouped by family automatically.
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Run", ("method", "task", "profile", "num-server-rounds", "seed", "device", "torch-threads")),
@@ -35,6 +39,8 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "data-split")),
     ("Weight averaging (fedavg, fedprox)", ("avg-weighting", "fedprox-mu")),
     ("Checkpoints", ("checkpoint-every", "checkpoint-keep")),
+    ("Hostile nodes (docs/strategies.md)", ("aggregation", "trim-fraction", "max-update-norm", "max-logit-abs",
+                                            "max-grad-norm", "partition-pins")),
 )
 
 class Key(NamedTuple):
@@ -96,6 +102,21 @@ COMMON: dict[str, Key] = {
     "checkpoint-every": Key(1, "int >= 0", "write a server checkpoint every N rounds; 0 = never"),
     "checkpoint-keep": Key(2, "int >= 1", "checkpoints kept (the newest)"),
     "resume-from": Key("", "path", "a run folder to continue from its last valid checkpoint (same config)"),
+    "aggregation": Key("mean", "choice",
+        "how accepted client values combine: `mean` (the method's weighted mean), or coordinate-wise and "
+        "unweighted `median` / `trimmed-mean`, which a minority of hostile clients cannot drag far"),
+    "trim-fraction": Key(0.2, "float in [0, 0.5)",
+        "`trimmed-mean`: share of the smallest and of the largest client values dropped at each coordinate"),
+    "max-update-norm": Key(_BOUNDS.max_update_norm, "float in (0, 1000000000000]",
+        "weights, GLFC and homogeneous-logit models: a reply moving further than this × the broadcast model's "
+        "norm (at least 1) is refused"),
+    "max-logit-abs": Key(_BOUNDS.max_logit_abs, "float in (0, 1000000000000]",
+        "logit methods: a reply with a logit beyond ± this is refused"),
+    "max-grad-norm": Key(_BOUNDS.max_grad_norm, "float in (0, 1000000000000]",
+        "GLFC: a prototype-gradient set with an L2 norm above this is refused before the proxy sees it"),
+    "partition-pins": Key("", "string",
+        "operator-pinned partitions, `partition:node-id` comma-separated (e.g. `0:4312,1:9876`): a pinned "
+        "partition is served by that node only; empty = none (two nodes claiming one partition quarantine it)"),
 }
 
 
@@ -133,6 +154,10 @@ def choices(key: str) -> tuple[str, ...]:
         return ("",) + tuple(MODEL_NAMES)
     simple = {"profile": config.PROFILES, "device": config.DEVICES, "avg-weighting": config.WEIGHTINGS,
               "shot-split": config.SHOT_SPLITS}
+    if key == "aggregation":
+        from pollen.strategies.aggregation import AGGREGATIONS
+
+        return AGGREGATIONS
     if key in simple:
         return tuple(simple[key])
     if key.startswith("proto-"):

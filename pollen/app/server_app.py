@@ -19,11 +19,8 @@ from pollen.app.checkpoints import CheckpointError, latest_checkpoint, save_arra
 from pollen.app.config import RunConfig, parse_run_config
 from pollen.app.registry import METHODS
 from pollen.app.results import RunRecorder, run_directory
+from pollen.app.run_keys import RESUMABLE_CHANGES
 from pollen.log import LOGGER
-
-# Keys that may differ between an interrupted run and its resumption.
-RESUMABLE_CHANGES = frozenset({"resume-from", "out-dir", "num-server-rounds", "data-root", "device",
-                               "torch-threads"})
 
 app = ServerApp()
 
@@ -86,7 +83,8 @@ def main(grid: Grid, context: Context) -> None:
         initial = _initial_arrays(strategy, ckpt.arrays) or initial
         first_round = ckpt.round + 1
         LOGGER.info("resuming %s after round %d (%s)", run_dir, ckpt.round, ckpt.path.name)
-    recorder = RunRecorder(run_dir, cfg.to_dict(), cfg.num_server_rounds, resume_after=first_round - 1)
+    recorder = RunRecorder(run_dir, cfg.to_dict(), cfg.num_server_rounds, resume_after=first_round - 1,
+                           flower_run_id=context.run_id)
     record_task(run_dir, cfg)
     server_evaluate = getattr(strategy, "evaluate_global", None)  # GLFC evaluates on the server
     written: dict[str, str] = {}

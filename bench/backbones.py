@@ -3,23 +3,21 @@
 Why: clients store conv backbones channels-last (pollen/clients/base.py); this measures whether that
 helps here. Writes bench/results/backbones.{json,md}.
 
-    python bench/backbones.py [--width 0.25] [--batch 64] [--steps 5] [--threads 1]
+    python -m bench.backbones [--width 0.25] [--batch 64] [--steps 5] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.kit import RESULTS, read_json, write_atomic, write_json
 from pollen.models import build_model, to_channels_last
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BACKBONES = ("resnet10", "resnet12", "resnet18", "efficientnet_b0", "mobilenet_v2", "googlenet")
 
 
@@ -40,13 +38,27 @@ def images_per_second(name: str, width: float, batch: int, steps: int, channels_
     return batch * steps / (time.perf_counter() - start)
 
 
+def markdown(data: dict) -> str:
+    s = data["settings"]
+    lines = [f"Training throughput, CPU, width {s['width']}, batch {s['batch']}, {s['threads']} thread(s), "
+             f"torch {s['torch']}", "", "| model | NCHW img/s | channels-last img/s | speed-up |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['nchw-img-s']} | {r['channels-last-img-s']} | ×{r['speedup']} |"
+              for r in data["rows"]]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=float, default=0.25)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--report", action="store_true", help="only rewrite the Markdown from the results JSON")
     args = parser.parse_args()
+    if args.report:
+        write_atomic(RESULTS / "backbones.md", markdown(read_json(RESULTS / "backbones.json")))
+        return
     torch.set_num_threads(args.threads)
     rows = []
     for name in BACKBONES:
@@ -57,13 +69,9 @@ def main() -> None:
         print(f"{name:16s} NCHW {nchw:8.1f} img/s  channels-last {nhwc:8.1f} img/s  x{nhwc / nchw:.2f}", flush=True)
     meta = {"width": args.width, "batch": args.batch, "steps": args.steps, "threads": args.threads,
             "torch": torch.__version__, "machine": platform.machine(), "cpu-count": torch.get_num_threads()}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "backbones.json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=2) + "\n")
-    lines = [f"Training throughput, CPU, width {args.width}, batch {args.batch}, {args.threads} thread(s), "
-             f"torch {torch.__version__}", "", "| model | NCHW img/s | channels-last img/s | speed-up |",
-             "|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['nchw-img-s']} | {r['channels-last-img-s']} | ×{r['speedup']} |" for r in rows]
-    (RESULTS / "backbones.md").write_text("\n".join(lines) + "\n")
+    data = {"settings": meta, "rows": rows}
+    write_json(RESULTS / "backbones.json", data, indent=2)
+    write_atomic(RESULTS / "backbones.md", markdown(data))
 
 
 if __name__ == "__main__":

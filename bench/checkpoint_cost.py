@@ -11,22 +11,17 @@ For each round the server checkpoint (``checkpoints/round-NNNN.*``) and every no
 timed by wrapping the writers; the round wall time comes from ``metrics.jsonl``. Results:
 ``bench/results/checkpoint_cost.{json,md}``::
 
-    python bench/checkpoint_cost.py --data-root ../shared/data
+    python -m bench.checkpoint_cost --data-root ../shared/data
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-RESULTS = ROOT / "bench" / "results"
+from bench.kit import RESULTS, read_json, read_metrics, write_atomic, write_json
 
 SETTINGS = {
     "fedproto-mnist": ({"method": "fedproto", "task": "mnist-shot", "shot-ways": 3, "shot-shots": 100,
@@ -69,7 +64,7 @@ def measure(name: str, rounds: int, data_root: str) -> dict:
         server_app_module.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
         wall = time.perf_counter() - t0
         run = tmp / "1"
-        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        lines = read_metrics(run)
         round_s = [r["wall-time-s"] for r in lines]
         ckpt_files = sorted((run / "checkpoints").glob("*.safetensors"))
         ckpt_bytes = ckpt_files[-1].stat().st_size if ckpt_files else 0
@@ -88,16 +83,10 @@ def measure(name: str, rounds: int, data_root: str) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-root", required=True)
-    parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
-    results = [measure(name, args.rounds, args.data_root) for name in SETTINGS]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "checkpoint_cost.json").write_text(json.dumps(results, indent=2) + "\n")
+def markdown(results: list[dict]) -> str:
+    rounds = results[0]["rounds"] if results else "?"
     lines = ["# What keeping the trained state costs", "",
-             f"{args.rounds} rounds per setting, in-process (no Ray), 1 torch thread, 2-core machine; steady "
+             f"{rounds} rounds per setting, in-process (no Ray), 1 torch thread, 2-core machine; steady "
              "rounds (2+) averaged. Node state = every node's state folder, written after each training round "
              "(all nodes of the round summed, as one process serves them here).", "",
              "| setting | clients | round s | checkpoint KB | checkpoint ms | % of round | node state KB/node | "
@@ -110,8 +99,24 @@ def main() -> None:
                      f"{ck * 1000:.1f} | {100 * r['checkpoint-fraction']:.2f} % | "
                      f"{r['node-state-bytes-per-node'] / 1024:.1f} | {ns * 1000:.1f} | "
                      f"{100 * r['node-state-fraction']:.2f} % |")
-    (RESULTS / "checkpoint_cost.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-root", help="folder with the datasets (not needed with --report)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--report", action="store_true", help="only rewrite the Markdown from the results JSON")
+    args = parser.parse_args()
+    if args.report:
+        results = read_json(RESULTS / "checkpoint_cost.json")
+    else:
+        if args.data_root is None:
+            parser.error("--data-root is required to measure")
+        results = [measure(name, args.rounds, args.data_root) for name in SETTINGS]
+        write_json(RESULTS / "checkpoint_cost.json", results, indent=2)
+    write_atomic(RESULTS / "checkpoint_cost.md", markdown(results))
+    print(markdown(results), end="")
 
 
 if __name__ == "__main__":

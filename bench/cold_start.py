@@ -20,7 +20,7 @@ and rounds: what any Flower simulation of this shape costs here, the wall ``make
 The machine's 1-minute load average at each start is recorded: on a busy machine the split is still
 informative, the absolute numbers are not. Writes ``bench/results/cold_start.{json,md}``::
 
-    python bench/cold_start.py --runs 3
+    python -m bench.cold_start --runs 3
 """
 
 from __future__ import annotations
@@ -37,11 +37,9 @@ import time
 from collections import deque
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from overhead import floor_command  # noqa: E402  (bench/overhead.py)
+from bench.kit import RESULTS, ROOT, read_json, write_atomic, write_json
+from bench.overhead import floor_command
 
-RESULTS = ROOT / "bench" / "results"
 PHASES = ("launcher start", "to round 1", "rounds", "run end", "teardown")
 ROUND_LINE = re.compile(r"\[(?:pollen|floor)\] round (\d+)/(\d+)")
 
@@ -140,7 +138,11 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="make runs (each followed by a floor run)")
     parser.add_argument("--no-floor", action="store_true", help="make runs only")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--report", action="store_true", help="only rewrite cold_start.md from cold_start.json")
     args = parser.parse_args(argv)
+    if args.report:
+        write_atomic(args.out / "cold_start.md", markdown(read_json(args.out / "cold_start.json")["runs"]))
+        return 0
     rows = []
     kinds = [False] if args.no_floor else [False, True]
     for i in range(args.runs):
@@ -148,9 +150,8 @@ def main(argv=None) -> int:
             row = run_once(floor)
             rows.append(row)
             print(f"[cold-start] {row['run']} {i + 1}/{args.runs}: {json.dumps(row)}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cold_start.json").write_text(json.dumps({"runs": rows}, indent=1) + "\n")
-    (args.out / "cold_start.md").write_text(markdown(rows))
+    write_json(args.out / "cold_start.json", {"runs": rows})
+    write_atomic(args.out / "cold_start.md", markdown(rows))
     print(markdown(rows))
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 

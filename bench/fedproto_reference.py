@@ -24,7 +24,7 @@ computations), while private state, per-round loaders, prototype aggregation and
 own. A gap between this and the Flower runs points at the federated implementation, a gap between
 this and the official numbers at the seed.
 
-    python bench/fedproto_reference.py --data-root ../shared/data --ways 3 --seeds 1234 0 1 2 3
+    python -m bench.fedproto_reference --data-root ../shared/data --ways 3 --seeds 1234 0 1 2 3
 
 Writes ``bench/results/prototypes_reference.json`` (one entry per ways/seed, merged with earlier
 entries) and prints a table.
@@ -33,28 +33,22 @@ entries) and prints a table.
 from __future__ import annotations
 
 import argparse
-import fcntl
-import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit import RESULTS, locked, read_json, table, write_atomic, write_json
+from bench.prototypes import OFFICIAL  # the official run's numbers
+from pollen.datasets.partition import n_way_k_shot
+from pollen.datasets.sources import load_source
+from pollen.datasets.transforms import MNIST_FORMAT, to_model_input
+from pollen.methods.prototype_losses import prototype_loss, squared_distances
+from pollen.models.small import CNNMnist
 
-from pollen.methods.prototype_losses import prototype_loss, squared_distances  # noqa: E402
-from pollen.datasets.partition import n_way_k_shot  # noqa: E402
-from pollen.datasets.sources import load_source  # noqa: E402
-from pollen.datasets.transforms import MNIST_FORMAT, to_model_input  # noqa: E402
-from pollen.models.small import CNNMnist  # noqa: E402
-from prototypes import OFFICIAL  # noqa: E402  (bench/prototypes.py: the official run's numbers)
-
-RESULTS = Path(__file__).resolve().parent / "results"
 JSON_PATH = RESULTS / "prototypes_reference.json"
 MD_PATH = RESULTS / "prototypes_reference.md"
 
@@ -153,19 +147,19 @@ def run(ways: int, seed: int, rounds: int, data_root: str, ld: float = 1.0, lr: 
             "per-client-local": acc["local"], "per-client-proto": acc["proto"], "wall-time-s": wall}
 
 
-def table(rows: list[dict]) -> str:
+def markdown(rows: list[dict]) -> str:
     lines = ["# FedProto's procedure without Flower (bench/fedproto_reference.py)", "",
              "The official FedProto MNIST procedure replayed in one process (its order of random draws, its "
              "split, private CNNs, training-time prototypes, unweighted aggregation) for several seeds; accuracy "
              "in %, mean ± std over 20 clients, counters reset per client, 100 rounds. *running*: the official "
              "code's never-reset counters. Official run (seed 1234): n = 3 98.85 / 98.66, n = 4 98.07 / 98.03.", "",
-             "| ways | seed | local | proto | local (running) | proto (running) | wall s |", "|---|---|---|---|---|---|---|"]
+             *table(("ways", "seed", "local", "proto", "local (running)", "proto (running)", "wall s"), ())]
     for r in sorted(rows, key=lambda r: (r["ways"], r["seed"])):
         lines.append(f"| {r['ways']} | {r['seed']} | {r['local-mean']:.2f} ± {r['local-std']:.2f} | "
                      f"{r['proto-mean']:.2f} ± {r['proto-std']:.2f} | {r['local-running-mean']:.2f} | "
                      f"{r['proto-running-mean']:.2f} | {r['wall-time-s']:.0f} |")
-    lines += ["", "| ways | seeds | local mean | proto mean | seed-to-seed std (local / proto) | official | Δ to official |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", *table(("ways", "seeds", "local mean", "proto mean", "seed-to-seed std (local / proto)", "official",
+                          "Δ to official"), ())]
     for ways in sorted({r["ways"] for r in rows}):
         group = [r for r in rows if r["ways"] == ways and r["rounds"] == 100]
         if not group:
@@ -190,20 +184,17 @@ def main() -> None:
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    RESULTS.mkdir(exist_ok=True)
     for ways in ([] if args.table_only else args.ways):
         for seed in args.seeds:
             result = run(ways, seed, args.rounds, args.data_root)
-            with open(RESULTS / ".prototypes_reference.lock", "w") as lock:  # parallel invocations merge rows
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                rows = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else []
+            with locked(JSON_PATH):  # parallel invocations merge rows
+                rows = read_json(JSON_PATH, [])
                 rows = [r for r in rows if (r["ways"], r["seed"], r["rounds"]) != (ways, seed, args.rounds)]
-                JSON_PATH.write_text(json.dumps(rows + [result], indent=1))
+                write_json(JSON_PATH, rows + [result])
             print(f"[ref] ways {ways} seed {seed}: local {result['local-mean']:.2f} ± {result['local-std']:.2f}, "
                   f"proto {result['proto-mean']:.2f} ± {result['proto-std']:.2f} "
                   f"({result['wall-time-s']:.0f} s)", flush=True)
-    rows = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else []
-    MD_PATH.write_text(table(rows))
+    write_atomic(MD_PATH, markdown(read_json(JSON_PATH, [])))
     print(MD_PATH.read_text())
 
 

@@ -15,25 +15,21 @@ Three parts, each written to ``bench/results/gpu.{json,md}`` (``--out`` to chang
 On a machine without CUDA it says so and exits 0 (``--device cpu`` runs the same code on the CPU,
 at whatever sizes you give, which is how the tests exercise it)::
 
-    python bench/gpu.py --data-root ../shared/data            # about 5 minutes on one GPU
-    python bench/gpu.py --device cpu --steps 2 --batch 8 --proxy-images 4 --skip-run --out /tmp/gpu
+    python -m bench.gpu --data-root ../shared/data            # about 5 minutes on one GPU
+    python -m bench.gpu --device cpu --steps 2 --batch 8 --proxy-images 4 --skip-run --out /tmp/gpu
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.kit import RESULTS, read_metrics, write_json
 
-RESULTS = ROOT / "bench" / "results"
 # (label, model name, input shape, classes): the backbones each family trains in its paper setting.
 BACKBONES = (
     ("FedProto MNIST CNN", "cnn_mnist", (1, 28, 28), 10),
@@ -109,7 +105,7 @@ def part_fedproto_run(args) -> dict:
     row = {"clients": args.clients, "rounds": args.rounds, "gpus-per-client": gpus, "status": outcome.status,
            "wall-s": round(wall, 1), "flwr-run-s": round(outcome.wall_time_s, 1)}
     if outcome.results_dir is not None and (outcome.results_dir / "metrics.jsonl").exists():
-        lines = [json.loads(x) for x in (outcome.results_dir / "metrics.jsonl").read_text().splitlines() if x]
+        lines = read_metrics(outcome.results_dir)
         times = [r["wall-time-s"] for r in lines if isinstance(r.get("wall-time-s"), (int, float))]
         if times:
             row["round-1-s"] = round(times[0], 2)
@@ -224,7 +220,7 @@ def main(argv=None) -> int:
     data = {"config": meta, "throughput": part_throughput(args, device),
             "fedproto-run": {"skipped": "--skip-run"} if args.skip_run else part_fedproto_run(args),
             "proxy": part_proxy(args, device)}
-    (out / "gpu.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_json(out / "gpu.json", data, indent=2)
     write_markdown(out / "gpu.md", data)
     print(f"[gpu bench] wrote {out / 'gpu.json'} and {out / 'gpu.md'}", flush=True)
     return 0

@@ -15,7 +15,7 @@ child subreaper, so orphaned Ray and Flower processes are reaped here). Prints a
 median, per Pollen run the round-time breakdown (round 1, steady rounds, start-up and teardown),
 and the floor.
 
-    python bench/overhead.py --data-root ../shared/data --pairs 3 --rounds 15
+    python -m bench.overhead --data-root ../shared/data --pairs 3 --rounds 15
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+from bench.kit import RESULTS, ROOT, read_json, write_atomic, write_json
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -131,8 +131,8 @@ def measured(cmd: list[str], env: dict[str, str], log: Path) -> dict:
 
 
 def plain_loop(args, env: dict[str, str], log: Path) -> dict:
-    code = ("import json, sys, torch; sys.path.insert(0, 'bench'); torch.set_num_threads(1); "
-            "from fedproto_reference import run; "
+    code = ("import json, torch; torch.set_num_threads(1); "
+            "from bench.fedproto_reference import run; "
             f"r = run({args.ways}, {args.seed}, {args.rounds}, {str(args.data_root)!r}, num_clients={args.clients}); "
             "print('RESULT ' + json.dumps({k: r[k] for k in ('local-mean', 'proto-mean', 'wall-time-s')}))")
     row = measured([sys.executable, "-c", code], env, log)
@@ -338,7 +338,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-floor", action="store_true", help="skip the Flower-floor run of each pair")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for overhead.json and overhead.md")
+    parser.add_argument("--report", action="store_true", help="only rewrite overhead.md from overhead.json")
     args = parser.parse_args(argv)
+    if args.report:
+        write_atomic(args.out / "overhead.md", markdown(read_json(args.out / "overhead.json")))
+        return 0
     if args.data_root is None or not (Path(args.data_root) / "MNIST" / "raw").is_dir():
         parser.error("--data-root must hold MNIST/raw (or set POLLEN_DATA_ROOT)")
     args.data_root = Path(args.data_root).resolve()
@@ -374,8 +378,8 @@ def main(argv=None) -> int:
             pairs.append(pair)
     data = {"config": config, "pairs": pairs, "summary": summarise(pairs)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "overhead.json").write_text(json.dumps(data, indent=2) + "\n")
-    (args.out / "overhead.md").write_text(markdown(data))
+    write_json(args.out / "overhead.json", data, indent=2)
+    write_atomic(args.out / "overhead.md", markdown(data))
     print(markdown(data), flush=True)
     return 0
 

@@ -9,9 +9,9 @@ environment, summed, sampled twice a second). One JSON file per N under ``bench/
 finished N is skipped when the study is run again (``--force`` reruns it). ``scale.md`` and
 ``scale.png`` are rewritten from those files::
 
-    python bench/scale.py --data-root ../shared/data                  # 10 100 1000 10000
-    python bench/scale.py --data-root ../shared/data --clients 10 100  # a quick look
-    python bench/scale.py --report                                     # tables and plot only
+    python -m bench.scale --data-root ../shared/data                  # 10 100 1000 10000
+    python -m bench.scale --data-root ../shared/data --clients 10 100  # a quick look
+    python -m bench.scale --report                                     # tables and plot only
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-RESULTS = ROOT / "bench" / "results"
+from bench.kit import RESULTS, ROOT, pyplot, save_figure, write_atomic, write_json
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -167,7 +166,7 @@ def sampled(n: int) -> int:
 def run_floor(n: int, args) -> dict:
     """The Flower floor in this shape: ``bench/overhead.py``'s app with no Pollen and no torch, N nodes,
     the same k sampled for train and evaluate each round, every node answering at once."""
-    from overhead import floor_command  # bench/overhead.py
+    from bench.overhead import floor_command
 
     k = sampled(n)
     with tempfile.TemporaryDirectory(prefix=f"pollen-floor-{n}-") as tmp:
@@ -294,18 +293,11 @@ def report(out: Path) -> None:
             roles = r["cpu-by-role-s"][-1] or {}
             lines.append(f"| {r['clients']:,} | {r['round-wall-s'][-1]} | "
                          + " | ".join(str(roles.get(role, "–")) for role in ROLES) + " |")
-    (out / "scale.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    write_atomic(out / "scale.md", "\n".join(lines) + "\n")
     ok = [r for r in rows if r.get("round-wall-s")]
     if not ok:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = pyplot().subplots(1, 3, figsize=(13, 3.6))
     xs = [r["clients"] for r in ok]
     axes[0].plot(xs, [r["peak-pss-mb"] for r in ok], "o-")
     axes[0].set(xscale="log", xlabel="simulated clients N", ylabel="peak PSS of the tree (MB)")
@@ -314,9 +306,7 @@ def report(out: Path) -> None:
     axes[2].plot(xs, [r["ms-per-message"][-1] for r in ok], "o-", label="last round")
     axes[2].set(xscale="log", xlabel="N", ylabel="ms per message")
     axes[2].legend()
-    fig.tight_layout()
-    fig.savefig(out / "scale.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "scale.png", dpi=120)
 
 
 def main(argv=None) -> int:
@@ -343,7 +333,7 @@ def main(argv=None) -> int:
                 continue
             print(f"[scale] N = {n}: running", flush=True)
             row = run_one(n, args)
-            path.write_text(json.dumps(row, indent=2) + "\n")
+            write_json(path, row, indent=2)
             print(f"[scale] N = {n}: {json.dumps({k: v for k, v in row.items() if k != 'log-tail'})}", flush=True)
         for n in args.floor:
             path = args.out / "scale" / "floor" / f"{n}.json"
@@ -353,7 +343,7 @@ def main(argv=None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             print(f"[scale] floor N = {n}: running", flush=True)
             row = run_floor(n, args)
-            path.write_text(json.dumps(row, indent=2) + "\n")
+            write_json(path, row, indent=2)
             print(f"[scale] floor N = {n}: {json.dumps({k: v for k, v in row.items() if k != 'log-tail'})}", flush=True)
     report(args.out)
     return 0

@@ -28,7 +28,7 @@ _BOUNDS = PayloadBounds()  # the payload bounds' defaults are declared once, the
 # Common keys in the order of the page's sections; method keys are grouped by family automatically.
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Run", ("method", "task", "profile", "num-server-rounds", "seed", "device", "torch-threads")),
-    ("Paths", ("data-root", "download", "out-dir", "resume-from")),
+    ("Paths", ("data-root", "download", "out-dir", "run-name", "resume-from")),
     ("Sampling and failures", ("fraction-fit", "fraction-evaluate", "min-available-clients", "max-empty-rounds",
                                 "sample-by-partition")),
     ("Model and local training", ("model", "model-width", "local-epochs", "batch-size", "lr", "momentum",
@@ -59,14 +59,14 @@ COMMON: dict[str, Key] = {
     "task": Key("uci-dirichlet", "choice", "dataset, partition and default model (see docs/data.md)"),
     "profile": Key("quick", "choice",
         "`quick` = CPU-sized models (width 0.25 for large backbones), `paper` = the paper's sizes"),
-    "num-server-rounds": Key(10, "int >= 1", "federated rounds"),
-    "seed": Key(0, "int >= 0", "seeds data splits, model init, client sampling and every client's RNG"),
+    "num-server-rounds": Key(10, "int in [1, 1000000]", "federated rounds"),
+    "seed": Key(0, "int in [0, 4294967295]", "seeds data splits, model init, client sampling and every client's RNG"),
     "data-root": Key("", "path", "dataset root (absolute); empty = `$POLLEN_DATA_ROOT`"),
     "download": Key(False, "bool", "let torchvision download missing datasets (needs internet)"),
     "out-dir": Key("", "path", "results root; empty = `$POLLEN_OUT_DIR`, else `./pollen-runs` of the SuperLink"),
     "fraction-fit": Key(1.0, "float in (0, 1]", "fraction of connected clients trained per round"),
     "fraction-evaluate": Key(1.0, "float in [0, 1]", "fraction of connected clients evaluated per round"),
-    "min-available-clients": Key(2, "int >= 1", "clients the server waits for before a round"),
+    "min-available-clients": Key(2, "int in [1, 1000000]", "clients the server waits for before a round"),
     "device": Key("auto", "choice", "`auto` = CUDA when present, else CPU"),
     "torch-threads": Key(1, "int in [1, 256]", "torch threads per client (1 is fastest when clients share cores)"),
     "model": Key("", "choice", "architecture override; empty = the task's default"),
@@ -75,13 +75,14 @@ COMMON: dict[str, Key] = {
     "batch-size": Key(32, "int in [1, 1000000]", "local batch size"),
     "lr": Key(0.05, "float in (0, 10]", "local SGD learning rate"),
     "momentum": Key(0.5, "float in [0, 1]", "local SGD momentum"),
-    "weight-decay": Key(0.0, "float >= 0", "local SGD weight decay"),
-    "max-train-samples": Key(0, "int >= 0", "cap on each client's training set; 0 = no cap"),
-    "dirichlet-alpha": Key(0.5, "float > 0", "label skew of the `*-dirichlet` tasks (smaller = more skewed)"),
-    "shot-ways": Key(3, "int >= 1", "N of the N-way K-shot tasks: mean classes per client"),
-    "shot-shots": Key(100, "int >= 1", "K: mean training samples per class and client"),
-    "shot-stdev": Key(2, "int >= 0", "spread of N and K across clients (`shot-shots - shot-stdev >= 1`)"),
-    "shot-test-per-class": Key(40, "int >= 1", "test samples per own class and client"),
+    "weight-decay": Key(0.0, "float in [0, 10]", "local SGD weight decay"),
+    "max-train-samples": Key(0, "int in [0, 1000000000]", "cap on each client's training set; 0 = no cap"),
+    "dirichlet-alpha": Key(0.5, "float in (0, 1000000]",
+        "label skew of the `*-dirichlet` tasks (smaller = more skewed)"),
+    "shot-ways": Key(3, "int in [1, 100000]", "N of the N-way K-shot tasks: mean classes per client"),
+    "shot-shots": Key(100, "int in [1, 1000000]", "K: mean training samples per class and client"),
+    "shot-stdev": Key(2, "int in [0, 1000000]", "spread of N and K across clients (`shot-shots - shot-stdev >= 1`)"),
+    "shot-test-per-class": Key(40, "int in [1, 1000000]", "test samples per own class and client"),
     "shot-split": Key("pollen", "choice", "`pollen` = Pollen's seeded split, `official` = FedProto's code's own draw"),
     "data-dir": Key("", "path",
         "folder with your own data (tasks `image-folder`, `array`); a node's own folder may override it"),
@@ -94,13 +95,13 @@ COMMON: dict[str, Key] = {
     "data-split": Key("iid", "choice", "how the data is split across clients"),
     "avg-weighting": Key("samples", "choice", "FedAvg/FedProx weights clients by training samples or equally"),
     "fedprox-mu": Key(0.01, "float in [0, 10000]", "FedProx proximal coefficient mu (mu/2·‖w − w_global‖²)"),
-    "max-empty-rounds": Key(0, "int >= 0",
+    "max-empty-rounds": Key(0, "int in [0, 1000000]",
         "rounds allowed to train nobody (every reply failed or rejected) before the run fails"),
     "sample-by-partition": Key(True, "bool",
         "ask each node its partition once and sample by partition, so one seed samples the same clients in every run "
         "(one query per node before the first sampled round: minutes at 10,000 simulated nodes); false = by node id"),
-    "checkpoint-every": Key(1, "int >= 0", "write a server checkpoint every N rounds; 0 = never"),
-    "checkpoint-keep": Key(2, "int >= 1", "checkpoints kept (the newest)"),
+    "checkpoint-every": Key(1, "int in [0, 1000000]", "write a server checkpoint every N rounds; 0 = never"),
+    "checkpoint-keep": Key(2, "int in [1, 1000000]", "checkpoints kept (the newest)"),
     "resume-from": Key("", "path", "a run folder to continue from its last valid checkpoint (same config)"),
     "aggregation": Key("mean", "choice",
         "how accepted client values combine: `mean` (the method's weighted mean), or coordinate-wise and "
@@ -117,7 +118,15 @@ COMMON: dict[str, Key] = {
     "partition-pins": Key("", "string",
         "operator-pinned partitions, `partition:node-id` comma-separated (e.g. `0:4312,1:9876`): a pinned "
         "partition is served by that node only; empty = none (two nodes claiming one partition quarantine it)"),
+    "run-name": Key("", "string",
+        "the run folder's name under `out-dir`; the launcher sets `YYYYMMDD-HHMMSS-<method>-<task>`; "
+        "empty = the run id"),
 }
+
+# Keys that may differ between an interrupted run and its resumption: where things are and how fast,
+# never what is computed. Any other changed key is refused, by the launcher before anything starts.
+RESUMABLE_CHANGES = frozenset({"resume-from", "out-dir", "run-name", "num-server-rounds", "data-root", "device",
+                               "torch-threads"})
 
 
 def keys() -> dict[str, Key]:

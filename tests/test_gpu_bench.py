@@ -1,4 +1,4 @@
-"""bench/gpu.py must be ready when a GPU machine is lent: it exits 0 with a message where there is no
+"""``python -m bench.gpu`` must be ready when a GPU machine is lent: it exits 0 with a message where there is no
 CUDA, and its every part runs end to end (here on the CPU, tiny) and writes its JSON and Markdown."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.conftest import PROJECT_ROOT, require_real_data
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would measure")
 def test_without_cuda_it_says_so_and_exits_0(tmp_path):
-    proc = subprocess.run([sys.executable, "bench/gpu.py", "--out", str(tmp_path)], cwd=PROJECT_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--out", str(tmp_path)], cwd=PROJECT_ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device on this machine: nothing measured" in proc.stdout
@@ -25,7 +25,7 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path):
 @pytest.mark.e2e
 def test_every_part_runs_on_the_cpu_and_writes_its_tables(tmp_path):
     data_root = require_real_data()  # the FedProto part trains on MNIST
-    proc = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--steps", "1", "--batch", "2",
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--device", "cpu", "--steps", "1", "--batch", "2",
                            "--width", "0.25", "--proxy-images", "2", "--proxy-one-by-one", "1",
                            "--proxy-iterations", "1", "--clients", "3", "--rounds", "1", "--data-root", data_root,
                            "--out", str(tmp_path)],

@@ -53,7 +53,7 @@ coverage: $(STAMP)
 
 # The linter and the type checker, both configured in pyproject.toml (CI runs this after the tests).
 lint: $(STAMP)
-	$(PY) -m ruff check pollen deploy
+	$(PY) -m ruff check pollen deploy bench
 	$(PY) -m mypy --explicit-package-bases pollen deploy/*.py
 
 clean:

@@ -1,0 +1,23 @@
+"""Differential privacy on what leaves a node: clipping, Gaussian mechanisms per payload kind, the
+per-client ε ledger and noise calibration (``docs/privacy.md``).
+
+Noise is added on the client, before a release leaves the node: the adversary is the server.
+Everything here is numpy (and ``dp-accounting``); no torch, so the strategies and the protocol can
+use it without a training stack.
+"""
+
+from pollen.privacy.accounting import Ledger, Release, calibrate_noise_multiplier, pld_epsilon, rdp_epsilon
+from pollen.privacy.budget import DELTA, EPSILON, Budget, BudgetExhausted
+from pollen.privacy.clipping import clip_rows, clip_update
+from pollen.privacy.config import MODES, PrivacyConfig
+from pollen.privacy.mechanisms import (
+    PrototypeRelease,
+    gaussian_noise,
+    prototypes_from_release,
+    release_prototypes,
+    release_update,
+)
+
+__all__ = ["DELTA", "EPSILON", "MODES", "Budget", "BudgetExhausted", "Ledger", "PrivacyConfig", "PrototypeRelease",
+           "Release", "calibrate_noise_multiplier", "clip_rows", "clip_update", "gaussian_noise", "pld_epsilon",
+           "prototypes_from_release", "rdp_epsilon", "release_prototypes", "release_update"]

@@ -1,0 +1,175 @@
+"""The per-client ε ledger and noise calibration, on Google's ``dp-accounting``.
+
+Why PLD with an RDP cross-check: the privacy-loss-distribution accountant gives the tightest ε that
+``dp-accounting`` can certify for compositions of (subsampled) Gaussian mechanisms; RDP is a looser
+but independent bound, so a PLD ε above RDP's signals a bug. Flower's ``RdpAccountant`` would give
+only the looser bound.
+
+A ledger stores its releases, not an accountant object: run-length ``(noise multiplier, sampling
+probability, count)`` triples, a few numbers per client. ε is recomputed from them, so a ledger
+serialised to JSON, persisted with the node's state and read back after a restart reaches exactly the
+ε of one that never stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+# PLD grid step of the privacy loss. 1e-3 is ~10x faster than the library's 1e-4 and changes ε by
+# less than 1e-6 relative for the Gaussian mechanisms Pollen composes (tests/test_privacy.py checks).
+PLD_INTERVAL = 1e-3
+
+
+@dataclass(frozen=True)
+class Release:
+    """``count`` invocations of a Gaussian mechanism with noise std = ``noise_multiplier`` × its L2
+    sensitivity, each on a Poisson sample of the records with ``sampling_probability`` (1 = all)."""
+
+    noise_multiplier: float
+    sampling_probability: float = 1.0
+    count: int = 1
+
+    def __post_init__(self):
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
+            raise ValueError(f"noise multiplier must be a finite number > 0, got {self.noise_multiplier!r}")
+        if not 0 < self.sampling_probability <= 1:
+            raise ValueError(f"sampling probability must be in (0, 1], got {self.sampling_probability!r}")
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"release count must be an integer >= 1, got {self.count!r}")
+
+    def event(self) -> dp_accounting.DpEvent:
+        gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        if self.sampling_probability == 1.0:
+            return dp_accounting.SelfComposedDpEvent(gaussian, self.count)
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(self.sampling_probability, gaussian), self.count)
+
+
+def _full_gaussian_sigma(releases: Iterable[Release]) -> float | None:
+    """The one Gaussian equivalent to all unsampled releases: composing Gaussians with multipliers σ_i
+    is exactly a Gaussian with σ = (Σ 1/σ_i²)^(-1/2). One PLD instead of many keeps ε cheap."""
+    inverse = sum(r.count / r.noise_multiplier ** 2 for r in releases if r.sampling_probability == 1.0)
+    return 1.0 / math.sqrt(inverse) if inverse > 0 else None
+
+
+def pld_epsilon(releases: Iterable[Release], delta: float) -> float:
+    """ε at ``delta`` of all ``releases`` composed, by the PLD accountant (0 for none)."""
+    releases = list(releases)
+    if not releases:
+        return 0.0
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
+    sigma = _full_gaussian_sigma(releases)
+    if sigma is not None:
+        accountant.compose(dp_accounting.GaussianDpEvent(sigma))
+    for r in releases:
+        if r.sampling_probability < 1.0:
+            accountant.compose(r.event())
+    return max(0.0, float(accountant.get_epsilon(delta)))
+
+
+def rdp_epsilon(releases: Iterable[Release], delta: float) -> float:
+    """ε at ``delta`` by the RDP accountant: an independent, looser bound (the cross-check)."""
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    for r in releases:
+        accountant.compose(r.event())
+    return float(accountant.get_epsilon(delta))
+
+
+def _check_delta(delta: float) -> float:
+    delta = float(delta)
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    return delta
+
+
+class Ledger:
+    """One client's composed releases and the ε they cost at a fixed δ."""
+
+    def __init__(self, delta: float, releases: Iterable[Release] = ()):
+        self.delta = _check_delta(delta)
+        self.releases: list[Release] = []
+        for r in releases:
+            self.add(r)
+
+    def add(self, release: Release) -> None:
+        """Compose one more release (merged with the last one when it is the same mechanism)."""
+        last = self.releases[-1] if self.releases else None
+        if last is not None and (last.noise_multiplier, last.sampling_probability) == (
+                release.noise_multiplier, release.sampling_probability):
+            self.releases[-1] = Release(last.noise_multiplier, last.sampling_probability, last.count + release.count)
+        else:
+            self.releases.append(release)
+
+    @property
+    def count(self) -> int:
+        return sum(r.count for r in self.releases)
+
+    def epsilon(self) -> float:
+        return pld_epsilon(self.releases, self.delta)
+
+    def epsilon_rdp(self) -> float:
+        return rdp_epsilon(self.releases, self.delta)
+
+    def epsilon_after(self, release: Release) -> float:
+        """ε if ``release`` were composed next; the ledger is unchanged."""
+        return pld_epsilon([*self.releases, release], self.delta)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A small JSON-able dict (the node's persisted state keeps it)."""
+        return {"delta": self.delta,
+                "releases": [[r.noise_multiplier, r.sampling_probability, r.count] for r in self.releases]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Ledger:
+        """Inverse of :meth:`to_dict`; a malformed dict is refused naming what is wrong."""
+        if not isinstance(data, Mapping) or "delta" not in data or "releases" not in data:
+            raise ValueError(f"privacy ledger must be a dict with 'delta' and 'releases', got {data!r}")
+        rows = data["releases"]
+        if not isinstance(rows, list) or not all(isinstance(row, (list, tuple)) and len(row) == 3 for row in rows):
+            raise ValueError(f"privacy ledger 'releases' must be [noise multiplier, sampling probability, count] "
+                             f"triples, got {rows!r}")
+        return cls(float(data["delta"]), [Release(float(s), float(q), int(c)) for s, q, c in rows])
+
+
+@functools.lru_cache(maxsize=64)
+def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: int,
+                               sampling_probability: float = 1.0, steps_per_release: int = 1,
+                               rtol: float = 1e-3) -> float:
+    """The smallest noise multiplier (to ``rtol``) whose ``releases`` × ``steps_per_release``
+    compositions stay within ``target_epsilon`` at ``delta``: bisection on log σ over the PLD accountant.
+
+    ε falls as σ grows, so the bracket [lo, hi] keeps ε(lo) > target >= ε(hi) and the answer is hi:
+    never above the target.
+    """
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target epsilon must be a finite number > 0, got {target_epsilon!r}")
+    _check_delta(delta)
+    if releases < 1 or steps_per_release < 1:
+        raise ValueError(f"releases and steps per release must be >= 1, got {releases} and {steps_per_release}")
+
+    def eps(sigma: float) -> float:
+        return pld_epsilon([Release(sigma, sampling_probability, releases * steps_per_release)], delta)
+
+    lo, hi = 0.05, 1.0
+    while eps(hi) > target_epsilon:
+        lo, hi = hi, hi * 2.0
+        if hi > 1e6:
+            raise ValueError(f"no noise multiplier up to 1e6 reaches epsilon {target_epsilon} at delta {delta}")
+    if eps(lo) <= target_epsilon:
+        raise ValueError(f"target epsilon {target_epsilon} at delta {delta} needs a noise multiplier below {lo}: "
+                         "the target is too loose to calibrate; give the noise multiplier instead")
+    while hi / lo > 1.0 + rtol:
+        mid = math.sqrt(lo * hi)
+        if eps(mid) > target_epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return hi

@@ -1,0 +1,51 @@
+"""The run's differential-privacy settings as one typed value, and the rules that tie its keys together.
+
+The keys' defaults and ranges are declared once with the other common run keys
+(``pollen.app.run_keys``); this module only checks what a single range cannot: that a private mode has
+a noise multiplier or an ε target (not both), and that the keys mean something in the mode chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pollen.privacy.accounting import calibrate_noise_multiplier
+
+MODES = ("off", "payload", "sample")
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """``dp-mode``, ``dp-clip``, ``dp-noise-multiplier``, ``dp-target-epsilon``, ``dp-delta``,
+    ``dp-max-epsilon``; 0 means "not set" for the last three numbers but δ."""
+
+    mode: str
+    clip: float
+    noise_multiplier: float
+    target_epsilon: float
+    delta: float
+    max_epsilon: float
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"run config key 'dp-mode' = {self.mode!r} is invalid: expected one of {', '.join(MODES)}")
+        if self.mode == "off":
+            return
+        if (self.noise_multiplier > 0) == (self.target_epsilon > 0):
+            raise ValueError(
+                f"dp-mode = {self.mode!r} needs exactly one of 'dp-noise-multiplier' (σ, > 0) or "
+                f"'dp-target-epsilon' (ε for the planned rounds, > 0); got {self.noise_multiplier} and "
+                f"{self.target_epsilon}")
+        if 0 < self.max_epsilon < self.target_epsilon:
+            raise ValueError(f"run config key 'dp-max-epsilon' = {self.max_epsilon} is below 'dp-target-epsilon' = "
+                             f"{self.target_epsilon}: the clients would stop before the planned rounds")
+
+    @property
+    def private(self) -> bool:
+        return self.mode != "off"
+
+    def payload_noise_multiplier(self, planned_releases: int) -> float:
+        """σ of each payload release: given, or calibrated so ``planned_releases`` stay within the target ε."""
+        if self.noise_multiplier > 0:
+            return self.noise_multiplier
+        return calibrate_noise_multiplier(self.target_epsilon, self.delta, planned_releases)

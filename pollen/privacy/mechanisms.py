@@ -1,0 +1,91 @@
+"""Gaussian mechanisms per payload kind: clip what a release depends on, add noise scaled to the
+release's L2 sensitivity. Pure numpy.
+
+``noise_multiplier`` σ is always relative to the sensitivity Δ of the *whole* release (noise std = σ·Δ
+on every coordinate), so one release is one ``Release(σ)`` in the ledger, whatever its shape. The
+neighbouring relation is add/remove of one *unit* of what the release is computed from; the unit and
+Δ of each kind:
+
+* prototypes — per-class sums of embeddings each clipped to ``clip``, and class counts, for all C
+  classes; unit: one embedding row; Δ = √2 in units where sums are divided by ``clip`` (one row moves
+  one sum by <= clip and one count by 1), i.e. noise std σ·√2·clip on sums and σ·√2 on counts.
+* weights — the update reply − broadcast, clipped to ``clip`` as one vector; unit: the client's whole
+  update (its dataset); Δ = ``clip``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from pollen.privacy.clipping import clip_rows, clip_update
+
+
+def gaussian_noise(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
+    """i.i.d. N(0, std²) in float64; ``std`` must be finite and > 0 (a zero std is no mechanism)."""
+    if not (np.isfinite(std) and std > 0):
+        raise ValueError(f"noise std must be a finite number > 0, got {std!r}")
+    return rng.normal(0.0, std, size=shape)
+
+
+@dataclass(frozen=True)
+class PrototypeRelease:
+    """What a client releases for prototypes: noisy per-class sums (C×d) and noisy counts (C), and the
+    std of the count noise (the server needs it to tell held classes from noise)."""
+
+    sums: np.ndarray
+    counts: np.ndarray
+    count_std: float
+    clipped_fraction: float  # share of embeddings whose norm exceeded the clip
+
+
+# One embedding row moves its class's sum by <= clip (after clipping) and its count by 1: with sums
+# released in units of clip, the joint L2 sensitivity is sqrt(1 + 1).
+PROTOTYPE_SENSITIVITY_UNITS = float(np.sqrt(2.0))
+
+
+def release_prototypes(embeddings: np.ndarray, labels: np.ndarray, num_classes: int, clip: float,
+                       noise_multiplier: float, rng: np.random.Generator) -> PrototypeRelease:
+    """Noisy per-class sums of embeddings clipped to ``clip`` and noisy counts, for **all** classes
+    (noise on every row, so which classes a client holds is hidden too). The server divides."""
+    z = np.asarray(embeddings)
+    y = np.asarray(labels)
+    if z.ndim != 2 or y.shape != (z.shape[0],):
+        raise ValueError(f"embeddings must be n×d with n labels, got {z.shape} and {y.shape}")
+    if y.size and (y.min() < 0 or y.max() >= num_classes or not np.issubdtype(y.dtype, np.integer)):
+        raise ValueError(f"labels must be integers in [0, {num_classes}), got range [{y.min()}, {y.max()}]")
+    clipped, norms = clip_rows(z, clip)
+    sums = np.zeros((num_classes, z.shape[1]), dtype=np.float64)
+    np.add.at(sums, y, clipped)
+    counts = np.bincount(y, minlength=num_classes).astype(np.float64)
+    std_units = noise_multiplier * PROTOTYPE_SENSITIVITY_UNITS
+    sums = sums + gaussian_noise(sums.shape, std_units * clip, rng)
+    counts = counts + gaussian_noise(counts.shape, std_units, rng)
+    fraction = float((norms > clip).mean()) if norms.size else 0.0
+    return PrototypeRelease(sums, counts, std_units, fraction)
+
+
+def prototypes_from_release(sums: np.ndarray, counts: np.ndarray,
+                            min_count: float) -> tuple[np.ndarray, np.ndarray]:
+    """Server side: ``(prototypes = sums / counts, weights)`` where the noisy count is at least
+    ``min_count``; other classes get weight 0 (noise, or too few records to divide by)."""
+    if not min_count >= 1:
+        raise ValueError(f"min_count must be >= 1 (a division by a smaller noisy count explodes), got {min_count}")
+    counts = np.asarray(counts, dtype=np.float64)
+    held = counts >= min_count
+    protos = np.zeros(np.shape(sums), dtype=np.float64)
+    protos[held] = np.asarray(sums, dtype=np.float64)[held] / counts[held, None]
+    return protos, np.where(held, counts, 0.0)
+
+
+def release_update(reply: Mapping[str, np.ndarray], broadcast: Mapping[str, np.ndarray], clip: float,
+                   noise_multiplier: float, rng: np.random.Generator) -> tuple[dict[str, np.ndarray], float]:
+    """``broadcast + clip(reply − broadcast) + N(0, (σ·clip)²)`` by name, float64, and the update's
+    norm before clipping."""
+    update, norm = clip_update(reply, broadcast, clip)
+    std = noise_multiplier * clip
+    out = {name: np.asarray(broadcast[name], dtype=np.float64) + u + gaussian_noise(u.shape, std, rng)
+           for name, u in update.items()}
+    return out, norm

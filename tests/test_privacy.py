@@ -1,0 +1,260 @@
+"""pollen.privacy: ε against an independent dp-accounting computation, ledger resume, calibration,
+clipping bounds and the noise actually drawn."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import gaussian_mechanism
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from pollen.privacy import (
+    Budget,
+    BudgetExhausted,
+    Ledger,
+    PrivacyConfig,
+    Release,
+    calibrate_noise_multiplier,
+    clip_rows,
+    clip_update,
+    prototypes_from_release,
+    release_prototypes,
+    release_update,
+)
+from tests.conftest import PROJECT_ROOT
+
+DELTA = 1e-5
+
+
+def independent_pld(events: list[tuple[float, float]], delta: float = DELTA) -> float:
+    """ε of releases (σ, q) composed in order with dp-accounting's own accountant and defaults (runs of
+    equal releases composed with ``count``, one by one would take minutes)."""
+    accountant = pld_privacy_accountant.PLDAccountant()
+    for (sigma, q), run in itertools.groupby(events):
+        gaussian = dp_accounting.GaussianDpEvent(sigma)
+        accountant.compose(gaussian if q == 1.0 else dp_accounting.PoissonSampledDpEvent(q, gaussian), len(list(run)))
+    return accountant.get_epsilon(delta)
+
+
+@pytest.mark.parametrize(("sigma", "rounds"), [(2.0, 1), (4.0, 10), (6.0, 50), (20.0, 100)])
+def test_ledger_epsilon_matches_dp_accounting(sigma, rounds):
+    ledger = Ledger(DELTA)
+    for _ in range(rounds):
+        ledger.add(Release(sigma))
+    accountant = pld_privacy_accountant.PLDAccountant()
+    accountant.compose(dp_accounting.GaussianDpEvent(sigma), rounds)
+    expected = accountant.get_epsilon(DELTA)
+    assert ledger.epsilon() == pytest.approx(expected, rel=1e-4)
+    # the Gaussian mechanism composed is a Gaussian: the analytic ε is exact, the PLD's slightly above
+    exact = gaussian_mechanism.get_epsilon_gaussian(sigma / np.sqrt(rounds), DELTA)
+    assert exact <= ledger.epsilon() <= exact * 1.001 + 1e-6
+    # RDP is an independent upper bound: never below PLD, and not far above it for these mechanisms
+    rdp = rdp_privacy_accountant.RdpAccountant()
+    rdp.compose(dp_accounting.GaussianDpEvent(sigma), rounds)
+    assert ledger.epsilon() <= ledger.epsilon_rdp() == pytest.approx(rdp.get_epsilon(DELTA), rel=1e-9)
+    assert ledger.epsilon_rdp() < 1.3 * ledger.epsilon()
+
+
+def test_mixed_and_sampled_releases_match_dp_accounting():
+    events = [(3.0, 1.0)] * 3 + [(5.0, 1.0)] * 4 + [(1.1, 0.05)] * 30
+    ledger = Ledger(DELTA)
+    for sigma, q in events:
+        ledger.add(Release(sigma, q))
+    assert len(ledger.releases) == 3 and ledger.count == len(events)  # run-length: one row per mechanism
+    assert ledger.epsilon() == pytest.approx(independent_pld(events), rel=2e-3)
+    assert ledger.epsilon() <= ledger.epsilon_rdp()
+
+
+def test_a_ledger_resumed_from_json_reaches_the_same_epsilon():
+    plan = [Release(4.0)] * 6 + [Release(2.5)] * 3 + [Release(1.0, 0.1, 20)] * 2
+    whole = Ledger(DELTA)
+    for r in plan:
+        whole.add(r)
+    first = Ledger(DELTA)
+    for r in plan[:7]:
+        first.add(r)
+    saved = json.loads(json.dumps(first.to_dict()))  # what the node's persisted state holds
+    assert len(json.dumps(saved)) < 200
+    resumed = Ledger.from_dict(saved)
+    for r in plan[7:]:
+        resumed.add(r)
+    assert resumed.to_dict() == whole.to_dict()
+    assert resumed.epsilon() == whole.epsilon()
+    assert whole.epsilon() == pytest.approx(independent_pld([(r.noise_multiplier, r.sampling_probability)
+                                                             for r in plan for _ in range(r.count)]), rel=2e-3)
+
+
+@pytest.mark.parametrize("bad", [{"delta": 1e-5}, {"delta": 1e-5, "releases": [[1.0, 1.0]]},
+                                 {"delta": 2.0, "releases": []}, {"delta": 1e-5, "releases": [[0.0, 1.0, 1]]}])
+def test_a_malformed_ledger_is_refused(bad):
+    with pytest.raises(ValueError, match="ledger|delta|noise multiplier"):
+        Ledger.from_dict(bad)
+
+
+@pytest.mark.parametrize(("target", "rounds"), [(8.0, 100), (2.0, 10), (1.0, 1)])
+def test_calibrated_sigma_spends_the_target_and_no_more(target, rounds):
+    sigma = calibrate_noise_multiplier(target, DELTA, rounds)
+    at = independent_pld([(sigma, 1.0)] * 1) if rounds == 1 else None
+    accountant = pld_privacy_accountant.PLDAccountant()
+    accountant.compose(dp_accounting.GaussianDpEvent(sigma), rounds)
+    spent = accountant.get_epsilon(DELTA) if at is None else at
+    assert spent <= target * (1 + 1e-6)
+    assert spent > target * 0.99  # tight: within the bisection's tolerance
+    less = pld_privacy_accountant.PLDAccountant()
+    less.compose(dp_accounting.GaussianDpEvent(sigma * 0.99), rounds)
+    assert less.get_epsilon(DELTA) > target
+
+
+def test_calibration_refuses_nonsense():
+    with pytest.raises(ValueError, match="target epsilon"):
+        calibrate_noise_multiplier(0.0, DELTA, 10)
+    with pytest.raises(ValueError, match="delta"):
+        calibrate_noise_multiplier(1.0, 0.0, 10)
+    with pytest.raises(ValueError, match="releases"):
+        calibrate_noise_multiplier(1.0, DELTA, 0)
+
+
+def test_clip_rows_bounds_every_norm_and_keeps_directions():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(500, 16)) * rng.uniform(0.01, 5.0, size=(500, 1))
+    clipped, norms = clip_rows(x, 1.5)
+    after = np.linalg.norm(clipped, axis=1)
+    assert (after <= 1.5 * (1 + 1e-12)).all()
+    inside = norms <= 1.5
+    assert inside.any() and (~inside).any()
+    np.testing.assert_array_equal(clipped[inside], x[inside])  # untouched
+    np.testing.assert_allclose(after[~inside], 1.5, rtol=1e-12)
+    cos = (clipped * x).sum(1) / (after * norms)
+    np.testing.assert_allclose(cos, 1.0, rtol=1e-12)
+    zero, _ = clip_rows(np.zeros((2, 3)), 1.0)
+    assert (zero == 0).all()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((np.zeros((2, 2)), 0.0), "clip norm"), ((np.zeros((2, 2)), float("nan")), "clip norm"),
+    ((np.zeros(4), 1.0), "2-D"), ((np.array([[1.0, np.nan], [0, 0]]), 1.0), r"rows \[0\]")])
+def test_clip_rows_refuses_bad_input(args, message):
+    with pytest.raises(ValueError, match=message):
+        clip_rows(*args)
+
+
+def test_clip_update_bounds_the_whole_update_not_each_array():
+    rng = np.random.default_rng(1)
+    broadcast = {"a": rng.normal(size=(4, 5)), "b": rng.normal(size=7)}
+    reply = {k: v + rng.normal(size=v.shape) for k, v in broadcast.items()}
+    update, norm = clip_update(reply, broadcast, 0.5)
+    flat = np.concatenate([u.ravel() for u in update.values()])
+    assert norm > 0.5 and np.linalg.norm(flat) == pytest.approx(0.5, rel=1e-12)
+    ratio = update["a"] / (reply["a"] - broadcast["a"])
+    np.testing.assert_allclose(ratio, 0.5 / norm, rtol=1e-9)  # one scale for all arrays
+    small = {k: v + 1e-3 for k, v in broadcast.items()}
+    same, _ = clip_update(small, broadcast, 10.0)
+    np.testing.assert_allclose(same["b"], 1e-3, rtol=1e-9)
+    with pytest.raises(ValueError, match="missing"):
+        clip_update({"a": reply["a"]}, broadcast, 1.0)
+    with pytest.raises(ValueError, match="'b': shape"):
+        clip_update({"a": reply["a"], "b": np.zeros(3)}, broadcast, 1.0)
+
+
+def test_prototype_noise_std_is_sigma_times_sensitivity():
+    rng = np.random.default_rng(2)
+    sigma, clip, draws = 0.7, 2.0, 4000
+    z, y = np.zeros((3, 50)), np.array([0, 0, 1])
+    sums = np.empty((draws, 4, 50))
+    counts = np.empty((draws, 4))
+    for i in range(draws):
+        r = release_prototypes(z, y, 4, clip, sigma, rng)
+        sums[i], counts[i] = r.sums, r.counts
+    # 800,000 and 16,000 draws: the std estimates are within ~0.1% and ~0.6% (one s.e.)
+    assert sums.std() == pytest.approx(sigma * np.sqrt(2) * clip, rel=0.01)
+    assert (counts - [2, 1, 0, 0]).std() == pytest.approx(sigma * np.sqrt(2), rel=0.03)
+    assert counts.mean(axis=0) == pytest.approx([2, 1, 0, 0], abs=0.06)
+    assert r.count_std == pytest.approx(sigma * np.sqrt(2))
+
+
+def test_prototype_release_clips_each_embedding_and_the_server_divides():
+    rng = np.random.default_rng(3)
+    z = np.concatenate([np.full((400, 2), [3.0, 4.0]), np.full((100, 2), [0.3, 0.4])])  # norms 5 and 0.5
+    y = np.array([0] * 400 + [1] * 100)
+    r = release_prototypes(z, y, 3, 1.0, 0.01, rng)
+    assert r.clipped_fraction == pytest.approx(0.8)
+    protos, weights = prototypes_from_release(r.sums, r.counts, min_count=5.0)
+    np.testing.assert_allclose(protos[0], [0.6, 0.8], atol=1e-3)  # clipped to norm 1
+    np.testing.assert_allclose(protos[1], [0.3, 0.4], atol=1e-3)  # inside the clip
+    assert weights[2] == 0 and protos[2].tolist() == [0, 0]
+    np.testing.assert_allclose(weights[:2], [400, 100], atol=0.2)
+    with pytest.raises(ValueError, match="labels"):
+        release_prototypes(z, y + 2, 3, 1.0, 1.0, rng)
+    with pytest.raises(ValueError, match="min_count"):
+        prototypes_from_release(r.sums, r.counts, 0.5)
+
+
+def test_update_noise_std_is_sigma_times_clip():
+    rng = np.random.default_rng(4)
+    broadcast = {"w": np.ones((100, 100)), "b": np.zeros(1000)}
+    reply = {"w": np.ones((100, 100)) * 1.01, "b": np.zeros(1000)}
+    out, norm = release_update(reply, broadcast, clip=0.5, noise_multiplier=1.3, rng=rng)
+    assert norm == pytest.approx(1.0)
+    noise = np.concatenate([(out["w"] - 1.0 - 0.005).ravel(), out["b"]])
+    assert noise.std() == pytest.approx(1.3 * 0.5, rel=0.02)
+
+
+class DictStore:
+    def __init__(self):
+        self.values = {}
+
+    def save_values(self, key, values):
+        self.values[key] = json.loads(json.dumps(values))
+
+    def load_values(self, key, default=None):
+        return dict(self.values.get(key, default or {}))
+
+
+def test_budget_persists_and_stops_before_the_cap():
+    store = DictStore()
+    release = Release(3.0)
+    cap = Ledger(DELTA, [Release(3.0, 1.0, 4)]).epsilon() * 1.0001  # room for exactly four
+    for _ in range(4):
+        metrics = Budget(store, DELTA, cap, who="partition 7").spend(release)  # a fresh Budget: from the store
+        assert metrics["dp-delta"] == DELTA
+    assert metrics["dp-epsilon"] == pytest.approx(independent_pld([(3.0, 1.0)] * 4), rel=1e-3)
+    with pytest.raises(BudgetExhausted, match=r"partition 7 stops releasing: after 4 release\(s\).*dp-max-epsilon"):
+        Budget(store, DELTA, cap, who="partition 7").spend(release)
+    assert Ledger.from_dict(store.values["dp-ledger"]).count == 4
+    with pytest.raises(ValueError, match="cannot change delta"):
+        Budget(store, 1e-6, 0.0)
+    unlimited = Budget(store, DELTA, 0.0)
+    unlimited.spend(release)
+    assert unlimited.ledger.count == 5
+
+
+def test_privacy_config_rules():
+    base = {"clip": 1.0, "delta": DELTA, "max_epsilon": 0.0}
+    assert not PrivacyConfig("off", noise_multiplier=0.0, target_epsilon=0.0, **base).private
+    with pytest.raises(ValueError, match="exactly one of 'dp-noise-multiplier'"):
+        PrivacyConfig("payload", noise_multiplier=0.0, target_epsilon=0.0, **base)
+    with pytest.raises(ValueError, match="exactly one of"):
+        PrivacyConfig("payload", noise_multiplier=1.0, target_epsilon=4.0, **base)
+    with pytest.raises(ValueError, match="'dp-mode' = 'central'"):
+        PrivacyConfig("central", noise_multiplier=1.0, target_epsilon=0.0, **base)
+    with pytest.raises(ValueError, match="'dp-max-epsilon' = 2.0 is below"):
+        PrivacyConfig("payload", 1.0, 0.0, 4.0, DELTA, 2.0)
+    given = PrivacyConfig("payload", noise_multiplier=1.5, target_epsilon=0.0, **base)
+    assert given.payload_noise_multiplier(100) == 1.5
+    target = PrivacyConfig("payload", noise_multiplier=0.0, target_epsilon=4.0, **base)
+    assert target.payload_noise_multiplier(20) == calibrate_noise_multiplier(4.0, DELTA, 20)
+
+
+def test_privacy_imports_neither_torch_nor_layers_above_it():
+    code = ("import sys, pollen.privacy; bad = [m for m in sys.modules if m == 'torch' or "
+            "m.split('.')[:2] in (['pollen', x] for x in ('app', 'clients', 'methods', 'strategies', 'datasets', "
+            "'models'))]; print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr

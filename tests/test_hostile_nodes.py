@@ -1,0 +1,364 @@
+"""Hostile nodes against the Message-API strategies (issue 31): absurd values refused by the declared
+bounds before anything is aggregated (or reaches GLFC's proxy), absurd metrics refused, a partition
+never taken by a claim, and failures named by the node the message was sent to.
+
+Every round runs through a real Flower ``Message`` exchange in process (``tests/inprocess.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Error, Message, MessageType, MetricRecord, RecordDict
+
+from pollen.protocol import glfc as protocol
+from pollen.protocol.identity import format_partition_pins, parse_partition_pins
+from pollen.protocol.logits import encode_logit_reply
+from pollen.protocol.records import ARRAYS
+from pollen.protocol.screening import PayloadBounds, check_gradient_norm, check_metrics, check_update_norm
+from pollen.strategies import LogitAveraging, PrototypeStrategy, WeightAveraging
+from tests.inprocess import InProcessGrid, set_task_identity
+from tests.test_glfc_strategy import _configure, _grad_set, _reply, _strategy, identity_grid, node_id
+from tests.test_message_strategies import DIGEST, STATE, _logit_node, _proto_node, _record, _weights_node
+
+HUGE = 3e38  # finite in float32: passes every finiteness check
+
+
+@pytest.fixture(autouse=True)
+def _identity():
+    set_task_identity()
+
+
+def _hostile_weights(pid, value=HUGE):
+    """Claims ``pid`` and sends every float entry as ``value`` (metadata and dtype all correct)."""
+    honest = _weights_node(pid, 10, 0.0)
+
+    def handle(msg):
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return honest(msg)
+        out = {k: (np.full_like(a.numpy(), value) if a.numpy().dtype.kind == "f" else a.numpy())
+               for k, a in msg.content["arrays"].items()}
+        from pollen.protocol.weights import encode_weights_reply
+        return encode_weights_reply(out, 10, {"partition-id": pid})
+    return handle
+
+
+# -- declared bounds ------------------------------------------------------------------------------------
+def test_3e38_weights_are_refused_and_the_global_model_stays_the_honest_mean():
+    grid = InProcessGrid({11: _weights_node(0, 10, 1.0), 12: _weights_node(1, 10, 3.0), 13: _hostile_weights(2)})
+    strategy = WeightAveraging(min_available_nodes=3)
+    result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
+    np.testing.assert_allclose(result.arrays["w"].numpy(), STATE["w"] + 2.0, rtol=1e-6)
+    (rejected,) = [r for r in strategy.reports[1].rejected if r["stage"] == "train"]
+    assert rejected["client"] == "partition 2" and "above the bound max-update-norm = 10000" in rejected["reason"]
+
+
+def test_the_update_bound_is_relative_to_the_broadcast_model_and_configurable():
+    grid = InProcessGrid({11: _weights_node(0, 10, 1.0), 12: _hostile_weights(1, 1e3)})  # ‖Δ‖ ≈ 2.4e3 ≈ 330 × ‖w‖
+    loose = WeightAveraging(min_available_nodes=2)
+    loose.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
+    assert loose.reports[1].accepted == 2
+    tight = WeightAveraging(min_available_nodes=2, bounds=PayloadBounds(max_update_norm=100.0))
+    tight.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
+    assert tight.reports[1].accepted == 1
+
+
+def test_update_norm_rule_against_a_hand_computed_case():
+    broadcast = {"w": np.array([3.0, 4.0], np.float32), "n": np.array(7, np.int64)}  # ‖w‖ = 5
+    moved = {"w": np.array([3.0, 4.0 + 50.0], np.float32), "n": np.array(10**9, np.int64)}  # ‖Δ‖ = 50
+    assert check_update_norm(moved, broadcast, 10.0) is None  # 50 <= 10 × 5; integer entries not counted
+    assert "10 × the broadcast model's norm 5" in check_update_norm(moved, broadcast, 9.9)
+    zero = {"w": np.zeros(2, np.float32)}  # a zero model: the floor of 1 applies
+    assert check_update_norm({"w": np.array([0.0, 2.0], np.float32)}, zero, 2.0) is None
+    assert check_update_norm({"w": np.array([0.0, 2.1], np.float32)}, zero, 2.0) is not None
+    f64 = {"w": np.array([1e308, 1e308])}  # float64 whose squares overflow: refused, no exception
+    assert check_update_norm(f64, {"w": np.zeros(2)}, 1e12) is not None
+    grads = [np.array([3.0, 4.0], np.float32), np.array([[12.0]], np.float32)]  # norm 13
+    assert check_gradient_norm("g0", grads, 13.0) is None and "norm 13 above" in check_gradient_norm("g0", grads, 12.9)
+
+
+def test_3e38_logits_are_refused():
+    honest = np.full((5, 3), 1.0, np.float32)
+    grid = InProcessGrid({11: _logit_node(0, honest), 12: _logit_node(1, honest * 3),
+                          13: _logit_node(2, np.full((5, 3), HUGE, np.float32))})
+    strategy = LogitAveraging(num_public=5, num_classes=3, min_available_nodes=3)
+    strategy.start(grid=grid, initial_arrays=_record({}), num_rounds=1)
+    np.testing.assert_array_equal(strategy.consensus, np.full((5, 3), 2.0, np.float32))
+    reasons = {r["client"]: r["reason"] for r in strategy.reports[1].rejected}
+    assert "'logits': magnitude 3e+38 above the plausible maximum 10000" in reasons["partition 2"]
+
+
+def test_absurd_metrics_are_refused_with_the_usual_reason():
+    for loss in (1e308, 1e13, -1e13):
+        content = RecordDict({"metrics": MetricRecord({"num-examples": 10, "loss": loss, "partition-id": 1})})
+        grid = InProcessGrid({11: _weights_node(0, 10, 1.0),
+                              12: lambda m, c=content: c if m.metadata.message_type == "evaluate"
+                              else _weights_node(1, 10, 1.0)(m)})
+        strategy = WeightAveraging(min_available_nodes=2)
+        result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
+        assert result.evaluate_metrics_clientapp[1]["loss"] == 1.0  # the honest client's only
+        (rejected,) = strategy.reports[1].rejected
+        assert rejected["stage"] == "evaluate" and rejected["client"] == "partition 1"
+        assert rejected["reason"].startswith("metric 'loss' =") and "beyond the sane range ±1e+12" in rejected["reason"]
+    assert check_metrics({"train-loss": 1e12, "foo": 2.0**53}, {}) is None
+    assert "'foo'" in check_metrics({"foo": [1.0, 2.0**53 + 2]}, {})
+    assert "'proxy-matching-loss'" in check_metrics({"proxy-matching-loss": 1e300}, {})
+
+
+# -- GLFC: models and proto-grads; the proxy never sees a refused gradient ------------------------------
+def test_glfc_refuses_3e38_models_and_proto_grads_before_the_proxy(monkeypatch):
+    import pollen.strategies.proxy as proxy
+
+    seen: list[float] = []
+    real = proxy.reconstruct_batched
+
+    def spy(lenet, grads, *args, **kwargs):
+        seen.extend(float(np.abs(np.asarray(g)).max()) for gset in grads for g in gset)
+        return real(lenet, grads, *args, **kwargs)
+
+    monkeypatch.setattr(proxy, "reconstruct_batched", spy)
+    strat = _strategy(clients_per_round=10)
+    msgs = _configure(strat, 1, identity_grid(5))
+    honest = _grad_set(strat)
+    huge_grads = {k: np.full_like(v, HUGE) for k, v in honest.items()}
+    huge_model = {k: (np.full_like(a.numpy(), HUGE) if a.numpy().dtype.kind == "f" else a.numpy())
+                  for k, a in msgs[2].content[ARRAYS].items()}
+    assert sorted(msgs) == [0, 1, 2]  # task 0: three clients
+    before = {k: v.copy() for k, v in zip(strat.keys, strat._global)}
+    _, metrics = strat.aggregate_train(1, [_reply(msgs[0], 0, [honest], transition=1),
+                                           _reply(msgs[1], 1, [huge_grads], transition=1),
+                                           _reply(msgs[2], 2, state=huge_model)])
+    reasons = {r["client"]: r["reason"] for r in strat.take_round_report(1).rejected}
+    assert "'proto-grads' set 'g0': gradient norm" in reasons["partition 1"]
+    assert "'arrays': update norm" in reasons["partition 2"] and "max-update-norm" in reasons["partition 2"]
+    assert metrics["proxy-gradients"] == 1 and seen and max(seen) <= 1e3  # only the honest set was inverted
+    for k, v in zip(strat.keys, strat._global):
+        if v.dtype.kind == "f":
+            assert np.abs(v).max() <= np.abs(before[k]).max() + 10  # nothing of 3e38 was averaged in
+
+
+def test_glfc_refuses_a_huge_proto_gradient_set_naming_the_set(monkeypatch):
+    import pollen.strategies.proxy as proxy
+
+    called = []
+    monkeypatch.setattr(proxy, "reconstruct_batched", lambda *a, **k: called.append(a) or pytest.fail("proxy ran"))
+    strat = _strategy(clients_per_round=10)
+    msgs = _configure(strat, 1, identity_grid(5))
+    honest = _grad_set(strat)
+    huge = {k: np.full_like(v, HUGE) for k, v in honest.items()}
+    _, metrics = strat.aggregate_train(1, [_reply(msgs[0], 0, [honest, huge], transition=1), _reply(msgs[1], 1)])
+    (rejected,) = strat.take_round_report(1).rejected
+    assert "'proto-grads' set 'g1': gradient norm" in rejected["reason"] and "max-grad-norm = 10000" in rejected["reason"]
+    assert metrics["accepted"] == 1 and metrics["proxy-gradients"] == 0 and not called
+
+
+def test_a_non_finite_proxy_matching_loss_is_a_warning_naming_the_round(monkeypatch, caplog):
+    import pollen.strategies.proxy as proxy
+
+    real = proxy.reconstruct_batched
+
+    def nan_loss(*args, **kwargs):
+        rec = real(*args, **kwargs)
+        rec.losses = torch.full_like(rec.losses, float("nan"))
+        return rec
+
+    monkeypatch.setattr(proxy, "reconstruct_batched", nan_loss)
+    strat = _strategy(clients_per_round=10)
+    msgs = _configure(strat, 1, identity_grid(5))
+    with caplog.at_level(logging.WARNING, logger="flwr.pollen"):
+        strat.aggregate_train(1, [_reply(msgs[0], 0, [_grad_set(strat)], transition=1)])
+    warned = [r.getMessage() for r in caplog.records if "gradient-matching loss is nan" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("round 1:")
+
+
+# -- partitions: a claim never takes one ----------------------------------------------------------------
+@pytest.mark.parametrize("impostor_id", [5, 99], ids=["impostor-answers-first", "impostor-answers-second"])
+def test_an_impostor_never_takes_a_partition(impostor_id, caplog):
+    """Two nodes claim partition 0: neither is trusted (quarantine), every round, whatever the order."""
+    honest = _weights_node(0, 10, 1.0)
+    grid = InProcessGrid({50: honest, 60: _weights_node(1, 10, 3.0), impostor_id: _hostile_weights(0, 2.0)})
+    strategy = WeightAveraging(min_available_nodes=3)
+    with caplog.at_level(logging.WARNING, logger="flwr.pollen"):
+        result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=2)
+    assert 0 not in strategy.node_of and strategy.node_of[1] == 60
+    nodes = sorted([50, impostor_id])
+    for rnd in (1, 2):
+        report = strategy.reports[rnd]
+        assert report.quarantined == [{"partition": 0, "nodes": nodes}]
+        assert list(report.fit_clients) == ["partition 1"]  # nobody's values recorded under partition 0
+        train = [r for r in report.rejected if r["stage"] == "train"]
+        assert len(train) == 2 and all(f"partition 0 is quarantined: nodes {nodes}" in r["reason"] for r in train)
+        warns = [r.getMessage() for r in caplog.records
+                 if r.getMessage().startswith(f"round {rnd}: partition 0 is claimed by nodes {nodes}")]
+        assert len(warns) == 1
+    np.testing.assert_allclose(result.arrays["w"].numpy(), STATE["w"] + 6.0, rtol=1e-6)  # partition 1 alone, twice
+
+
+def test_an_impostor_arriving_later_quarantines_the_partition_until_it_leaves():
+    grid = InProcessGrid({50: _weights_node(0, 10, 1.0)})
+    strategy = WeightAveraging(min_available_nodes=1, max_empty_rounds=1)
+
+    def round_hook(server_round, arrays):
+        if server_round == 1:
+            grid.handlers[7] = _hostile_weights(0, 1.0)  # joins after round 1
+        if server_round == 2:
+            del grid.handlers[7]  # and leaves after round 2
+        return None
+
+    strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=3, evaluate_fn=round_hook)
+    assert strategy.reports[1].accepted == 1 and not strategy.reports[1].quarantined
+    assert strategy.reports[2].accepted == 0 and strategy.reports[2].quarantined == [{"partition": 0, "nodes": [7, 50]}]
+    assert strategy.reports[3].accepted == 1 and strategy.node_of == {0: 50}
+
+
+def test_a_pinned_partition_holds_against_an_impostor_in_either_order():
+    for impostor_id in (5, 99):
+        grid = InProcessGrid({50: _weights_node(0, 10, 1.0), impostor_id: _hostile_weights(0, 2.0)})
+        strategy = WeightAveraging(min_available_nodes=2, partition_pins={0: 50})
+        result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=2)
+        np.testing.assert_allclose(result.arrays["w"].numpy(), STATE["w"] + 2.0, rtol=1e-6)  # honest, twice
+        for rnd in (1, 2):
+            report = strategy.reports[rnd]
+            assert report.accepted == 1 and list(report.fit_clients) == ["partition 0"] and not report.quarantined
+            assert [r["reason"] for r in report.rejected if r["stage"] == "train"] == [
+                f"partition 0 is pinned to node 50, not to this node ({impostor_id})"]
+
+
+def test_the_identity_query_follows_the_same_rule():
+    def impostor(msg):
+        return Message(protocol.encode_identity_reply(0), reply_to=msg)
+
+    for pins in (None, {0: node_id(0)}):
+        strat = _strategy(clients_per_round=10, partition_pins=pins)
+        msgs = _configure(strat, 1, identity_grid(5, {2: impostor}))
+        report = strat.take_round_report(1)
+        if pins is None:  # partition 0 quarantined: neither node sampled, both named
+            assert sorted(msgs) == [1] and report.quarantined == [{"partition": 0, "nodes": [node_id(0), node_id(2)]}]
+        else:  # pinned: its node is sampled without being asked, the impostor refused
+            assert sorted(msgs) == [0, 1] and not report.quarantined
+            assert [r["reason"] for r in report.rejected] == [
+                f"partition 0 is pinned to node {node_id(0)}, not to this node ({node_id(2)})"]
+
+
+def test_partition_pins_parse_and_refuse_bad_text():
+    assert parse_partition_pins(" 0:4312, 1:9876 ,") == {0: 4312, 1: 9876}
+    assert format_partition_pins({1: 9876, 0: 4312}) == "0:4312,1:9876" and parse_partition_pins("") == {}
+    for bad, match in (("0=4", "not <partition>:<node id>"), ("0:4,0:5", "pinned twice"),
+                       ("0:4,1:4", "two partitions"), ("-1:4", "not <partition>"), ("0:0", "node id >= 1")):
+        with pytest.raises(ValueError, match=match):
+            parse_partition_pins(bad)
+    with pytest.raises(ValueError, match="several partitions"):
+        WeightAveraging(partition_pins={0: 4, 1: 4})
+
+
+def test_a_partition_pins_run_key_reaches_the_strategy():
+    from pollen.app.config import ConfigError, parse_run_config
+    from pollen.app.registry import strategy_options
+
+    cfg = parse_run_config({"partition-pins": "0:11,2:13", "aggregation": "median", "max-logit-abs": 50.0})
+    options = strategy_options(cfg)
+    assert options["partition_pins"] == {0: 11, 2: 13} and options["aggregation"] == "median"
+    assert options["bounds"] == PayloadBounds(max_logit_abs=50.0)
+    with pytest.raises(ConfigError, match="'partition-pins' = '0:x' is invalid"):
+        parse_run_config({"partition-pins": "0:x"})
+    with pytest.raises(ConfigError, match="'trim-fraction' = 0.5 is invalid"):
+        parse_run_config({"trim-fraction": 0.5})
+
+
+# -- failures are named by the node the message was sent to ----------------------------------------------
+class SuperLinkGrid(InProcessGrid):
+    """Sets message ids as Flower's grids do; a node listed in ``dead`` is answered by the SuperLink (node 1)
+    with Flower's NODE_UNAVAILABLE error, as a deployment does for a SuperNode that stopped."""
+
+    def __init__(self, handlers, dead=()):
+        super().__init__(handlers)
+        self.dead = set(dead)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            if msg.metadata.dst_node_id in self.dead:
+                reply = Message(Error(code=5, reason="Node unavailable"), reply_to=msg)
+                reply.metadata.__dict__["_src_node_id"] = 1  # written by the SuperLink, not the node
+                replies.append(reply)
+                continue
+            replies += super().send_and_receive([msg], timeout=timeout)
+        return replies
+
+
+def test_a_dead_nodes_failure_is_recorded_under_its_partition_not_the_superlink(caplog):
+    grid = SuperLinkGrid({11: _weights_node(0, 10, 1.0), 12: _weights_node(1, 10, 1.0)})
+    strategy = WeightAveraging(min_available_nodes=2)
+
+    def kill_after_round_1(server_round, arrays):
+        if server_round == 1:
+            grid.dead.add(12)
+
+    with caplog.at_level(logging.WARNING, logger="flwr.pollen"):
+        strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=2, evaluate_fn=kill_after_round_1)
+    failures = strategy.reports[2].failures
+    assert [(f["stage"], f["client"], f["node"], f["code"]) for f in failures] == [
+        ("train", "partition 1", 12, 5), ("evaluate", "partition 1", 12, 5)]
+    logged = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert logged == ["round 2 train: partition 1 (node 12) failed (error 5): Node unavailable",
+                      "round 2 evaluate: partition 1 (node 12) failed (error 5): Node unavailable"]
+
+
+def test_a_missing_reply_is_a_failure_of_the_node_it_was_sent_to(caplog):
+    silent = _weights_node(1, 10, 1.0)
+    grid = InProcessGrid({11: _weights_node(0, 10, 1.0),
+                          12: lambda m: None if m.content["config"]["server-round"] == 2 else silent(m)})
+    strategy = WeightAveraging(min_available_nodes=2)
+    with caplog.at_level(logging.WARNING, logger="flwr.pollen"):
+        result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=2)
+    assert [(f["stage"], f["client"], f["code"]) for f in strategy.reports[2].failures] == [
+        ("train", "partition 1", None), ("evaluate", "partition 1", None)]
+    assert result.train_metrics_clientapp[2]["failures"] == 1
+    assert sum("partition 1 (node 12) failed: no reply before the round timeout" in r.getMessage()
+               for r in caplog.records) == 2
+
+
+def test_glfc_error_replies_are_logged_once_each(caplog):
+    strat = _strategy(clients_per_round=10)
+    msgs = _configure(strat, 1, identity_grid(5))
+    crashed = Message(Error(code=2, reason="Traceback ...\nRuntimeError: CUDA out of memory"), reply_to=msgs[1])
+    with caplog.at_level(logging.WARNING, logger="flwr.pollen"):
+        strat.aggregate_train(1, [_reply(msgs[0], 0), crashed, _reply(msgs[2], 2)])
+    report = strat.take_round_report(1)
+    assert [(f["client"], f["code"]) for f in report.failures] == [("partition 1", 2)]
+    assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == [
+        f"round 1 train: partition 1 (node {node_id(1)}) failed (error 2): RuntimeError: CUDA out of memory"]
+
+
+# -- robust aggregation in the strategies ------------------------------------------------------------------
+def test_prototype_and_logit_strategies_aggregate_robustly_when_asked():
+    protos = [np.full((4, 3), v, np.float32) for v in (1.0, 2.0, 3.0, 4.0)] + [np.full((4, 3), 1e5, np.float32)]
+    counts = np.array([5, 5, 0, 0])
+    grid = InProcessGrid({10 + i: _proto_node(i, p, counts) for i, p in enumerate(protos)})
+    strategy = PrototypeStrategy(num_classes=4, embed_dim=3, aggregation="median", min_available_nodes=5)
+    strategy.start(grid=grid, initial_arrays=_record({}), num_rounds=1)
+    np.testing.assert_array_equal(strategy.protos[:2], np.full((2, 3), 3.0, np.float32))
+    assert not strategy.present[2:].any()
+
+    logits = [np.full((5, 3), v, np.float32) for v in (1.0, 2.0, 3.0, 4.0, 9e3)]
+    grid = InProcessGrid({10 + i: _logit_node(i, x) for i, x in enumerate(logits)})
+    strategy = LogitAveraging(num_public=5, num_classes=3, aggregation="trimmed-mean", trim_fraction=0.2,
+                              min_available_nodes=5)
+    strategy.start(grid=grid, initial_arrays=_record({}), num_rounds=1)
+    np.testing.assert_array_equal(strategy.consensus, np.full((5, 3), 3.0, np.float32))  # mean of 2, 3, 4
+    assert encode_logit_reply(logits[0], 7, {}, public_digest=DIGEST)  # the helper still encodes
+
+
+def test_glfc_aggregates_robustly_when_asked():
+    strat = _strategy(clients_per_round=10, old_model="previous-task", aggregation="median")
+    msgs = _configure(strat, 1, identity_grid(5))
+    arrays, _ = strat.aggregate_train(1, [_reply(msgs[0], 0, scale=1.0), _reply(msgs[1], 1, scale=2.0),
+                                          _reply(msgs[2], 2, scale=40.0)])
+    for key, a in msgs[0].content[ARRAYS].items():
+        if a.numpy().dtype.kind == "f":
+            np.testing.assert_allclose(arrays[key].numpy(), a.numpy() * 2.0, rtol=1e-6)

@@ -657,4 +657,6 @@ def _print_report(report: FleetReport, fleet: Fleet, code: int) -> None:
 
 
 if __name__ == "__main__":
+    print("note: `python -m deploy.fleet` is now `pollen fleet`; this spelling goes in the next release",
+          file=sys.stderr)
     sys.exit(main())

@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m pollen.datasets.user_data",
+    parser = argparse.ArgumentParser(prog="pollen data",
                                      description="Check a data folder as a node would read it, or write sample "
                                                  "folders of real images to try the image-folder and array tasks.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -528,4 +528,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import sys
+
+    print("note: `python -m pollen.datasets.user_data` is now `pollen data`; this spelling goes in the next release",
+          file=sys.stderr)
     raise SystemExit(main())

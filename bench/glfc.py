@@ -35,6 +35,19 @@ from bench.kit import RESULTS, preset, pyplot, read_metrics, save_figure, write_
 
 PRESET = "glfc-mnist-fmnist"
 METHODS = ("glfc", "fedavg-icarl", "finetune", "glfc-wo-gc", "glfc-wo-rd", "glfc-wo-proxy")
+# a GLFC bench's options (the stream, the clients, the training) -> the run keys they set over the preset's
+RUN_KEYS = {"tasks": "glfc-tasks", "rounds_per_task": "glfc-rounds-per-task", "initial_clients": "glfc-initial-clients",
+            "new_clients": "glfc-new-clients", "clients_per_round": "glfc-clients-per-round",
+            "max_per_class": "glfc-max-per-class", "memory": "glfc-memory-size",
+            "eval_per_class": "glfc-eval-per-class", "proxy_iterations": "glfc-proxy-iterations",
+            "proxy_keep": "glfc-proxy-keep", "width": "model-width", "epochs": "local-epochs",
+            "batch_size": "batch-size", "lr": "lr"}
+
+
+def preset_setting() -> dict:
+    """The preset's values of :data:`RUN_KEYS`, by option name: the study's defaults."""
+    keys = preset(PRESET)
+    return {name: keys[key] for name, key in RUN_KEYS.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -42,19 +55,12 @@ METHODS = ("glfc", "fedavg-icarl", "finetune", "glfc-wo-gc", "glfc-wo-rd", "glfc
 
 
 def method_config(method: str, args) -> dict:
-    """The preset's run keys with the stream, clients and training of ``args`` (every GLFC bench sets them)."""
-    return {
-        **preset(PRESET), "method": method, "task": "mnist-fmnist-cil", "data-root": args.data_root, "seed": args.seed,
-        "num-server-rounds": args.tasks * args.rounds_per_task, "glfc-tasks": args.tasks,
-        "glfc-classes-per-task": 20 // args.tasks, "glfc-rounds-per-task": args.rounds_per_task,
-        "glfc-initial-clients": args.initial_clients, "glfc-new-clients": args.new_clients,
-        "glfc-clients-per-round": args.clients_per_round, "glfc-max-per-class": args.max_per_class,
-        "glfc-memory-size": args.memory, "glfc-eval-per-class": args.eval_per_class,
-        "glfc-proxy-iterations": args.proxy_iterations, "glfc-proxy-keep": args.proxy_keep,
-        "glfc-perturb-steps": 50, "model": "resnet18", "model-width": args.width,
-        "local-epochs": args.epochs, "batch-size": args.batch_size, "lr": args.lr, "momentum": 0.0,
-        "weight-decay": 1e-5, "glfc-oracle-boundary": args.oracle, "glfc-tau": args.tau,
-    }
+    """The preset's run keys with the :data:`RUN_KEYS` of ``args``; per run the method, data, seed, the rounds
+    and classes per task the stream implies, the boundaries (oracle or detected) and the detector's τ."""
+    return {**preset(PRESET), **{key: getattr(args, name) for name, key in RUN_KEYS.items()},
+            "method": method, "data-root": args.data_root, "seed": args.seed,
+            "num-server-rounds": args.tasks * args.rounds_per_task, "glfc-classes-per-task": 20 // args.tasks,
+            "glfc-oracle-boundary": args.oracle, "glfc-tau": args.tau}
 
 
 class _StopAfter(Exception):

@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.glfc import preset_setting
 from bench.kit import (
     RESULTS,
     RunFiles,
@@ -60,9 +61,9 @@ LABELS = {"glfc": "GLFC", "fedavg-icarl": "FedAvg + iCaRL", "finetune": "Finetun
           "glfc-wo-rd": "GLFC w/o RD", "glfc-wo-proxy": "GLFC w/o proxy", "glfc-detect": "GLFC, entropy detector",
           "joint": "Joint training (upper bound)"}
 BASELINES = ("fedavg-icarl", "finetune", "glfc-wo-gc", "glfc-wo-rd", "glfc-wo-proxy")
-DEFAULTS = {"tasks": 4, "rounds_per_task": 20, "initial_clients": 4, "new_clients": 2, "clients_per_round": 4,
-            "max_per_class": 100, "memory": 60, "eval_per_class": 200, "proxy_iterations": 20, "proxy_keep": 5,
-            "width": 0.125, "epochs": 2, "batch_size": 32, "lr": 0.5, "tau": 1.2, "joint_epochs": 10}
+# the setting: the preset's stream, clients and training, then the detector's τ (the paper's) and the joint
+# bound's epochs, which are the study's own
+DEFAULTS = {**preset_setting(), "tau": 1.2, "joint_epochs": 10}
 SETTING_KEYS = tuple(DEFAULTS)
 TASK1_BAR = 0.95
 

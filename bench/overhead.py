@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.kit import RESULTS, ROOT, read_json, write_atomic, write_json
+from bench.kit import RESULTS, ROOT, read_json, read_metrics, read_summary, write_atomic, write_json
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -142,23 +142,29 @@ def plain_loop(args, env: dict[str, str], log: Path) -> dict:
     return row
 
 
-def pollen_run(args, env: dict[str, str], log: Path, out_dir: Path) -> dict:
-    keys = {"method": "'fedproto'", "task": "'mnist-shot'", "num-server-rounds": args.rounds, "seed": args.seed,
-            "shot-split": "'official'", "shot-ways": args.ways, "shot-shots": 100, "shot-stdev": 2,
+def run_config(args) -> dict:
+    """Pollen's side of a pair: the plain loop's FedProto setting and procedure."""
+    return {"method": "fedproto", "task": "mnist-shot", "num-server-rounds": args.rounds, "seed": args.seed,
+            "shot-split": "official", "shot-ways": args.ways, "shot-shots": 100, "shot-stdev": 2,
             "shot-test-per-class": 40, "batch-size": 4, "lr": 0.01, "momentum": 0.5, "local-epochs": 1,
             "proto-evaluate-every": args.rounds, "torch-threads": 1,
             # the plain loop's procedure: prototypes from the training pass (Pollen's default adds a
             # no-grad pass after training, about 9 % of a client's fit), the official unweighted average
-            "proto-local-protos": "'training'", "proto-weighting": "'uniform'"}
-    config = " ".join(f"{k}={v}" for k, v in keys.items())
+            "proto-local-protos": "training", "proto-weighting": "uniform"}
+
+
+def pollen_run(args, env: dict[str, str], log: Path, out_dir: Path) -> dict:
+    from pollen.app.launch import format_run_config
+
+    config = format_run_config(run_config(args))
     cmd = [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", str(args.clients),
            "--data-root", str(args.data_root), "--out-dir", str(out_dir), "--run-config", config]
     row = measured(cmd, env, log)
     runs = sorted(out_dir.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
     if runs:
-        lines = [json.loads(x) for x in runs[-1].read_text().splitlines() if x.strip()]
+        lines = read_metrics(runs[-1].parent)
         times = [r["wall-time-s"] for r in lines]
-        summary = json.loads((runs[-1].parent / "summary.json").read_text())
+        summary = read_summary(runs[-1].parent)
         final = lines[-1].get("evaluate", {})
         row.update({"round-1-s": round(times[0], 2),
                     "steady-round-median-s": round(statistics.median(times[1:]), 2) if len(times) > 1 else None,

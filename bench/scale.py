@@ -185,13 +185,19 @@ def run_floor(n: int, args) -> dict:
     return row
 
 
-def run_one(n: int, args) -> dict:
+def run_config(n: int, rounds: int) -> dict:
+    """FedAvg on MNIST with N clients, the same k sampled for training and evaluation each round."""
     k = sampled(n)
-    fraction = k / n
-    keys = {"method": "'fedavg'", "task": "'mnist-dirichlet'", "num-server-rounds": args.rounds, "seed": 0,
-            "fraction-fit": fraction, "fraction-evaluate": fraction, "min-available-clients": k,
+    return {"method": "fedavg", "task": "mnist-dirichlet", "num-server-rounds": rounds, "seed": 0,
+            "fraction-fit": k / n, "fraction-evaluate": k / n, "min-available-clients": k,
             "local-epochs": 1, "batch-size": 32, "torch-threads": 1}
-    config = " ".join(f"{key}={value}" for key, value in keys.items())
+
+
+def run_one(n: int, args) -> dict:
+    from pollen.app.launch import format_run_config
+
+    k = sampled(n)
+    config = format_run_config(run_config(n, args.rounds))
     with tempfile.TemporaryDirectory(prefix=f"pollen-scale-{n}-") as tmp:
         out_dir = Path(tmp) / "runs"
         cmd = [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", str(n), "--out-dir", str(out_dir),
@@ -212,7 +218,7 @@ def run_one(n: int, args) -> dict:
                         first_line_s = time.monotonic() - started
                 time.sleep(0.1)
             wall = time.monotonic() - started
-        row: dict = {"clients": n, "sampled-per-round": k, "fraction": round(fraction, 4), "rounds": args.rounds,
+        row: dict = {"clients": n, "sampled-per-round": k, "fraction": round(k / n, 4), "rounds": args.rounds,
                      "rc": proc.returncode, "launch-wall-s": round(wall, 1),
                      "peak-pss-mb": round(memory.peak_bytes / 2**20, 1),
                      "processes-at-peak": memory.peak_processes}

@@ -20,6 +20,8 @@ from typing import Any
 
 from pollen.app.run_keys import COMMON
 from pollen.protocol.identity import parse_partition_pins
+from pollen.privacy.config import MODES as DP_MODES
+from pollen.privacy.config import PrivacyConfig
 from pollen.protocol.screening import PayloadBounds
 
 PROFILES = ("quick", "paper")
@@ -97,6 +99,13 @@ class RunConfig:
     max_logit_abs: float = PayloadBounds.max_logit_abs
     max_grad_norm: float = PayloadBounds.max_grad_norm
     partition_pins: str = ""  # as given: "partition:node-id,..." (checked by parse_partition_pins)
+    # Differential privacy (docs/privacy.md); PrivacyConfig checks the rules between the keys.
+    dp_mode: str = DEFAULTS["dp-mode"]
+    dp_clip: float = DEFAULTS["dp-clip"]
+    dp_noise_multiplier: float = DEFAULTS["dp-noise-multiplier"]
+    dp_target_epsilon: float = DEFAULTS["dp-target-epsilon"]
+    dp_delta: float = DEFAULTS["dp-delta"]
+    dp_max_epsilon: float = DEFAULTS["dp-max-epsilon"]
     # Your own data (tasks image-folder, array): the folder, agreed classes and input format.
     data_dir: str = ""
     classes: str = ""  # as given: "a,b,c" or a file path (class_names holds the parsed names)
@@ -131,6 +140,12 @@ class RunConfig:
             node_data_dir=node.data_dir if node is not None else None, classes=self.class_names,
             test_fraction=self.test_fraction, image_size=self.image_size, image_channels=self.image_channels,
             image_mean=_floats(self.image_mean), image_std=_floats(self.image_std), data_split=self.data_split)
+
+    @property
+    def privacy(self) -> PrivacyConfig:
+        """The DP keys as one value (mode, clip, σ or target ε, δ, cap)."""
+        return PrivacyConfig(self.dp_mode, self.dp_clip, self.dp_noise_multiplier, self.dp_target_epsilon,
+                             self.dp_delta, self.dp_max_epsilon)
 
     def to_dict(self) -> dict[str, Any]:
         """The run config with Flower's key spelling, as written to ``config.json``."""
@@ -271,6 +286,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
         max_logit_abs=_value(merged, "max-logit-abs"),
         max_grad_norm=_value(merged, "max-grad-norm"),
         partition_pins=_value(merged, "partition-pins").strip(),
+        **{f"dp_{k[3:].replace('-', '_')}": _value(merged, k) for k in DP_KEYS},
         **_user_data(merged),
         extra={k: merged[k] for k in _own_keys(method)},  # config.json: shared keys + this method's only
     )
@@ -289,8 +305,39 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
     from pollen.app.registry import validate_method_config
 
     _refuse_other_methods_keys(method, merged, extra_defaults)
+    _check_privacy(cfg, merged)
     validate_method_config(cfg)
     return cfg
+
+
+DP_KEYS = ("dp-mode", "dp-clip", "dp-noise-multiplier", "dp-target-epsilon", "dp-delta", "dp-max-epsilon")
+# The method families each private mode is wired into (docs/privacy.md); others are refused by name.
+DP_FAMILIES = {"payload": ("prototypes",), "sample": ()}
+
+
+def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
+    """The rules between the DP keys, and whether the method supports the mode, before anything starts."""
+    from pollen.app.registry import METHODS
+
+    if cfg.dp_mode == "off":
+        stray = sorted(k for k in DP_KEYS if merged[k] != DEFAULTS[k])
+        if stray:
+            raise ConfigError(f"run config key(s) {stray} have no effect with dp-mode = 'off'; set dp-mode or "
+                              "remove them")
+        return
+    try:
+        cfg.privacy  # noqa: B018 - its constructor checks the rules
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    family = METHODS[cfg.method].family
+    if family not in DP_FAMILIES[cfg.dp_mode]:
+        supported = sorted(m for m, spec in METHODS.items() if spec.family in DP_FAMILIES[cfg.dp_mode])
+        raise ConfigError(f"run config key 'dp-mode' = {cfg.dp_mode!r} is not available for method {cfg.method!r} "
+                          f"(family {family!r}); it is for: {', '.join(supported) or 'no method yet'}")
+    if family == "prototypes" and cfg.extra.get("proto-local-protos") == "training":
+        raise ConfigError("run config key 'proto-local-protos' = 'training' releases training-time features, but "
+                          "dp-mode = 'payload' clips the embeddings of a pass after training: set "
+                          "proto-local-protos = 'post-pass'")
 
 
 def _refuse_other_methods_keys(method: str, merged: Mapping[str, Any], extra_defaults: Mapping[str, Any]) -> None:

@@ -41,6 +41,8 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Checkpoints", ("checkpoint-every", "checkpoint-keep")),
     ("Hostile nodes (docs/strategies.md)", ("aggregation", "trim-fraction", "max-update-norm", "max-logit-abs",
                                             "max-grad-norm", "partition-pins")),
+    ("Differential privacy (docs/privacy.md)", ("dp-mode", "dp-clip", "dp-noise-multiplier", "dp-target-epsilon",
+                                                "dp-delta", "dp-max-epsilon")),
 )
 
 class Key(NamedTuple):
@@ -121,6 +123,17 @@ COMMON: dict[str, Key] = {
     "run-name": Key("", "string",
         "the run folder's name under `out-dir`; the launcher sets `YYYYMMDD-HHMMSS-<method>-<task>`; "
         "empty = the run id"),
+    "dp-mode": Key("off", "choice",
+        "`payload` = clip and noise what each client releases (unit: a row of the release, see docs/privacy.md), "
+        "`sample` = DP-SGD (unit: one record), `off` = no noise"),
+    "dp-clip": Key(1.0, "float in (0, 1000000]", "L2 clip of what a release depends on (an embedding, a model update)"),
+    "dp-noise-multiplier": Key(0.0, "float in [0, 1000000]",
+        "σ: noise std over the release's L2 sensitivity; 0 = calibrate it from `dp-target-epsilon`"),
+    "dp-target-epsilon": Key(0.0, "float in [0, 1000]",
+        "ε each client may spend over `num-server-rounds` releases (σ calibrated before round 1); 0 = use σ"),
+    "dp-delta": Key(1e-5, "float in (0, 0.1]", "δ of every client's (ε, δ) guarantee"),
+    "dp-max-epsilon": Key(0.0, "float in [0, 1000000]",
+        "a client stops releasing before its ε would pass this (its replies become errors); 0 = no cap"),
 }
 
 # Keys that may differ between an interrupted run and its resumption: where things are and how fast,
@@ -162,7 +175,7 @@ def choices(key: str) -> tuple[str, ...]:
 
         return ("",) + tuple(MODEL_NAMES)
     simple = {"profile": config.PROFILES, "device": config.DEVICES, "avg-weighting": config.WEIGHTINGS,
-              "shot-split": config.SHOT_SPLITS}
+              "shot-split": config.SHOT_SPLITS, "dp-mode": config.DP_MODES}
     if key == "aggregation":
         from pollen.strategies.aggregation import AGGREGATIONS
 

@@ -17,11 +17,13 @@ import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import dp_accounting
-from dp_accounting.pld import pld_privacy_accountant
-from dp_accounting.rdp import rdp_privacy_accountant
+if TYPE_CHECKING:
+    import dp_accounting
+
+# dp-accounting (scipy) is imported where ε is computed: importing it costs ~1 s, which the launcher
+# and the config check, which only read the DP keys, should not pay.
 
 # PLD grid step of the privacy loss. 1e-3 is ~10x faster than the library's 1e-4 and changes ε by
 # less than 1e-6 relative for the Gaussian mechanisms Pollen composes (tests/test_privacy.py checks).
@@ -46,6 +48,8 @@ class Release:
             raise ValueError(f"release count must be an integer >= 1, got {self.count!r}")
 
     def event(self) -> dp_accounting.DpEvent:
+        import dp_accounting
+
         gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
         if self.sampling_probability == 1.0:
             return dp_accounting.SelfComposedDpEvent(gaussian, self.count)
@@ -62,13 +66,16 @@ def _full_gaussian_sigma(releases: Iterable[Release]) -> float | None:
 
 def pld_epsilon(releases: Iterable[Release], delta: float) -> float:
     """ε at ``delta`` of all ``releases`` composed, by the PLD accountant (0 for none)."""
+    from dp_accounting import GaussianDpEvent
+    from dp_accounting.pld import pld_privacy_accountant
+
     releases = list(releases)
     if not releases:
         return 0.0
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
     sigma = _full_gaussian_sigma(releases)
     if sigma is not None:
-        accountant.compose(dp_accounting.GaussianDpEvent(sigma))
+        accountant.compose(GaussianDpEvent(sigma))
     for r in releases:
         if r.sampling_probability < 1.0:
             accountant.compose(r.event())
@@ -77,6 +84,8 @@ def pld_epsilon(releases: Iterable[Release], delta: float) -> float:
 
 def rdp_epsilon(releases: Iterable[Release], delta: float) -> float:
     """ε at ``delta`` by the RDP accountant: an independent, looser bound (the cross-check)."""
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     accountant = rdp_privacy_accountant.RdpAccountant()
     for r in releases:
         accountant.compose(r.event())

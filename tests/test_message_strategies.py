@@ -392,3 +392,66 @@ def test_fractional_class_counts_are_refused_on_the_client():
         encode_prototype_reply(np.zeros((2, 3), np.float32), np.array([2.9, 0.5]))
     reply = encode_prototype_reply(np.zeros((2, 3), np.float32), np.array([2.0, 0.0]))
     assert reply["arrays"]["class-counts"].numpy().tolist() == [2, 0]
+
+
+# -- mutants that used to survive (issue 33) ---------------------------------------------------------------
+def test_a_class_nobody_reports_keeps_its_last_prototype_not_a_zero_one():
+    """Mutant caught: replacing every row by this round's aggregate (a zero prototype marked present)."""
+    both = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [0, 0, 0], [0, 0, 0]], np.float32)
+    first = _proto_node(0, both, np.array([3, 3, 0, 0]))
+    only_class_0 = both.copy()
+    only_class_0[0] += 10.0
+
+    def changes_after_round_1(msg):
+        if msg.metadata.message_type == "train" and msg.content["config"]["server-round"] > 1:
+            return encode_prototype_reply(only_class_0, np.array([3, 0, 0, 0]), {"partition-id": 0})
+        return first(msg)
+
+    observer = _proto_node(1, both, np.array([0, 0, 0, 0]))
+    strategy = PrototypeStrategy(num_classes=4, embed_dim=3, min_available_nodes=2)
+    strategy.start(grid=InProcessGrid({11: changes_after_round_1, 12: observer}), initial_arrays=ArrayRecord(),
+                   num_rounds=3)
+    protos, present, _ = observer.received[2]  # what round 3 sends: after round 2 reported class 0 only
+    np.testing.assert_array_equal(protos[0], only_class_0[0])
+    np.testing.assert_array_equal(protos[1], both[1])  # class 1: round 1's prototype, kept
+    assert present.tolist() == [True, True, False, False]
+
+
+def test_the_logit_contributors_are_this_rounds_only():
+    """Mutant caught: accumulating contributors across rounds (a node rejected in round 2 would be told
+    its logits are in the mean, and the count would scale the consensus wrongly)."""
+    a_logits, b_logits = np.full((5, 3), 1.0, np.float32), np.full((5, 3), 4.0, np.float32)
+    a, b_good = _logit_node(0, a_logits), _logit_node(1, b_logits)
+    b_bad = _logit_node(1, np.full((5, 3), np.nan, np.float32))
+
+    def b(msg):
+        late = msg.metadata.message_type == "train" and msg.content["config"]["server-round"] == 2
+        return (b_bad if late else b_good)(msg)
+
+    strategy = LogitAveraging(num_public=5, num_classes=3, min_available_nodes=2)
+    strategy.start(grid=InProcessGrid({11: a, 12: b}), initial_arrays=ArrayRecord(), num_rounds=3)
+    assert strategy.reports[2].accepted == 1
+    (consensus, contributors), contributed = a.got[2]
+    assert contributors == 1 and contributed is True
+    np.testing.assert_array_equal(consensus, a_logits)
+    assert b_good.got[-1][1] is False  # round 3: b's round-2 logits are not in the mean
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 1), (2, 3, 1, 1), (2,)], ids=["rank-3", "rank-4", "rank-1"])
+def test_an_array_of_the_wrong_rank_is_refused(shape):
+    """Mutant caught: dropping the rank comparison. ``zip`` over the axes alone passes any shape whose
+    common axes agree — (2, 3, 1) even carries the right bytes, and (2,) is a consistent, smaller array."""
+    def reshaped(msg):
+        if msg.metadata.message_type != "train":
+            return _weights_node(1, 10, 1.0)(msg)
+        got = {k: a.numpy() for k, a in msg.content["arrays"].items()}
+        got["w"] = got["w"].reshape(shape) if len(shape) > 2 else got["w"][:, 0].copy()
+        return encode_weights_reply(got, 10, {"partition-id": 1})
+
+    grid = InProcessGrid({11: _weights_node(0, 10, 1.0), 12: reshaped})
+    strategy = WeightAveraging(min_available_nodes=2)
+    result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
+    assert result.arrays["w"].numpy().shape == (2, 3)
+    (rejected,) = strategy.reports[1].rejected
+    want = "x".join(str(s) for s in shape)
+    assert rejected["reason"] == f"'w': shape {want} != expected 2x3"

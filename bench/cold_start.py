@@ -101,8 +101,11 @@ def run_once(floor: bool = False) -> dict:
     return row
 
 
-def markdown(rows: list[dict]) -> str:
-    nodes, rounds = default_shape()
+def markdown(data: dict) -> str:
+    """The report of ``cold_start.json``; the shape is the one recorded with the runs (files written before it
+    was recorded ran the defaults of their day, taken as today's)."""
+    rows = data["runs"]
+    nodes, rounds = data.get("shape") or default_shape()
     lines = ["# Cold start: the default `make run`, command to prompt", "",
              f"`make run` with an installed venv and the default run config ({nodes} SuperNodes, {rounds} rounds), "
              "each run with a fresh `FLWR_HOME` and output folder, interleaved with the *Flower floor*: a Flower "
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
     parser.add_argument("--report", action="store_true", help="only rewrite cold_start.md from cold_start.json")
     args = parser.parse_args(argv)
     if args.report:
-        write_atomic(args.out / "cold_start.md", markdown(read_json(args.out / "cold_start.json")["runs"]))
+        write_atomic(args.out / "cold_start.md", markdown(read_json(args.out / "cold_start.json")))
         return 0
     rows = []
     kinds = [False] if args.no_floor else [False, True]
@@ -150,9 +153,10 @@ def main(argv=None) -> int:
             row = run_once(floor)
             rows.append(row)
             print(f"[cold-start] {row['run']} {i + 1}/{args.runs}: {json.dumps(row)}", flush=True)
-    write_json(args.out / "cold_start.json", {"runs": rows})
-    write_atomic(args.out / "cold_start.md", markdown(rows))
-    print(markdown(rows))
+    data = {"shape": list(default_shape()), "runs": rows}
+    write_json(args.out / "cold_start.json", data)
+    write_atomic(args.out / "cold_start.md", markdown(data))
+    print(markdown(data))
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 
 

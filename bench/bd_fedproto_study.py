@@ -47,6 +47,7 @@ from bench.kit import (
     fmt_mean_sd,
     fmt_paired,
     mean_sd,
+    pop_sd,
     pyplot,
     read_json,
     read_metrics,
@@ -163,13 +164,6 @@ def load_results(path: Path) -> dict:
 # ---------------------------------------------------------------------------------------------
 # one run (in a worker process, so two can run at once and a signal stops each one's tree)
 
-def _pstd(vals: list[float]) -> float | None:
-    if not vals:
-        return None
-    m = sum(vals) / len(vals)
-    return math.sqrt(sum((v - m) ** 2 for v in vals) / len(vals))
-
-
 def run_entry(run_dir: Path, rounds: int) -> dict:
     """bench/prototypes.py's reading of a run, in %, plus per-client finals, λ_D from fit-clients and
     the last-rounds stability."""
@@ -203,7 +197,7 @@ def run_entry(run_dir: Path, rounds: int) -> dict:
     out["stability"] = {}
     for key in ("accuracy", "proto-accuracy"):
         pts = [y for x, y in zip(c["round"], c[key]) if y is not None and x > rounds - LAST]
-        out["stability"][key] = {"last-rounds-std": _pstd(pts), "points": len(pts)}
+        out["stability"][key] = {"last-rounds-std": pop_sd(pts), "points": len(pts)}
     return out
 
 

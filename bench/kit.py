@@ -46,6 +46,15 @@ def mean_sd(vals: Sequence[float]) -> tuple[float, float | None]:
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
 
 
+def pop_sd(vals: Sequence[float]) -> float | None:
+    """Population standard deviation (n): the spread of the values themselves, e.g. an accuracy over its last
+    rounds or a mean over a fixed set of seeds, where no population is estimated; none for no values."""
+    if not vals:
+        return None
+    m = sum(vals) / len(vals)
+    return math.sqrt(sum((v - m) ** 2 for v in vals) / len(vals))
+
+
 def mean_se(vals: Sequence[float]) -> tuple[float, float | None]:
     """Mean and its standard error (sample s.d. / √n); no s.e. from a single value."""
     m, sd = mean_sd(vals)

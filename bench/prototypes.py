@@ -31,6 +31,7 @@ from pathlib import Path
 from bench.kit import (
     RESULTS,
     fmt_paired,
+    pop_sd,
     pyplot,
     read_json,
     read_metrics,
@@ -137,8 +138,7 @@ def _seed_spread(group: list[dict]) -> str:
         if len(vals) < 2:
             out.append("–")
             continue
-        m = sum(vals) / len(vals)
-        out.append(f"{(sum((v - m) ** 2 for v in vals) / len(vals)) ** 0.5:.2f}")
+        out.append(f"{pop_sd(vals):.2f}")
     return " / ".join(out)
 
 

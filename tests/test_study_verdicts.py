@@ -100,6 +100,7 @@ def test_formats_of_mean_and_spread():
     assert fmt_mean_se([3.0, 1.0]) == "2.00 ± 1.00"
     assert fmt_mean_sd([3.0, 1.0]) == "2.00 ± 1.41"
     assert fmt_mean_se([98.5]) == "98.50"
+    assert kit.pop_sd([1.0, 3.0]) == 1.0 and kit.pop_sd([2.0]) == 0.0 and kit.pop_sd([]) is None
     assert table(("a", "b"), [(1, "x"), (2.5, "–")]) == ["| a | b |", "|---|---|", "| 1 | x |", "| 2.5 | – |"]
 
 

@@ -420,9 +420,12 @@ class PollenStrategy(Strategy):
                 continue
             first.add(node)
             rec = msg.content.get(METRICS)
-            if isinstance(rec, MetricRecord) and PARTITION_ID in rec and check_metrics(rec, bounds) is None \
-                    and check_accuracy_keys(rec) is None:
-                self._register_claim(node, int(rec[PARTITION_ID]))
+            if not isinstance(rec, MetricRecord):
+                continue
+            claim = rec.get(PARTITION_ID)
+            if isinstance(claim, (int, float)) and check_metrics(rec, bounds) is None \
+                    and check_accuracy_keys(rec) is None:  # the metrics pass: a well-formed whole number
+                self._register_claim(node, int(claim))
         self._warn_quarantine(server_round)
         accepted: list[Accepted] = []
         seen: set[int] = set()

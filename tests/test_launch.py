@@ -122,7 +122,7 @@ def test_help_shows_defaults_paths_methods_and_tasks(capsys):
         launch.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
     assert exit_info.value.code == 0
-    assert "else 5" in out and "(default: 3600.0)" in out and "(default: 1)" in out
+    assert "else 5" in out and "(default: 3600.0)" in out and "(default 1; on --resume, the run's)" in out
     for option in ("--out-dir", "--data-root", "--ray-address", "--flwr-home", "--app"):
         assert option in out
     assert re.search(r"methods: .*\bfedavg\b", out) and re.search(r"tasks: .*\buci-dirichlet\b", out)
@@ -412,25 +412,32 @@ def test_missing_data_root_fails_with_the_datasets_message(tmp_path):
 
 @pytest.mark.e2e
 def test_resume_continues_a_finished_run_with_more_rounds(tmp_path):
-    """``--resume RUN_DIR`` reruns with the saved config, continues after the last checkpoint and appends
-    to the same run folder; a changed method is refused by the ServerApp, naming the key."""
+    """``--resume RUN_DIR`` reruns with the saved config and federation (``--num-supernodes`` not repeated),
+    continues after the last checkpoint and appends to the same run folder, whose name sorts by start time
+    and which ``latest`` points at; a changed method is refused before anything starts, naming the key."""
     out = tmp_path / "runs"
     first = subprocess.run(_launch_cmd("--run-config", "num-server-rounds=1 local-epochs=1", "--num-supernodes", "2",
                                        "--out-dir", str(out), "--timeout", "300"),
                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
     assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
-    run_dir = next(out.glob("*/summary.json")).parent
-    again = subprocess.run(_launch_cmd("--resume", str(run_dir), "--run-config", "num-server-rounds=2",
-                                       "--num-supernodes", "2", "--timeout", "300"),
+    run_dir = (out / "latest").resolve()
+    assert re.fullmatch(r"\d{8}-\d{6}-fedavg-uci-dirichlet", run_dir.name), run_dir
+    first_summary = json.loads((run_dir / "summary.json").read_text())
+    assert first_summary["status"] == "completed" and first_summary["last-round"] == 1
+    assert f"run {first_summary['flower-run-id']}: finished:completed" in first.stdout
+    again = subprocess.run([sys.executable, "-m", "pollen.app.launch", "--resume", str(run_dir), "--run-config",
+                            "num-server-rounds=2", "--timeout", "300"],
                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     rounds = [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [1, 2]
     assert json.loads((run_dir / "summary.json").read_text())["files"]["checkpoint"].endswith("round-0002.safetensors")
-    changed = subprocess.run(_launch_cmd("--resume", str(run_dir), "--run-config", "num-server-rounds=3 method='fedprox'",
-                                         "--num-supernodes", "2", "--timeout", "300"),
+    assert re.search(r"round 2/2 .*\| elapsed \d+s", again.stdout), again.stdout[-3000:]
+    changed = subprocess.run(_launch_cmd("--resume", str(run_dir), "--run-config",
+                                         "num-server-rounds=3 method='fedprox'", "--timeout", "300"),
                              cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
-    assert changed.returncode == 1 and "run config differs in ['method']" in changed.stdout + changed.stderr
+    assert changed.returncode == EXIT_USAGE, changed.stderr
+    assert "--run-config changes 'method' = 'fedprox' (the run has 'fedavg')" in changed.stderr
 
 
 @pytest.mark.e2e

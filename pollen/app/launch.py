@@ -39,7 +39,18 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
-from pollen.app.processes import ProcessTree, signals_held
+from pollen.app.processes import ProcessTree, Watchdog, signals_held
+from pollen.app.results import write_stopped_summary
+from pollen.app.runs import (
+    RunFolderError,
+    RunLock,
+    create_run_dir,
+    link_latest,
+    read_launch_info,
+    recorded_supernodes,
+    run_name,
+    write_launch_info,
+)
 
 try:
     import tomllib
@@ -293,9 +304,18 @@ def resume_config(app_dir: Path, run_dir: Path, overrides: str) -> dict[str, Any
         saved = json.loads(config.read_text())
     except ValueError as err:
         raise LaunchConfigError(f"--resume {run_dir}: {config} is not valid JSON ({err})") from err
+    from pollen.app.run_keys import RESUMABLE_CHANGES
+
     known = app_run_config(app_dir)
     values = {k: v for k, v in saved.items() if k in known}
-    values.update(parse_run_config(overrides))
+    changes = parse_run_config(overrides)
+    changed = sorted(k for k, v in changes.items() if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v)
+    if changed:
+        detail = ", ".join(f"'{k}' = {changes[k]!r} (the run has {saved[k]!r})" for k in changed)
+        raise LaunchConfigError(f"--resume {run_dir}: a resumed run keeps its run config; --run-config changes "
+                                f"{detail}; only {', '.join(sorted(RESUMABLE_CHANGES - {'resume-from'}))} may "
+                                "change (start a new run to change the rest)")
+    values.update(changes)
     values["resume-from"] = str(config.parent)
     return values
 
@@ -636,10 +656,10 @@ _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Excep
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def read_summary(out_dir: Path | None, run_id: int) -> dict[str, Any] | None:
-    if out_dir is None:
+def read_summary(run_dir: Path | None) -> dict[str, Any] | None:
+    if run_dir is None:
         return None
-    path = Path(out_dir) / str(run_id) / "summary.json"
+    path = Path(run_dir) / "summary.json"
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -661,9 +681,11 @@ def failure_reason(summary: Mapping[str, Any] | None, details: str, log: str) ->
 def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_config: str = "",
                     federation_config: str = "", timeout: float = 3600.0, echo: bool = True,
                     out_dir: Path | None = None, watch: Callable[[], None] | None = None,
-                    tree: ProcessTree | None = None) -> RunOutcome:
-    """``flwr run`` + stream the log until the run ends + read its final status (and, with ``out_dir``,
-    the run's summary.json and failure reason).
+                    tree: ProcessTree | None = None, run_dir: Path | None = None,
+                    on_run_id: Callable[[int], None] | None = None) -> RunOutcome:
+    """``flwr run`` + stream the log until the run ends + read its final status (and, with ``run_dir``
+    or ``out_dir`` (then ``out_dir/<run-id>``), the run's summary.json and failure reason).
+    ``on_run_id`` is told the Flower run id as soon as the run is submitted.
 
     ``watch`` is called about once a second throughout (e.g. to notice a dead SuperLink); whatever it
     raises ends the wait. A run still going at ``timeout`` is stopped and :class:`TimeoutError` raised.
@@ -683,6 +705,8 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     if not out.get("success", True) or "run-id" not in out:
         raise RuntimeError(f"flwr run did not start a run: {out}")
     run_id = int(out["run-id"])
+    if on_run_id is not None:
+        on_run_id(run_id)
     lines: list[str] = []
     stream = subprocess.Popen([flower_bin("flwr"), "log", str(run_id), connection, "--stream"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -721,9 +745,9 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     finally:
         stop_process(stream, grace=2.0)
     log = "".join(lines)
-    summary = read_summary(out_dir, run_id)
-    outcome = RunOutcome(run_id, status, time.monotonic() - started, log, summary=summary,
-                         results_dir=(Path(out_dir) / str(run_id)) if out_dir is not None else None)
+    results_dir = Path(run_dir) if run_dir is not None else (Path(out_dir) / str(run_id) if out_dir else None)
+    summary = read_summary(results_dir)
+    outcome = RunOutcome(run_id, status, time.monotonic() - started, log, summary=summary, results_dir=results_dir)
     if not outcome.completed:
         outcome.failure_reason = failure_reason(summary, details, log)
     return outcome
@@ -788,7 +812,8 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
              cpus_per_client: int = 1, gpus_per_client: float = 0.0,
              run_config: str | Mapping[str, Any] = "", timeout: float = 3600.0, echo: bool = True,
              out_dir: str | Path | None = None, data_root: str | Path | None = None,
-             ray_address: str | None = None) -> RunOutcome:
+             ray_address: str | None = None, run_dir: Path | None = None,
+             lock_fd: int | None = None) -> RunOutcome:
     """One simulation run on a fresh, owned SuperLink, its whole process tree stopped afterwards.
 
     The run config is checked against the app's keys first (:class:`LaunchConfigError`, nothing
@@ -796,6 +821,11 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
     kept. ``ray_address`` ``None``/``"local"`` starts a private Ray instance, anything else attaches to
     that cluster. Raises :class:`TimeoutError`, :class:`SuperLinkDied` or :class:`LaunchInterrupted`
     (under :func:`signals_raise`) after stopping everything.
+
+    ``run_dir`` is the run's folder when the caller chose it (the CLI: a named run, or ``--resume``),
+    else ``out-dir/<run-id>``. A :class:`~pollen.app.processes.Watchdog` (holding ``lock_fd``, the run
+    folder's lock, when given) stops the tree if this process dies; on every path where the ServerApp
+    wrote no ``summary.json`` for this launch, one is written here (``interrupted`` or ``failed``).
     """
     app_dir = (Path(app_dir) if app_dir is not None else default_app_dir()).resolve()
     values, results_root = compose_run_config(app_dir, run_config, out_dir=out_dir, data_root=data_root)
@@ -811,40 +841,74 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
         print(ray_line(ray_address), flush=True)
         print(f"[pollen] FLWR_HOME {home}" + (" (private, removed at the end)" if private_home else ""), flush=True)
     teardown_from: float | None = None
+    started_at = time.time()
+    where: dict[str, Any] = {"run_dir": Path(run_dir) if run_dir is not None else None, "run_id": None}
+    watchdog = Watchdog(tree, home=home if private_home else None, run_dir=run_dir, lock_fd=lock_fd,
+                        started=started_at)
+
+    def submitted(run_id: int) -> None:
+        where["run_id"] = run_id
+        watchdog.run_id(run_id)
+        if where["run_dir"] is None and results_root is not None:
+            where["run_dir"] = results_root / str(run_id)
+            watchdog.run_dir(where["run_dir"])
+        if echo:
+            print(f"[pollen] run {run_id} submitted; waiting for round 1 (the simulation starts Ray with "
+                  f"{num_supernodes} ClientApp actor(s) first)", flush=True)
+
     try:
         try:
-            if ray_address != "local":  # look before attaching: unreachable or too small is exit 2
-                from pollen.app import cluster
-                cluster_info = cluster.attach(ray_address, source="--ray-address", cpus_per_client=cpus_per_client,
-                                              gpus_per_client=gpus_per_client, echo=echo)
-            with superlink(home, simulation=True, tree=tree, ray_address=ray_address) as (conn, port, proc):
-                log_path = home / f"superlink-{port}.log"
-                kept_log = None if private_home else log_path  # a private home is removed: no pointer to it
-                outcome = submit_and_wait(app_dir, conn, home, run_config=format_run_config(values),
-                                          federation_config=fed, timeout=timeout, echo=echo,
-                                          out_dir=results_root, watch=_tree_watch(tree, proc, kept_log), tree=tree)
-                if not outcome.completed and outcome.failure_reason is None:
-                    outcome.failure_reason = failure_reason(None, "", log_path.read_text(errors="replace"))
-                teardown_from = time.monotonic()
-        except SuperLinkDied:
-            if private_home:  # its log goes with the private home: show its end now
-                for log_file in home.glob("superlink-*.log"):
-                    tail = log_file.read_text(errors="replace").splitlines()[-15:]
-                    print("[pollen] last lines of the SuperLink's log:\n" + "\n".join(tail), file=sys.stderr,
-                          flush=True)
-            raise
+            try:
+                if ray_address != "local":  # look before attaching: unreachable or too small is exit 2
+                    from pollen.app import cluster
+                    cluster_info = cluster.attach(ray_address, source="--ray-address", cpus_per_client=cpus_per_client,
+                                                  gpus_per_client=gpus_per_client, echo=echo)
+                phase = time.monotonic()
+                with superlink(home, simulation=True, tree=tree, ray_address=ray_address) as (conn, port, proc):
+                    if echo:
+                        print(f"[pollen] SuperLink up on port {port} ({time.monotonic() - phase:.1f}s); submitting "
+                              f"the app for {num_supernodes} SuperNode(s)", flush=True)
+                    log_path = home / f"superlink-{port}.log"
+                    kept_log = None if private_home else log_path  # a private home is removed: no pointer to it
+                    outcome = submit_and_wait(app_dir, conn, home, run_config=format_run_config(values),
+                                              federation_config=fed, timeout=timeout, echo=echo,
+                                              out_dir=results_root, watch=_tree_watch(tree, proc, kept_log), tree=tree,
+                                              run_dir=run_dir, on_run_id=submitted)
+                    if not outcome.completed and outcome.failure_reason is None:
+                        outcome.failure_reason = failure_reason(None, "", log_path.read_text(errors="replace"))
+                    teardown_from = time.monotonic()
+            except SuperLinkDied:
+                if private_home:  # its log goes with the private home: show its end now
+                    for log_file in home.glob("superlink-*.log"):
+                        tail = log_file.read_text(errors="replace").splitlines()[-15:]
+                        print("[pollen] last lines of the SuperLink's log:\n" + "\n".join(tail), file=sys.stderr,
+                              flush=True)
+                raise
+            finally:
+                left = tree.terminate()
+                if outcome is not None:
+                    outcome.teardown_s = round(time.monotonic() - teardown_from, 2) if teardown_from else None
+                    outcome.processes = [f"{name or '?'}({pid})" for pid, (_s, name) in sorted(tree.seen.items())]
+                    outcome.leftover = left
+                if left:
+                    print(f"[pollen] warning: still running after teardown: {tree.describe(left)}",
+                          file=sys.stderr, flush=True)
         finally:
-            left = tree.terminate()
-            if outcome is not None:
-                outcome.teardown_s = round(time.monotonic() - teardown_from, 2) if teardown_from else None
-                outcome.processes = [f"{name or '?'}({pid})" for pid, (_s, name) in sorted(tree.seen.items())]
-                outcome.leftover = left
-            if left:
-                print(f"[pollen] warning: still running after teardown: {tree.describe(left)}",
-                      file=sys.stderr, flush=True)
+            if private_home:
+                shutil.rmtree(home, ignore_errors=True)
+    except BaseException as err:
+        if where["run_dir"] is not None:
+            stopped = isinstance(err, (LaunchInterrupted, TimeoutError, KeyboardInterrupt))
+            status = "interrupted" if stopped else "failed"
+            reason = str(err) if not isinstance(err, TimeoutError) else f"timeout: {err}"
+            write_stopped_summary(where["run_dir"], status, reason or type(err).__name__, where["run_id"],
+                                  since=started_at)
+        raise
     finally:
-        if private_home:
-            shutil.rmtree(home, ignore_errors=True)
+        watchdog.done()
+    if not outcome.completed and outcome.results_dir is not None and outcome.results_dir.is_dir():
+        write_stopped_summary(outcome.results_dir, "failed", outcome.failure_reason or outcome.status,
+                              outcome.run_id, since=started_at)
     if cluster_info is not None:  # where the ClientApps ran, from Ray's records of this run's job
         cluster.placement(cluster_info, list(tree.seen), echo=echo, run_dir=outcome.results_dir)
     return outcome
@@ -920,9 +984,11 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--num-supernodes", type=int, default=None,
                         help="simulated SuperNodes (clients); default: what the task or method needs "
                              "(FCCL's domain tasks: one per domain; GLFC: its final population), else 5")
-    parser.add_argument("--cpus-per-client", type=int, default=1, help="CPUs Ray reserves per ClientApp")
-    parser.add_argument("--gpus-per-client", type=float, default=0.0,
-                        help="GPU fraction per ClientApp, e.g. 0.25 packs 4 clients on one GPU")
+    parser.add_argument("--cpus-per-client", type=int, default=None,
+                        help="CPUs Ray reserves per ClientApp (default 1; on --resume, the run's)")
+    parser.add_argument("--gpus-per-client", type=float, default=None,
+                        help="GPU fraction per ClientApp, e.g. 0.25 packs 4 clients on one GPU (default 0; on "
+                             "--resume, the run's)")
     parser.add_argument("--run-config", default="",
                         help="run keys of [tool.flwr.app.config], e.g. \"method='fedprox' num-server-rounds=3\" "
                              "(or one .toml file); unknown keys are refused before anything starts")
@@ -947,27 +1013,105 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     wants_help = any(a in ("-h", "--help") for a in argv)
     args = build_parser(catalog=wants_help).parse_args(argv)
+    lock: RunLock | None = None
     try:
         if args.num_supernodes is not None and args.num_supernodes < 1:
             raise LaunchConfigError(f"--num-supernodes {args.num_supernodes}: expected at least 1")
-        if args.cpus_per_client < 1:
+        if args.cpus_per_client is not None and args.cpus_per_client < 1:
             raise LaunchConfigError(f"--cpus-per-client {args.cpus_per_client}: expected at least 1")
-        if not 0.0 <= args.gpus_per_client:
+        if args.gpus_per_client is not None and not 0.0 <= args.gpus_per_client:
             raise LaunchConfigError(f"--gpus-per-client {args.gpus_per_client}: expected >= 0")
         if not args.timeout > 0:
             raise LaunchConfigError(f"--timeout {args.timeout}: expected seconds > 0")
         app_dir = args.app.resolve() if args.app is not None else default_app_dir()
         if not is_flower_app(app_dir):
             raise LaunchConfigError(f"--app {args.app}: {app_dir} has no pyproject.toml with [tool.flwr.app]")
-        run_config = resume_config(app_dir, args.resume, args.run_config) if args.resume else args.run_config
-        if args.num_supernodes is None and not args.resume:  # a preset file names the nodes it needs
-            args.num_supernodes = preset_node_count(args.run_config)
-        values, _ = compose_run_config(app_dir, run_config, out_dir=args.out_dir, data_root=args.data_root)
+        run_dir: Path | None = None
+        if args.resume:
+            run_dir, run_config = check_resume(app_dir, args)
+        else:
+            run_config = args.run_config
+            if args.num_supernodes is None:  # a preset file names the nodes it needs
+                args.num_supernodes = preset_node_count(args.run_config)
+        values, results_root = compose_run_config(app_dir, run_config, out_dir=args.out_dir, data_root=args.data_root)
         args.num_supernodes = fitting_node_count(app_dir, values, args.num_supernodes)
-    except LaunchConfigError as err:
+        args.cpus_per_client = 1 if args.cpus_per_client is None else args.cpus_per_client
+        args.gpus_per_client = 0.0 if args.gpus_per_client is None else args.gpus_per_client
+        if results_root is not None and "run-name" in app_run_config(app_dir):  # a Pollen app: named, locked
+            run_dir, lock = prepare_run_dir(app_dir, values, results_root, run_dir, args)
+    except (LaunchConfigError, RunFolderError) as err:
         print(f"[pollen] error: {err}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    try:
+        return _launch(args, app_dir, values, run_dir, lock)
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+def check_resume(app_dir: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """Everything ``--resume`` needs, checked before anything starts: the folder, its config (changed
+    keys refused by name), its federation (SuperNodes and resources from ``launch.json``, a different
+    ``--num-supernodes`` refused), every hashed file intact and a valid checkpoint to continue from."""
+    from pollen.app.checkpoints import CheckpointError, latest_checkpoint, verify_files
+
+    run_dir = Path(args.resume).expanduser().resolve()
+    if args.out_dir is not None:
+        raise LaunchConfigError(f"--out-dir {args.out_dir} with --resume {args.resume}: a resumed run continues in its "
+                                f"own folder {run_dir}; drop --out-dir (copy the folder to resume it elsewhere)")
+    if not run_dir.is_dir():
+        raise LaunchConfigError(f"--resume {args.resume}: no such folder")
+    run_config = resume_config(app_dir, run_dir, args.run_config)
+    info = read_launch_info(run_dir)
+    recorded = recorded_supernodes(run_dir)
+    if recorded is not None and args.num_supernodes not in (None, recorded):
+        raise LaunchConfigError(f"--num-supernodes {args.num_supernodes} with --resume {args.resume}: the run ran on "
+                                f"{recorded} SuperNodes (its data was split {recorded} ways); drop the option")
+    args.num_supernodes = args.num_supernodes or recorded
+    for option, key in (("cpus_per_client", "cpus-per-client"), ("gpus_per_client", "gpus-per-client")):
+        saved = info.get(key)
+        given = getattr(args, option)
+        if saved is not None and given is not None and given != saved:
+            print(f"[pollen] note: --{key} {given} (the run had {saved}): resources change speed, not results",
+                  flush=True)
+        if given is None and saved is not None:
+            setattr(args, option, saved)
+    problems = verify_files(run_dir)
+    if problems:
+        raise LaunchConfigError(f"--resume {args.resume}: refusing files that changed since they were written: "
+                                + "; ".join(problems))
+    try:
+        latest_checkpoint(run_dir)
+    except CheckpointError as err:
+        raise LaunchConfigError(f"--resume {args.resume}: {err}") from err
+    return run_dir, run_config
+
+
+def prepare_run_dir(app_dir: Path, values: dict[str, Any], results_root: Path, run_dir: Path | None,
+                    args: argparse.Namespace) -> tuple[Path, RunLock]:
+    """A new run's folder ``YYYYMMDD-HHMMSS-<method>-<task>`` (or the resumed one), locked for this
+    launcher, ``latest`` pointing at it, its federation in ``launch.json``. ``values`` gets ``run-name``."""
+    if run_dir is None:
+        merged = {**app_run_config(app_dir), **values}
+        name = str(values.get("run-name") or run_name(str(merged.get("method")), str(merged.get("task"))))
+        run_dir = create_run_dir(results_root, name)
+        values["run-name"] = run_dir.name
+    lock = RunLock(run_dir).acquire(argv=sys.argv[1:])
+    if lock.taken_over and lock.taken_over.get("pid"):
+        print(f"[pollen] note: took over the lock of {run_dir} from launcher PID {lock.taken_over['pid']}, which is "
+              "no longer running", flush=True)
+    if not (run_dir / "launch.json").exists():
+        write_launch_info(run_dir, {"num-supernodes": args.num_supernodes, "cpus-per-client": args.cpus_per_client,
+                                    "gpus-per-client": args.gpus_per_client, "ray-address": args.ray_address or "local",
+                                    "app": str(app_dir)})
+    with contextlib.suppress(RunFolderError):  # a file system without symlinks still runs
+        link_latest(run_dir)
+    print(f"[pollen] run folder {run_dir}" + (" (resumed)" if args.resume else ""), flush=True)
+    return run_dir, lock
+
+
+def _launch(args: argparse.Namespace, app_dir: Path, values: dict[str, Any], run_dir: Path | None,
+            lock: RunLock | None) -> int:
     started = time.monotonic()
     outcome = None
     with signals_raise():
@@ -975,10 +1119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcome = simulate(app_dir=app_dir, flwr_home=args.flwr_home, num_supernodes=args.num_supernodes,
                                cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                                run_config=values, timeout=args.timeout, echo=not args.quiet,
-                               ray_address=args.ray_address)
+                               ray_address=args.ray_address, run_dir=run_dir,
+                               lock_fd=lock.fd if lock is not None else None)
         except LaunchInterrupted as err:
             print(f"[pollen] {err}: stopped every process of the run after {time.monotonic() - started:.1f}s",
                   file=sys.stderr, flush=True)
+            if run_dir is not None:
+                print(f"[pollen] {run_dir / 'summary.json'} says interrupted; continue with: python -m "
+                      f"pollen.app.launch --resume {run_dir}", file=sys.stderr, flush=True)
             return 128 + err.signum
         except TimeoutError as err:
             print(f"[pollen] timeout: {err}", file=sys.stderr, flush=True)

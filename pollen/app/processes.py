@@ -9,6 +9,7 @@ failure, timeout and Ctrl-C, checking start times so a reused PID is never signa
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -35,12 +36,15 @@ class ProcessTree:
     process groups are known.
     """
 
-    def __init__(self, label: str = "pollen"):
-        self.token = f"{label}-{os.getpid()}-{secrets.token_hex(6)}"
+    def __init__(self, label: str = "pollen", *, token: str | None = None, since: int | None = None):
+        """A new launch's tree, or (``token``, ``since``) the tree of another process's launch: the
+        watchdog finds its launcher's processes by the same mark."""
+        self.token = token or f"{label}-{os.getpid()}-{secrets.token_hex(6)}"
         self.roots: list[int] = []
         self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, name)
         me = proc_stat(os.getpid())
-        self._since = me[3] if me is not None else 0  # start time (clock ticks): nothing older is ours
+        # start time (clock ticks): nothing older is ours
+        self._since = since if since is not None else (me[3] if me is not None else 0)
         self._lock = threading.Lock()
 
     def mark(self, env: dict[str, str]) -> dict[str, str]:
@@ -130,7 +134,7 @@ class ProcessTree:
             out.append(pid)
         return sorted(out)
 
-    def terminate(self, grace: float = 10.0) -> list[int]:
+    def terminate(self, grace: float = 10.0, patience: float = 5.0) -> list[int]:
         """Stop the whole tree: SIGTERM the roots' groups, then every member left, then SIGKILL.
 
         Returns the PIDs still alive afterwards (empty when everything is gone). Signals are held off
@@ -142,7 +146,7 @@ class ProcessTree:
             for pid in roots:
                 signal_group(pid, signal.SIGTERM)  # the SuperLink first: it stops its own children
             self._wait_gone(roots, grace)
-            for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            for sig, wait in ((signal.SIGTERM, patience), (signal.SIGKILL, 5.0)):
                 live = set(self.members()) | set(self.alive())  # alive(): every process ever seen, even
                 if not live:                                     # one its dying parent left to PID 1
                     break
@@ -275,3 +279,96 @@ def signals_held(signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM, signal
             signal.signal(s, handler)
         if pending:
             signal.raise_signal(pending[0])
+
+
+# --- the watchdog: the run dies with its launcher -------------------------------------------------------
+
+class Watchdog:
+    """A small process that stops the launch's tree when the launcher dies, however it dies.
+
+    SIGKILL gives the launcher no chance to clean up, and a parent-death signal would reach only its
+    direct children (the SuperLink), not the simulation process, ``flwr-serverapp`` or Ray, which live
+    in other sessions. So the launcher starts this watchdog first, in its own session and without the
+    launch's mark (the teardown never stops it), and keeps the write end of a pipe to it: the kernel
+    closes that pipe when the launcher dies, the watchdog reads end-of-file at once and stops every
+    process carrying the launch's mark (:class:`ProcessTree`, by PID and start time), removes the
+    private ``FLWR_HOME`` and writes ``summary.json`` (``interrupted``). A launcher that ends normally
+    says ``done`` first and the watchdog leaves quietly. The watchdog also inherits the run folder's
+    lock, so the folder stays locked until the run of a killed launcher is really stopped.
+    """
+
+    def __init__(self, tree: ProcessTree, *, home: Path | None = None, run_dir: Path | None = None,
+                 lock_fd: int | None = None, started: float | None = None):
+        import subprocess
+        import sys
+
+        env = {k: v for k, v in os.environ.items() if k != LAUNCH_MARK}
+        spec = {"token": tree.token, "since": tree._since, "home": str(home) if home else None,
+                "run_dir": str(run_dir) if run_dir else None, "launcher": os.getpid(), "started": started}
+        self.proc = subprocess.Popen([sys.executable, "-m", "pollen.app.processes", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, env=env, start_new_session=True,
+                                     pass_fds=(lock_fd,) if lock_fd is not None else ())
+        self.pid = self.proc.pid
+
+    def tell(self, line: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((line + "\n").encode())
+            self.proc.stdin.flush()
+
+    def root(self, pid: int) -> None:
+        self.tell(f"root {pid}")
+
+    def run_id(self, run_id: int) -> None:
+        self.tell(f"run-id {run_id}")
+
+    def run_dir(self, path: Path) -> None:
+        self.tell(f"run-dir {path}")
+
+    def done(self) -> None:
+        """The launcher stopped everything itself: the watchdog leaves without touching anything."""
+        self.tell("done")
+        with contextlib.suppress(OSError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=10)
+
+
+def watch(spec: dict, lines) -> int:
+    """The watchdog's loop: ``lines`` is the pipe from the launcher; end-of-file without ``done`` means
+    the launcher died. Returns the process exit code (0 either way)."""
+    import shutil
+
+    tree = ProcessTree(token=spec["token"], since=int(spec["since"]))
+    run_id = None
+    for raw in lines:
+        word, _, value = raw.decode(errors="replace").strip().partition(" ")
+        if word == "done":
+            return 0
+        if word == "root":
+            tree.add_root(int(value))
+        elif word == "run-id":
+            run_id = int(value)
+        elif word == "run-dir":
+            spec["run_dir"] = value
+    with signals_held():
+        left = tree.terminate(grace=2.0, patience=2.0)
+    if spec.get("home"):
+        shutil.rmtree(spec["home"], ignore_errors=True)
+    if spec.get("run_dir"):
+        from pollen.app.results import write_stopped_summary
+
+        with contextlib.suppress(OSError):
+            write_stopped_summary(Path(spec["run_dir"]), "interrupted",
+                                  f"the launcher (PID {spec['launcher']}) died; its watchdog stopped the run"
+                                  + (f" (still alive: {tree.describe(left)})" if left else ""), run_id,
+                                  since=spec.get("started"))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the terminal is the launcher's to handle
+    sys.exit(watch(json.loads(sys.argv[1]), sys.stdin.buffer))

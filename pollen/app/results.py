@@ -56,17 +56,17 @@ def last_round(run_dir: Path) -> int:
 def write_stopped_summary(run_dir: Path, status: str, reason: str, flower_run_id: int | None = None,
                           since: float | None = None) -> dict[str, Any] | None:
     """``summary.json`` of a run that ended where its ServerApp could not write one (interrupted, killed,
-    a dead SuperLink). Kept as it is when the ServerApp wrote one after ``since`` (epoch seconds): that
-    one knows more. Returns what was written (``None``: nothing)."""
+    a dead SuperLink). One the ServerApp wrote after ``since`` (epoch seconds) is kept when it says
+    ``completed`` or the same status: it knows more (a ServerApp stopped mid-run may call itself
+    ``failed``; the launcher knows it was interrupted). Returns what was written (``None``: nothing)."""
     if status not in STATUSES:
         raise ValueError(f"summary status {status!r}: expected one of {STATUSES}")
     run_dir = Path(run_dir)
     path = run_dir / "summary.json"
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         if since is not None and path.stat().st_mtime >= since:
-            return None
-    except OSError:
-        pass
+            if json.loads(path.read_text()).get("status") in ("completed", status):
+                return None
     config: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):
         config = json.loads((run_dir / "config.json").read_text())

@@ -51,6 +51,7 @@ if __package__ in (None, ""):  # run as `python deploy/fleet.py`: make `deploy` 
 from deploy import certs, supernodes  # noqa: E402
 from pollen.app import launch, processes  # noqa: E402
 from pollen.app.config import ConfigError, RunConfig, parse_run_config  # noqa: E402
+from pollen.protocol.identity import format_partition_pins  # noqa: E402
 
 # The checkout holding the pollen package (None when Pollen is installed); the app to run is
 # launch.default_app_dir(): the current directory if it is a Flower app, else this checkout.
@@ -339,6 +340,12 @@ class Fleet:
                 print(f"[fleet] warning: {node.spec.name} (pid {node.pid}) died with {how}; the run goes on "
                       "without it", file=sys.stderr, flush=True)
 
+    def partition_pins(self) -> dict[int, int]:
+        """``{partition: node id}`` of every registered SuperNode (TLS): the id its registered key was given,
+        for run config ``partition-pins`` — then no other node can serve that partition."""
+        return {int(n.spec.config["partition-id"]): n.registered_id for n in self.supernodes
+                if n.registered_id is not None}
+
     def add_supernode(self, spec: NodeSpec, *, register: bool = True) -> SuperNode:
         """Start one SuperNode; with TLS, write its key pair and (unless ``register=False``) register it."""
         key = registered = None
@@ -528,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", default="",
                         help="comma-separated GPU indices assigned round-robin as CUDA_VISIBLE_DEVICES "
                              "(one SuperNode per GPU); run config device='auto' (default) or 'cuda' then trains on it")
+    parser.add_argument("--pin-partitions", action="store_true",
+                        help="with --tls: pin each partition to the node id its registered key was given "
+                             "(run config partition-pins), so no other node can claim it")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is abandoned")
     parser.add_argument("--out-dir", default=None, help=f"results root (default: {DEFAULT_OUT_DIR})")
     parser.add_argument("--work-dir", type=Path, default=None,
@@ -549,6 +559,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          num_supernodes=args.num_supernodes)
         if args.host and not args.tls:
             raise ConfigError("--host only applies to the TLS server certificate: add --tls")
+        if args.pin_partitions and not args.tls:
+            raise ConfigError("--pin-partitions pins partitions to registered node keys: add --tls")
         if args.timeout <= 0:
             raise ConfigError(f"--timeout = {args.timeout} is invalid: expected seconds > 0")
         try:
@@ -576,6 +588,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         fleet.add_supernode(spec)
                     fleet.wait_for_nodes(timeout=min(300.0, args.timeout))
                     report.startup_s = round(time.monotonic() - started, 2)
+                    if args.pin_partitions:
+                        values = {**values, "partition-pins": format_partition_pins(fleet.partition_pins())}
                     outcome = fleet.run(values, timeout=args.timeout, echo=not args.quiet, app_dir=app_dir)
                     report.run_id, report.status = outcome.run_id, outcome.status
                     report.failure_reason = outcome.failure_reason

@@ -363,3 +363,14 @@ def test_glfc_aggregates_robustly_when_asked():
     for key, a in msgs[0].content[ARRAYS].items():
         if a.numpy().dtype.kind == "f":
             np.testing.assert_allclose(arrays[key].numpy(), a.numpy() * 2.0, rtol=1e-6)
+
+
+def test_the_fleet_pins_each_partition_to_its_registered_node(tmp_path, capsys):
+    from deploy.fleet import EXIT_USAGE, Fleet, NodeSpec, SuperNode, main
+
+    fleet = Fleet(tmp_path, tls=True, echo=False)
+    fleet.supernodes = [SuperNode(NodeSpec(f"supernode_{i}", {"partition-id": i, "num-partitions": 2}), None,
+                                  tmp_path / "log", None, node) for i, node in enumerate((4312, 9876))]
+    assert format_partition_pins(fleet.partition_pins()) == "0:4312,1:9876"
+    assert main(["--pin-partitions", "--num-supernodes", "2"]) == EXIT_USAGE
+    assert "--pin-partitions pins partitions to registered node keys: add --tls" in capsys.readouterr().err

@@ -205,7 +205,6 @@ def worker(spec_path: Path) -> int:
     from pollen.app.launch import LaunchInterrupted, signals_raise, simulate
 
     spec = json.loads(spec_path.read_text())
-    out_dir = Path(spec["out-dir"])
     started = time.monotonic()
     with signals_raise():
         try:
@@ -218,7 +217,7 @@ def worker(spec_path: Path) -> int:
     if not outcome.completed:
         print(f"[study] run FAILED ({outcome.status}: {outcome.failure_reason}):\n{outcome.log[-3000:]}", flush=True)
         return 1
-    run_dir = out_dir / str(outcome.run_id)
+    run_dir = outcome.results_dir  # the launcher names run folders; never rebuild the name
     cfg = spec["config"]
     entry = {"dataset": cfg["task"], "ways": cfg["shot-ways"], "method": cfg["method"], "variant": spec["variant"],
              "seed": cfg["seed"], "rounds": cfg["num-server-rounds"], "clients": spec["clients"],

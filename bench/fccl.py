@@ -282,7 +282,7 @@ def main(argv=None) -> int:
         if not outcome.completed:
             print(outcome.log[-4000:], file=sys.stderr)
             raise SystemExit(f"{method}: run {outcome.run_id} ended {outcome.status}")
-        runs[method] = read_run(out_dir / str(outcome.run_id))
+        runs[method] = read_run(outcome.results_dir)
         walls[method] = time.perf_counter() - t0
         print(f"[bench] {method} done in {walls[method]:.0f}s", flush=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

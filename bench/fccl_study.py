@@ -125,7 +125,7 @@ def run_one(method: str, seed: int, args: argparse.Namespace) -> dict:
         print(outcome.log[-4000:], file=sys.stderr)
         raise SystemExit(f"{method} seed {seed}: run {outcome.run_id} ended {outcome.status}")
     return {"method": method, "seed": seed, "setting": setting_of(args), "wall-s": round(wall, 1),
-            "run": read_run(out_dir / str(outcome.run_id)), "fit": fit_curves(out_dir / str(outcome.run_id))}
+            "run": read_run(outcome.results_dir), "fit": fit_curves(outcome.results_dir)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ def run_flwr(run_config: dict, num_nodes: int) -> list[dict]:
                            run_config={**run_config, "out-dir": str(out)}, timeout=7200, echo=False)
         if not outcome.completed:
             raise RuntimeError(f"flwr run failed: {outcome.log[-3000:]}")
-        return read_metrics(out / str(outcome.run_id))
+        return read_metrics(outcome.results_dir)
 
 
 def summarise(rounds: list[dict], tasks: int, rounds_per_task: int) -> dict:

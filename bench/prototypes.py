@@ -352,7 +352,7 @@ def main(argv=None) -> int:
                      "mi-temperature": "tau*margin",
                      "extra-config": args.extra_config, "run-id": outcome.run_id,
                      "wall-time-s": round(wall, 1), "evaluate-every": args.evaluate_every
-                     if method in PROTO_METHODS else 1, **read_run(out_dir / str(outcome.run_id))}
+                     if method in PROTO_METHODS else 1, **read_run(outcome.results_dir)}
             results["runs"].append(entry)
             save_results(results)
             acc = entry.get("accuracy", {})

@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load_file
 
 from bench.fccl import DOMAINS, LABELS, SHORT
-from bench.kit import BENCH, RESULTS, read_json, read_summary, write_atomic, write_json
+from bench.kit import BENCH, RESULTS, read_json, read_summary, run_folders, write_atomic, write_json
 from pollen.datasets.domain_tasks import domain_client_data, public_set
 from pollen.datasets.tasks import TaskOptions
 from pollen.methods.logit_losses import cross_correlation_matrix
@@ -57,7 +57,7 @@ def run_dirs(work: Path) -> dict[tuple[str, int], Path]:
     out = {}
     for d in sorted(work.glob("*-seed*")):
         method, _, seed = d.name.rpartition("-seed")
-        runs = [r for r in d.iterdir() if (r / "summary.json").is_file() and (r / "nodes").is_dir()]
+        runs = [r for r in run_folders(d) if (r / "summary.json").is_file() and (r / "nodes").is_dir()]
         if method in METHOD_ORDER and seed.isdigit() and len(runs) == 1:
             out[(method, int(seed))] = runs[0]
     return out

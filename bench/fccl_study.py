@@ -40,6 +40,7 @@ from bench.kit import (
     preset,
     pyplot,
     read_metrics,
+    run_folders,
     save_figure,
     seed_band,
     table,
@@ -102,10 +103,10 @@ def backfill_fit(work: Path) -> None:
     for record in RUNS.load():
         if "fit" in record:
             continue
-        dirs = sorted((work / f"{record['method']}-seed{record['seed']}").glob("*/metrics.jsonl"))
+        dirs = run_folders(work / f"{record['method']}-seed{record['seed']}")
         if len(dirs) != 1:
             continue
-        record["fit"] = fit_curves(dirs[0].parent)
+        record["fit"] = fit_curves(dirs[0])
         RUNS.save(record["method"], record["seed"], record)
 
 

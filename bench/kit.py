@@ -212,6 +212,13 @@ class RunFiles:
 # ---------------------------------------------------------------------------------------------
 # run folders and presets
 
+def run_folders(out_dir: Path) -> list[Path]:
+    """The run folders under a results root (each with its ``metrics.jsonl``), oldest first; links such as
+    the launcher's ``latest`` are left out, so each run counts once."""
+    runs = [p.parent for p in Path(out_dir).glob("*/metrics.jsonl") if not p.parent.is_symlink()]
+    return sorted(runs, key=lambda r: ((r / "metrics.jsonl").stat().st_mtime, r.name))
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """A Pollen run folder's ``metrics.jsonl``: one record per round, as the ServerApp wrote it."""
     text = (Path(run_dir) / "metrics.jsonl").read_text()

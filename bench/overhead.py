@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.kit import RESULTS, ROOT, read_json, read_metrics, read_summary, write_atomic, write_json
+from bench.kit import RESULTS, ROOT, read_json, read_metrics, read_summary, run_folders, write_atomic, write_json
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -160,11 +160,11 @@ def pollen_run(args, env: dict[str, str], log: Path, out_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", str(args.clients),
            "--data-root", str(args.data_root), "--out-dir", str(out_dir), "--run-config", config]
     row = measured(cmd, env, log)
-    runs = sorted(out_dir.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    runs = run_folders(out_dir)
     if runs:
-        lines = read_metrics(runs[-1].parent)
+        lines = read_metrics(runs[-1])
         times = [r["wall-time-s"] for r in lines]
-        summary = read_summary(runs[-1].parent)
+        summary = read_summary(runs[-1])
         final = lines[-1].get("evaluate", {})
         row.update({"round-1-s": round(times[0], 2),
                     "steady-round-median-s": round(statistics.median(times[1:]), 2) if len(times) > 1 else None,

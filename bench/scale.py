@@ -29,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.kit import RESULTS, ROOT, pyplot, save_figure, write_atomic, write_json
+from bench.kit import RESULTS, ROOT, pyplot, read_metrics, run_folders, save_figure, write_atomic, write_json
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -210,9 +210,10 @@ def run_one(n: int, args) -> dict:
             started = time.monotonic()
             proc = subprocess.Popen(cmd, cwd=ROOT, env=memory.env(), stdout=out, stderr=subprocess.STDOUT)
             while proc.poll() is None:
-                files = list(out_dir.glob("*/metrics.jsonl"))
-                if files:
-                    done = sum(1 for x in files[0].read_text().splitlines() if x.strip())
+                runs = run_folders(out_dir)
+                if runs:
+                    # count lines, not parse them: the last one may be half written
+                    done = sum(1 for x in (runs[0] / "metrics.jsonl").read_text().splitlines() if x.strip())
                     round_ends += [time.monotonic()] * (done - len(round_ends))
                     if first_line_s is None and done:
                         first_line_s = time.monotonic() - started
@@ -222,9 +223,9 @@ def run_one(n: int, args) -> dict:
                      "rc": proc.returncode, "launch-wall-s": round(wall, 1),
                      "peak-pss-mb": round(memory.peak_bytes / 2**20, 1),
                      "processes-at-peak": memory.peak_processes}
-        files = list(out_dir.glob("*/metrics.jsonl"))
-        if files:
-            lines = [json.loads(x) for x in files[0].read_text().splitlines() if x.strip()]
+        runs = run_folders(out_dir)
+        if runs:
+            lines = read_metrics(runs[0])
             walls = [r["wall-time-s"] for r in lines]
             messages = [int(r.get("sampled", 0)) + len(r.get("evaluate-clients", {})) for r in lines]
             row["round-wall-s"] = [round(w, 2) for w in walls]

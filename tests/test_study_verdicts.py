@@ -173,3 +173,15 @@ def test_consensus_correlation_is_the_per_class_pearson_mean():
     assert got == pytest.approx(expected, abs=1e-6)
     assert pearson_diag(torch.tensor(a), torch.tensor(3 * a + 1)) == pytest.approx(1.0, abs=1e-5)
     assert pearson_diag(torch.tensor(a), torch.tensor(-a)) == pytest.approx(-1.0, abs=1e-5)
+
+
+def test_run_folders_count_each_run_once(tmp_path):
+    """The launcher's ``latest`` link points at a run folder: a study reading a results root sees that run once."""
+    for name in ("20260101-000000-fccl-digits", "20260101-000100-fccl-digits"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text('{"round": 1}\n')
+    (tmp_path / "latest").symlink_to("20260101-000100-fccl-digits")
+    (tmp_path / "not-a-run").mkdir()
+    assert [p.name for p in kit.run_folders(tmp_path)] == ["20260101-000000-fccl-digits",
+                                                          "20260101-000100-fccl-digits"]
+    assert kit.read_metrics(tmp_path / "latest") == [{"round": 1}]

@@ -477,6 +477,57 @@ def test_interrupted_or_timed_out_launch_leaves_nothing_behind(stop, tmp_path):
     assert any(n.startswith("flower-superl") for n in watcher.names()), watcher.names()
     assert "still running after teardown" not in stderr, stderr[-3000:]
     assert left == "", left
+    summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
+    assert summary["status"] == "interrupted", summary
+    assert summary["failure-reason"].startswith("interrupted by SIGINT" if stop == "sigint" else "timeout: ")
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
+def test_the_run_dies_with_its_launcher(tmp_path):
+    """``kill -9`` of the launcher alone: its watchdog stops SuperLink, SuperExec, the simulation and Ray
+    within 10 s, removes the private FLWR_HOME, writes summary.json (interrupted) and only then lets the
+    run folder's lock go, so a resume never meets a leftover server."""
+    out = tmp_path / "runs"
+    lines: list[str] = []
+    with TreeWatcher() as watcher:
+        proc = subprocess.Popen(_launch_cmd("--run-config", "num-server-rounds=200 local-epochs=1", "--out-dir",
+                                            str(out), "--timeout", "600"),
+                                cwd=PROJECT_ROOT, env=watcher.env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+        reader.start()
+        try:
+            watcher.wait_for(lambda: any("[pollen] round 1/200" in x for x in lines), 300, proc)
+            assert proc.poll() is None, "".join(lines)[-4000:]
+            proc.kill()
+            killed = time.monotonic()
+            proc.wait()
+
+            def run_left() -> list[int]:
+                return [pid for pid in watcher.alive()
+                        if b"pollen.app.processes" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+            while run_left() and time.monotonic() - killed < 30:
+                time.sleep(0.1)
+            stopped_after = time.monotonic() - killed
+            left = watcher.describe(run_left())
+            everything = _after(watcher, grace=30.0)  # the watchdog itself leaves once done
+        finally:
+            watcher.kill(watcher.alive())
+    text = "".join(lines)
+    assert left == "" and stopped_after <= 10.0, f"{stopped_after:.1f}s: {left}\n{text[-3000:]}"
+    assert everything == "", everything
+    home = re.search(r"^\[pollen\] FLWR_HOME (\S+) \(private", text, flags=re.M)
+    assert home and not Path(home.group(1)).exists(), text[-3000:]
+    run_dir = (out / "latest").resolve()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and f"the launcher (PID {proc.pid}) died" in summary["failure-reason"]
+    assert summary["last-round"] >= 1 and summary["flower-run-id"] is not None
+    from pollen.app.runs import RunLock
+
+    RunLock(run_dir).acquire().release()  # free again: nobody writes the folder any more
+    print(f"run processes gone {stopped_after:.1f}s after the launcher's SIGKILL")
 
 
 def test_node_count_follows_the_task_and_a_wrong_one_is_refused_before_start(capsys, nothing_starts):

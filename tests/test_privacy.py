@@ -24,10 +24,10 @@ from pollen.privacy import (
     calibrate_noise_multiplier,
     clip_rows,
     clip_update,
-    prototypes_from_release,
     release_prototypes,
     release_update,
 )
+from pollen.protocol.prototypes import divide_release
 from tests.conftest import PROJECT_ROOT
 
 DELTA = 1e-5
@@ -185,15 +185,15 @@ def test_prototype_release_clips_each_embedding_and_the_server_divides():
     y = np.array([0] * 400 + [1] * 100)
     r = release_prototypes(z, y, 3, 1.0, 0.01, rng)
     assert r.clipped_fraction == pytest.approx(0.8)
-    protos, weights = prototypes_from_release(r.sums, r.counts, min_count=5.0)
+    protos, weights = divide_release(r.sums, r.counts, count_std=5.0 / 3)  # held from a noisy count of 5
     np.testing.assert_allclose(protos[0], [0.6, 0.8], atol=1e-3)  # clipped to norm 1
     np.testing.assert_allclose(protos[1], [0.3, 0.4], atol=1e-3)  # inside the clip
     assert weights[2] == 0 and protos[2].tolist() == [0, 0]
     np.testing.assert_allclose(weights[:2], [400, 100], atol=0.2)
     with pytest.raises(ValueError, match="labels"):
         release_prototypes(z, y + 2, 3, 1.0, 1.0, rng)
-    with pytest.raises(ValueError, match="min_count"):
-        prototypes_from_release(r.sums, r.counts, 0.5)
+    _, small_std = divide_release(r.sums, r.counts, count_std=1e-6)  # still needs a count of 1
+    assert small_std[2] == 0 and (small_std[:2] > 0).all()
 
 
 def test_update_noise_std_is_sigma_times_clip():

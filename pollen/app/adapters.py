@@ -93,6 +93,9 @@ _GLOBAL_KEYS = (proto_protocol.PROTOTYPES, proto_protocol.PRESENT, proto_protoco
 
 def _proto_train(client, content: RecordDict) -> RecordDict:
     arrays, n, metrics = client.fit(_named(_arrays(content), _GLOBAL_KEYS), _config(content))
+    if len(arrays) == 3:  # dp-mode = payload: noisy sums, noisy counts, count noise std
+        sums, noisy_counts, count_std = arrays
+        return proto_protocol.encode_dp_prototype_reply(sums, noisy_counts, float(count_std[0]), metrics, n)
     protos, counts = arrays
     return proto_protocol.encode_prototype_reply(protos, counts, metrics, num_examples=n)
 

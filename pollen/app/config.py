@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from pollen.app.run_keys import COMMON
-from pollen.protocol.identity import parse_partition_pins
-from pollen.privacy.config import MODES as DP_MODES
 from pollen.privacy.config import PrivacyConfig
+from pollen.protocol.identity import parse_partition_pins
 from pollen.protocol.screening import PayloadBounds
 
 PROFILES = ("quick", "paper")

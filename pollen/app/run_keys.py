@@ -161,6 +161,7 @@ FAMILY_TITLES = {
 def choices(key: str) -> tuple[str, ...]:
     """The allowed values of a ``choice`` key, read from the code that validates it."""
     from pollen.app import config
+    from pollen.privacy.config import MODES as DP_MODES
 
     if key == "method":
         from pollen.app.registry import METHODS
@@ -175,7 +176,7 @@ def choices(key: str) -> tuple[str, ...]:
 
         return ("",) + tuple(MODEL_NAMES)
     simple = {"profile": config.PROFILES, "device": config.DEVICES, "avg-weighting": config.WEIGHTINGS,
-              "shot-split": config.SHOT_SPLITS, "dp-mode": config.DP_MODES}
+              "shot-split": config.SHOT_SPLITS, "dp-mode": DP_MODES}
     if key == "aggregation":
         from pollen.strategies.aggregation import AGGREGATIONS
 

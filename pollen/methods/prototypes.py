@@ -42,6 +42,7 @@ from pollen.methods.terms import Batch, CrossEntropy, LossTerm, Proximal, object
 from pollen.methods.training import LocalTraining, evaluate_classifier, seed_everything, train_epochs
 from pollen.models import SplitModel
 from pollen.models.pretrained import load_stage_weights
+from pollen.privacy.payload import PayloadPrivacy
 
 LOCAL_PROTO_MODES = ("post-pass", "training")
 NEGATIVE_FORMS = ("hinge", "infonce")
@@ -220,17 +221,20 @@ class TrainingTimePrototypes:
 class PrototypeRound:
     """One client's round of a prototype method, apart from Flower: load the private model from the
     store → decode the global prototypes → build the method's loss terms → train → encode the local
-    prototypes. ``new_model`` builds this client's model with its reproducible initial weights."""
+    prototypes. ``new_model`` builds this client's model with its reproducible initial weights.
+
+    With ``privacy`` (``dp-mode = payload``) the reply is what the mechanism released — noisy sums and
+    counts of all classes from the post-pass embeddings — and the metrics only what reveals no data."""
 
     MODEL_KEY = "proto-model"
     DA_KEY = "proto-da-state"
 
     def __init__(self, method: PrototypeMethod, settings: ProtoSettings, training: LocalTraining,
                  store: StateStore, data: ClientData, num_classes: int, device: torch.device,
-                 new_model: Callable[[], SplitModel]):
+                 new_model: Callable[[], SplitModel], privacy: PayloadPrivacy | None = None):
         self.method, self.settings, self.training = method, settings, training
         self.store, self.data, self.num_classes = store, data, num_classes
-        self.device, self.new_model = device, new_model
+        self.device, self.new_model, self.privacy = device, new_model, privacy
 
     def load_model(self) -> SplitModel:
         """The private model: from the store, else a fresh init (its ResNet stages from
@@ -261,7 +265,12 @@ class PrototypeRound:
 
     def fit(self, arrays: list[np.ndarray], server_round: int, round_seed: int,
             monitor: bool) -> tuple[list[np.ndarray], int, dict[str, Any]]:
-        """Train one round; returns (prototypes C×d f32 and class counts C i64, samples, metrics)."""
+        """Train one round; returns (prototypes C×d f32 and class counts C i64, samples, metrics), or
+        under ``privacy`` (noisy sums C×d, noisy counts C, count noise std (1,), all f32; a sample count
+        from the noisy counts; ε metrics)."""
+        if self.privacy is not None:
+            self.privacy.check()  # out of budget: stop before training, saying so
+            monitor = False  # the monitors read the training data: not released under DP
         model = self.load_model()
         glob = self.decode(arrays, model)
         lam, da_state = self.lambda_for_round(server_round, glob)
@@ -282,7 +291,8 @@ class PrototypeRound:
         counts = torch.bincount(y_train, minlength=self.num_classes)
         sums, seen_counts = (observers[0].sums, observers[0].counts) if observers else (None, None)
         # the extra no-grad pass over the training set: for post-pass prototypes and for the monitors only
-        z_train = self.embed(model, data.x_train) if sums is None or seen_counts is None or monitor else None
+        z_train = (self.embed(model, data.x_train) if sums is None or seen_counts is None or monitor
+                   or self.privacy is not None else None)
         if sums is not None and seen_counts is not None:
             protos = (sums / seen_counts.clamp_min(1).unsqueeze(1)).float()
             counts = torch.where(seen_counts > 0, counts, torch.zeros_like(counts))
@@ -298,6 +308,13 @@ class PrototypeRound:
             if glob is not None and "proto" in last.parts:
                 da_state["history"] = (list(da_state["history"]) + [[last.parts["ce"], last.parts["proto"]]])[-3:]
         self.store.save_values(self.DA_KEY, da_state)
+        if self.privacy is not None:
+            assert z_train is not None
+            released, dp_metrics = self.privacy.prototypes(z_train.cpu().numpy(), y_train.cpu().numpy(),
+                                                           self.num_classes)
+            private_reply = [released.sums.astype(np.float32), released.counts.astype(np.float32),
+                             np.array([released.count_std], dtype=np.float32)]
+            return private_reply, max(1, round(float(released.counts.sum()))), dp_metrics
         if monitor:  # only on rounds the server evaluates
             assert z_train is not None
             metrics.update(self.monitors(model, z_train, glob))

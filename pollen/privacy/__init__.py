@@ -13,11 +13,12 @@ from pollen.privacy.config import MODES, PrivacyConfig
 from pollen.privacy.mechanisms import (
     PrototypeRelease,
     gaussian_noise,
-    prototypes_from_release,
     release_prototypes,
     release_update,
+    secure_rng,
 )
+from pollen.privacy.payload import PayloadPrivacy
 
-__all__ = ["DELTA", "EPSILON", "MODES", "Budget", "BudgetExhausted", "Ledger", "PrivacyConfig", "PrototypeRelease",
-           "Release", "calibrate_noise_multiplier", "clip_rows", "clip_update", "gaussian_noise", "pld_epsilon",
-           "prototypes_from_release", "rdp_epsilon", "release_prototypes", "release_update"]
+__all__ = ["DELTA", "EPSILON", "MODES", "Budget", "BudgetExhausted", "Ledger", "PayloadPrivacy", "PrivacyConfig",
+           "PrototypeRelease", "Release", "calibrate_noise_multiplier", "clip_rows", "clip_update", "gaussian_noise",
+           "pld_epsilon", "rdp_epsilon", "release_prototypes", "release_update", "secure_rng"]

@@ -15,12 +15,19 @@ neighbouring relation is add/remove of one *unit* of what the release is compute
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from pollen.privacy.clipping import clip_rows, clip_update
+
+
+def secure_rng() -> np.random.Generator:
+    """A generator seeded from the OS's entropy, never from the run seed: the server knows the run seed
+    and could regenerate (and subtract) noise drawn from it. DP runs are therefore not bit-reproducible."""
+    return np.random.default_rng(secrets.randbits(128))
 
 
 def gaussian_noise(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
@@ -49,7 +56,8 @@ PROTOTYPE_SENSITIVITY_UNITS = float(np.sqrt(2.0))
 def release_prototypes(embeddings: np.ndarray, labels: np.ndarray, num_classes: int, clip: float,
                        noise_multiplier: float, rng: np.random.Generator) -> PrototypeRelease:
     """Noisy per-class sums of embeddings clipped to ``clip`` and noisy counts, for **all** classes
-    (noise on every row, so which classes a client holds is hidden too). The server divides."""
+    (noise on every row, so which classes a client holds is hidden too). The server divides
+    (``pollen.protocol.prototypes.divide_release``)."""
     z = np.asarray(embeddings)
     y = np.asarray(labels)
     if z.ndim != 2 or y.shape != (z.shape[0],):
@@ -65,19 +73,6 @@ def release_prototypes(embeddings: np.ndarray, labels: np.ndarray, num_classes: 
     counts = counts + gaussian_noise(counts.shape, std_units, rng)
     fraction = float((norms > clip).mean()) if norms.size else 0.0
     return PrototypeRelease(sums, counts, std_units, fraction)
-
-
-def prototypes_from_release(sums: np.ndarray, counts: np.ndarray,
-                            min_count: float) -> tuple[np.ndarray, np.ndarray]:
-    """Server side: ``(prototypes = sums / counts, weights)`` where the noisy count is at least
-    ``min_count``; other classes get weight 0 (noise, or too few records to divide by)."""
-    if not min_count >= 1:
-        raise ValueError(f"min_count must be >= 1 (a division by a smaller noisy count explodes), got {min_count}")
-    counts = np.asarray(counts, dtype=np.float64)
-    held = counts >= min_count
-    protos = np.zeros(np.shape(sums), dtype=np.float64)
-    protos[held] = np.asarray(sums, dtype=np.float64)[held] / counts[held, None]
-    return protos, np.where(held, counts, 0.0)
 
 
 def release_update(reply: Mapping[str, np.ndarray], broadcast: Mapping[str, np.ndarray], clip: float,

@@ -9,6 +9,13 @@
 | client → server | ``arrays["prototypes"]`` | C×d | float32 | local class means, abs <= 1e6; rows with count 0 ignored |
 | client → server | ``arrays["class-counts"]`` | C | int64 | training samples per class, >= 0 |
 | client → server | ``metrics["num-examples"]`` | | int | |
+| client → server, ``dp-mode = payload`` | ``arrays["proto-sums"]`` | C×d | float32 | noisy per-class sums of clipped embeddings, all classes; abs <= 1e6 |
+| client → server, ``dp-mode = payload`` | ``arrays["noisy-counts"]`` | C | float32 | noisy class counts, all classes (may be < 0) |
+| client → server, ``dp-mode = payload`` | ``arrays["count-noise-std"]`` | 1 | float32 | std of the count noise, > 0 |
+
+Under ``dp-mode = payload`` a reply carries the three ``dp-mode`` keys instead of ``prototypes`` and
+``class-counts`` (``docs/privacy.md``); the server divides: a class counts for a client when its noisy
+count is at least ``DP_HELD_STDS`` stds of the count noise (and 1), its prototype is sum / count.
 
 Round 1 (before any aggregation) the server sends an **empty** ``arrays`` record.
 """
@@ -28,6 +35,12 @@ PROTOTYPES = "prototypes"
 PRESENT = "present"
 MARGIN = "margin"
 CLASS_COUNTS = "class-counts"
+PROTO_SUMS = "proto-sums"
+NOISY_COUNTS = "noisy-counts"
+COUNT_NOISE_STD = "count-noise-std"
+# A noisy count below this many stds of its noise is indistinguishable from an absent class (one false
+# positive in ~740 absent classes); dividing by it would blow the sum's noise up.
+DP_HELD_STDS = 3.0
 
 
 def encode_global_prototypes(protos: np.ndarray, present: np.ndarray, margin: float) -> ArrayRecord:
@@ -73,6 +86,39 @@ def encode_prototype_reply(protos: np.ndarray, counts: np.ndarray, metrics: Mapp
     return reply_content({PROTOTYPES: np.asarray(protos, dtype=np.float32), CLASS_COUNTS: counts}, n, metrics)
 
 
+def encode_dp_prototype_reply(sums: np.ndarray, counts: np.ndarray, count_std: float,
+                              metrics: Mapping[str, Any] | None = None, num_examples: int = 1) -> RecordDict:
+    """Client side, ``dp-mode = payload``: what the mechanism released (noisy sums and counts of all
+    classes) and the count noise's std; ``num_examples`` should itself come from the noisy counts."""
+    return reply_content({PROTO_SUMS: np.asarray(sums, dtype=np.float32),
+                          NOISY_COUNTS: np.asarray(counts, dtype=np.float32),
+                          COUNT_NOISE_STD: np.array([count_std], dtype=np.float32)}, num_examples, metrics)
+
+
+def divide_release(sums: np.ndarray, counts: np.ndarray, count_std: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(prototypes C×d float32, weights C float64)`` from a DP release: sum / count where the noisy
+    count is at least ``max(1, DP_HELD_STDS × count_std)``, weight = that count; elsewhere 0 and 0."""
+    counts = np.asarray(counts, dtype=np.float64)
+    held = counts >= max(1.0, DP_HELD_STDS * float(count_std))
+    protos = np.zeros(np.shape(sums), dtype=np.float64)
+    protos[held] = np.asarray(sums, dtype=np.float64)[held] / counts[held, None]
+    return protos.astype(np.float32), np.where(held, counts, 0.0)
+
+
+def _decode_dp_reply(record: Any, num_classes: int, embed_dim: int,
+                     max_count: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+    specs = [ArraySpec(PROTO_SUMS, (num_classes, embed_dim), "float32", max_abs=MAX_PROTOTYPE_ABS),
+             ArraySpec(NOISY_COUNTS, (num_classes,), "float32", max_abs=float(max_count)),
+             ArraySpec(COUNT_NOISE_STD, (1,), "float32", nonnegative=True, max_value=float(max_count))]
+    arrays, reason = decode_record(record, specs)
+    if arrays is None:
+        return None, reason
+    std = float(arrays[COUNT_NOISE_STD][0])
+    if std <= 0:
+        return None, f"'{COUNT_NOISE_STD}': {std} is not > 0"
+    return divide_release(arrays[PROTO_SUMS], arrays[NOISY_COUNTS], std), None
+
+
 # Embeddings far beyond this make squared distances (losses, CPA's margin) overflow float32 on every
 # client once averaged in: one client could break everyone's training.
 MAX_PROTOTYPE_ABS = 1e6
@@ -82,7 +128,10 @@ def decode_prototype_reply(record: Any, num_classes: int, embed_dim: int,
                            max_count: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
     """Server side: ``((protos, counts), None)`` or ``(None, reason)``; nothing decoded before the
     metadata checks pass. Prototypes of held classes must be finite and within ``MAX_PROTOTYPE_ABS``;
-    counts within ``max_count``."""
+    counts within ``max_count``. A ``dp-mode = payload`` reply (noisy sums and counts) comes back in the
+    same form, divided (:func:`divide_release`), with float counts as weights."""
+    if isinstance(record, ArrayRecord) and PROTO_SUMS in record:
+        return _decode_dp_reply(record, num_classes, embed_dim, max_count)
     specs = [ArraySpec(PROTOTYPES, (num_classes, embed_dim), "float32", finite=False, max_abs=MAX_PROTOTYPE_ABS),
              ArraySpec(CLASS_COUNTS, (num_classes,), "int64", nonnegative=True, max_value=max_count)]
     arrays, reason = decode_record(record, specs)

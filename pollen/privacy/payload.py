@@ -1,0 +1,55 @@
+"""``dp-mode = payload`` on one client: the mechanism each family calls once, where it builds its
+reply, with the budget check and the ledger around it. No torch: callers pass numpy arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import numpy as np
+
+from pollen.privacy.accounting import Release
+from pollen.privacy.budget import Budget, ValueStore
+from pollen.privacy.config import PrivacyConfig
+from pollen.privacy.mechanisms import PrototypeRelease, release_prototypes, release_update, secure_rng
+
+
+class PayloadPrivacy:
+    """σ for the run's planned releases (given, or calibrated to the target ε), the client's ledger in
+    ``store``, and one method per payload kind that releases, composes and reports ε."""
+
+    def __init__(self, config: PrivacyConfig, planned_releases: int, store: ValueStore, who: str):
+        if config.mode != "payload":
+            raise ValueError(f"PayloadPrivacy needs dp-mode = 'payload', got {config.mode!r}")
+        self.config, self.planned_releases, self.store, self.who = config, planned_releases, store, who
+
+    @functools.cached_property
+    def noise_multiplier(self) -> float:
+        return self.config.payload_noise_multiplier(self.planned_releases)
+
+    @functools.cached_property
+    def budget(self) -> Budget:
+        return Budget(self.store, self.config.delta, self.config.max_epsilon, self.who)
+
+    def _release(self) -> Release:
+        return Release(self.noise_multiplier)
+
+    def check(self) -> None:
+        """Raise :class:`~pollen.privacy.budget.BudgetExhausted` before any work when the next release
+        would pass ``dp-max-epsilon``."""
+        self.budget.check(self._release())
+
+    def prototypes(self, embeddings: np.ndarray, labels: np.ndarray, num_classes: int,
+                   rng: np.random.Generator | None = None) -> tuple[PrototypeRelease, dict[str, float]]:
+        """Noisy per-class sums and counts of all classes, and the round's ``dp-epsilon``/``dp-delta``."""
+        released = release_prototypes(embeddings, labels, num_classes, self.config.clip, self.noise_multiplier,
+                                      rng or secure_rng())
+        return released, self.budget.spend(self._release())
+
+    def update(self, reply: Mapping[str, np.ndarray], broadcast: Mapping[str, np.ndarray],
+               rng: np.random.Generator | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """``broadcast`` + the clipped, noisy update, by name, and the round's ε metrics."""
+        released, _norm = release_update(reply, broadcast, self.config.clip, self.noise_multiplier,
+                                         rng or secure_rng())
+        return released, self.budget.spend(self._release())

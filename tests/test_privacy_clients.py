@@ -1,0 +1,155 @@
+"""dp-mode through real ClientApps in this process: off changes nothing, payload releases what the
+mechanism says and reports the ε an independent dp-accounting computation gives, the ledger survives a
+restart, the cap stops a client, and the server turns noisy sums and counts back into prototypes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from dp_accounting.pld import pld_privacy_accountant
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+
+from pollen.app.client_app import app as client_app
+from pollen.app.config import ConfigError, parse_run_config
+from pollen.app.registry import METHODS
+from pollen.app.server_app import main as server_main
+from pollen.privacy import calibrate_noise_multiplier
+from pollen.protocol import prototypes as proto_protocol
+from tests.inprocess import InProcessGrid, clientapp_node, set_task_identity
+
+torch.set_num_threads(1)
+
+UCI = {"task": "uci-dirichlet", "max-train-samples": 48, "batch-size": 8}
+PAYLOAD = {"method": "fedproto", **UCI, "dp-mode": "payload", "dp-noise-multiplier": 2.0, "dp-clip": 1.0}
+# SHA-256 of the round-1 train reply of partition 1 of 3 (UCI, 48 samples, batch 8) before dp-mode existed
+REPLY_BEFORE_DP = {"fedproto": "20fc070f19806c1ea36b6778b6fb217bab60e7c629f9b15c73327cd61fa76a54",
+                   "fedavg": "e63429f52ce658a799e8da317168c30f01eb423037e255dd9d54e29a71916cc4"}
+
+
+def train_message(server_round: int, arrays: ArrayRecord | None = None, node_id: int = 101) -> Message:
+    set_task_identity()
+    content = RecordDict({"arrays": arrays or ArrayRecord(), "config": ConfigRecord({"server-round": server_round})})
+    return Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+
+
+def digest(reply: Message) -> str:
+    h = hashlib.sha256()
+    for key, array in sorted(reply.content["arrays"].items()):
+        h.update(key.encode())
+        h.update(array.dtype.encode())
+        h.update(bytes(array.data))
+    return h.hexdigest()
+
+
+def independent_epsilon(sigma: float, releases: int, delta: float = 1e-5) -> float:
+    accountant = pld_privacy_accountant.PLDAccountant()
+    accountant.compose(dp_accounting.GaussianDpEvent(sigma), releases)
+    return accountant.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("method", ["fedproto", "fedavg"])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_dp_off_leaves_the_encoded_reply_bit_identical(method, explicit):
+    rc = {"method": method, **UCI, **({"dp-mode": "off"} if explicit else {})}
+    arrays = METHODS[method].initial_arrays(parse_run_config(rc))
+    reply = clientapp_node(client_app, rc, 1, 3)(train_message(1, arrays))
+    assert not reply.has_error(), reply.error
+    assert digest(reply) == REPLY_BEFORE_DP[method]
+    assert "dp-epsilon" not in reply.content["metrics"]
+
+
+def test_payload_prototypes_release_noisy_sums_and_counts_and_report_epsilon(tmp_path):
+    node = clientapp_node(client_app, PAYLOAD, 1, 3, state_dir=str(tmp_path))
+    for server_round in (1, 2, 3):
+        reply = node(train_message(server_round))
+        assert not reply.has_error(), reply.error
+        arrays, metrics = reply.content["arrays"], reply.content["metrics"]
+        assert sorted(arrays) == ["count-noise-std", "noisy-counts", "proto-sums"]
+        assert arrays["proto-sums"].shape == (10, 50) and arrays["noisy-counts"].dtype == "float32"
+        assert metrics["dp-epsilon"] == pytest.approx(independent_epsilon(2.0, server_round), rel=1e-3)
+        assert metrics["dp-delta"] == 1e-5
+        assert not {"train-loss", "loss-ce", "lambda", "mi"} & set(metrics)  # nothing computed from the data
+    counts = arrays["noisy-counts"].numpy()
+    assert float(arrays["count-noise-std"].numpy()[0]) == pytest.approx(2.0 * np.sqrt(2))
+    assert (counts != np.round(counts)).all()  # every class noisy, held or not
+    assert metrics["num-examples"] == max(1, round(float(counts.astype(np.float64).sum())))
+
+
+def test_the_ledger_continues_after_a_restart_to_the_same_epsilon(tmp_path):
+    whole = clientapp_node(client_app, PAYLOAD, 0, 3, node_id=100, state_dir=str(tmp_path / "whole"))
+    eps_whole = [whole(train_message(r, node_id=100)).content["metrics"]["dp-epsilon"] for r in (1, 2, 3)]
+    first = clientapp_node(client_app, PAYLOAD, 0, 3, node_id=100, state_dir=str(tmp_path / "restarted"))
+    for r in (1, 2):
+        first(train_message(r, node_id=100))
+    # a new process: empty context.state, the same state folder on disk
+    again = clientapp_node(client_app, PAYLOAD, 0, 3, node_id=100, state_dir=str(tmp_path / "restarted"))
+    resumed = again(train_message(3, node_id=100)).content["metrics"]["dp-epsilon"]
+    assert resumed == eps_whole[2] and eps_whole[0] < eps_whole[1] < eps_whole[2]
+
+
+def test_a_client_stops_releasing_before_passing_dp_max_epsilon(tmp_path):
+    cap = independent_epsilon(2.0, 2) * 1.001
+    node = clientapp_node(client_app, {**PAYLOAD, "dp-max-epsilon": cap}, 2, 3, node_id=102, state_dir=str(tmp_path))
+    assert not node(train_message(1, node_id=102)).has_error()
+    assert not node(train_message(2, node_id=102)).has_error()
+    third = node(train_message(3, node_id=102))
+    assert third.has_error()
+    assert "partition 2 stops releasing: after 2 release(s)" in third.error.reason
+    assert "dp-max-epsilon" in third.error.reason
+
+
+def test_target_epsilon_calibrates_sigma_for_the_planned_rounds(tmp_path):
+    rc = {**PAYLOAD, "dp-noise-multiplier": 0.0, "dp-target-epsilon": 3.0, "num-server-rounds": 4}
+    node = clientapp_node(client_app, rc, 1, 3, state_dir=str(tmp_path))
+    eps = [node(train_message(r)).content["metrics"]["dp-epsilon"] for r in (1, 2, 3, 4)]
+    sigma = calibrate_noise_multiplier(3.0, 1e-5, 4)
+    assert eps[-1] == pytest.approx(independent_epsilon(sigma, 4), rel=1e-3)
+    assert 3.0 * 0.99 < eps[-1] <= 3.0 * (1 + 1e-6)
+
+
+def test_the_server_divides_noisy_sums_by_noisy_counts():
+    rng = np.random.default_rng(0)
+    sums, counts = rng.normal(size=(4, 3)).astype(np.float32), np.array([40.0, 2.5, -3.0, 9.0], np.float32)
+    record = proto_protocol.encode_dp_prototype_reply(sums, counts, 2.0, {}, 48)["arrays"]
+    (protos, weights), reason = proto_protocol.decode_prototype_reply(record, 4, 3, max_count=1000)
+    assert reason is None
+    held = np.array([True, False, False, True])  # noisy count >= 3 stds = 6
+    np.testing.assert_allclose(protos[held], sums[held] / counts[held, None], rtol=1e-6)
+    assert (protos[~held] == 0).all() and weights.tolist() == [40.0, 0.0, 0.0, 9.0]
+    bad = proto_protocol.encode_dp_prototype_reply(sums, counts, 0.0, {}, 48)["arrays"]
+    assert "'count-noise-std': 0.0 is not > 0" in proto_protocol.decode_prototype_reply(bad, 4, 3, 1000)[1]
+    nan = proto_protocol.encode_dp_prototype_reply(sums * np.nan, counts, 2.0, {}, 48)["arrays"]
+    assert "'proto-sums'" in proto_protocol.decode_prototype_reply(nan, 4, 3, 1000)[1]
+    huge = proto_protocol.encode_dp_prototype_reply(sums, counts * 1e6, 2.0, {}, 48)["arrays"]
+    assert "'noisy-counts'" in proto_protocol.decode_prototype_reply(huge, 4, 3, 1000)[1]
+
+
+def test_a_payload_run_aggregates_and_records_epsilon_per_client(tmp_path):
+    """The whole ServerApp and three real ClientApps in this process, two rounds: the strategy accepts
+    the noisy replies, builds global prototypes, and metrics.jsonl carries each client's ε."""
+    rc = {**PAYLOAD, "dp-noise-multiplier": 0.5, "num-server-rounds": 2, "out-dir": str(tmp_path / "runs"),
+          "fraction-evaluate": 0.0}
+    nodes = {100 + p: clientapp_node(client_app, rc, p, 3, state_dir=str(tmp_path / f"p{p}")) for p in range(3)}
+    server_main(InProcessGrid(nodes), Context(run_id=9, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
+    run = tmp_path / "runs" / "9"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2]
+    for record in records:
+        clients = record["fit-clients"]
+        assert sorted(clients) == ["partition 0", "partition 1", "partition 2"] and record["accepted"] == 3
+        expected = independent_epsilon(0.5, record["round"])
+        assert all(c["dp-epsilon"] == pytest.approx(expected, rel=1e-3) for c in clients.values()), clients
+        assert record["fit"]["classes-present"] >= 1
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+def test_payload_mode_is_refused_where_it_is_not_wired():
+    with pytest.raises(ConfigError, match="'dp-mode' = 'payload' is not available for method 'fccl'"):
+        parse_run_config({"method": "fccl", "task": "digits-offline", "dp-mode": "payload", "dp-noise-multiplier": 1.0})
+    with pytest.raises(ConfigError, match="proto-local-protos"):
+        parse_run_config({**PAYLOAD, "proto-local-protos": "training"})

@@ -31,6 +31,7 @@ except ModuleNotFoundError:  # Python 3.10
 EXTERNAL = Path(__file__).resolve().parent / "external"
 PROJECTS = sorted(p.name for p in EXTERNAL.iterdir() if (p / "pyproject.toml").is_file())
 NODES, ROUNDS = 3, 2
+HOSTILE_ROUNDS = 3  # the hostile project's own num-server-rounds: round 3 is the impostor's
 RUN_TIMEOUT_S = 600
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -288,7 +289,7 @@ def test_weights_project_matches_an_independent_fedavg(tmp_path):
     assert report["evaluate"]["2"]["accuracy"] > 0.7
 
 
-# --- hostile clients (issue 19): the run completes, every bad reply is rejected with its reason ---------------
+# --- hostile clients (issues 19, 31): the run completes, every bad reply is rejected with its reason ------------
 
 @pytest.fixture(scope="module")
 def hostile_run(tmp_path_factory):
@@ -315,44 +316,52 @@ def test_hostile_clients_are_rejected_with_reasons_and_the_run_completes(hostile
     assert len(r1) == 2, r1
     assert re.fullmatch(r"metric 'num-examples' = 1000000000000000 is above 1e\+07", r1[0]), r1
     assert re.fullmatch(r"metric 'partition-id' = nan is not a finite number", r1[1]), r1
-    # round 2 train: partition 1 claims partition 0 (served by the honest node), partition 2 pads 'w' to 50 MB
-    honest_node = report["node-of-partition"]["0"]
+    # round 2 train: partition 2 pads 'w' to 50 MB; partition 1 sends 3e38 everywhere (finite float32), unclaimed
     r2 = reasons("2", "train")
     assert len(r2) == 2, r2
     assert r2[0] == f"'w': {50_000_000 + 144} bytes for a 4 float32 array", r2
-    assert r2[1] == f"partition 0 is already served by node {honest_node}", r2
+    assert re.fullmatch(r"update norm [0-9.]+e\+38 is .* above the bound max-update-norm = 10000", r2[1]), r2
     assert reps["2"]["bytes_up"] > int(cfg["oversize-bytes"])  # the padded reply really crossed the wire
-    # evaluate, both rounds: partition 1's NaN loss
-    for rnd in ("1", "2"):
-        assert reasons(rnd, "evaluate") == ["metric 'loss' = nan is not a finite number"]
+    # round 3: partition 1's node claims partition 0, which the honest node serves: neither is trusted
+    (quarantine,) = reps["3"]["quarantined"]
+    assert quarantine["partition"] == 0 and len(set(quarantine["nodes"])) == 2
+    honest_or_impostor = [str(n) for n in quarantine["nodes"]]
+    assert report["node-of-partition"] == {"2": report["node-of-partition"]["2"]}  # partition 0: nobody's
+    assert report["node-of-partition"]["2"] not in honest_or_impostor
+    r3 = reasons("3", "train")
+    assert len(r3) == 2 and all(r.startswith(f"partition 0 is quarantined: nodes {quarantine['nodes']}")
+                                for r in r3), r3
+    assert rejected_clients("3", "train") == {"partition 0"}  # neither recorded as the partition's values
+    for rnd, fit, evaluated in (("1", "partition 0", ["partition 0", "partition 2"]),
+                                ("2", "partition 0", ["partition 0", "partition 2"]),
+                                ("3", "partition 2", ["partition 2"])):
         assert reps[rnd]["failures"] == []
         assert reps[rnd]["accepted"] == 1
-        assert sorted(reps[rnd]["fit_clients"]) == ["partition 0"]
-        assert sorted(reps[rnd]["evaluate_clients"]) == ["partition 0", "partition 2"]
+        assert sorted(reps[rnd]["fit_clients"]) == [fit]
+        assert sorted(reps[rnd]["evaluate_clients"]) == evaluated
         train = report["train"][rnd]
         assert (train["accepted"], train["rejected"], train["failures"]) == (1, 2, 0)
         assert np.isfinite(report["evaluate"][rnd]["loss"])
-    # partition 1 never passed screening, so it never got bound; the same node sent the huge count, the
-    # duplicate claim and the NaN losses
-    assert sorted(report["node-of-partition"]) == ["0", "2"]
-    assert len(rejected_clients("1", "evaluate") | rejected_clients("2", "evaluate")
-               | {r["client"] for r in reps["2"]["rejected"] if "already served" in r["reason"]}
-               | {r["client"] for r in reps["1"]["rejected"] if "num-examples" in r["reason"]}) == 1
+        # evaluate: partition 1's NaN loss every round; in round 3 the honest node is quarantined too
+        want = ["metric 'loss' = nan is not a finite number"]
+        got = reasons(rnd, "evaluate")
+        assert got == want if rnd != "3" else (len(got) == 2 and want[0] in got), got
 
-    # the honest client alone was aggregated: the global model is its own two rounds of training
+    # the honest client alone was aggregated in rounds 1-2, partition 2 alone in round 3
     model = _load("hostile_project", "model")
     state = model.initial_state(int(cfg["num-features"]))
-    for _ in range(ROUNDS):
-        x, y = model.partition(int(cfg["data-seed"]), 0, 0, int(cfg["num-features"]))
+    for pid in (0, 0, 2):
+        x, y = model.partition(int(cfg["data-seed"]), pid, 0, int(cfg["num-features"]))
         state = model.local_train(state, x, y, int(cfg["local-steps"]), float(cfg["lr"]))
     assert set(report["arrays"]) == set(state)
-    for key, want in state.items():
-        np.testing.assert_allclose(_array(report["arrays"][key]), want, atol=1e-6)
+    for key, want_state in state.items():
+        np.testing.assert_allclose(_array(report["arrays"][key]), want_state, atol=1e-6)
 
     log = ANSI.sub("", outcome.log)
-    for rnd, stage in (("1", "train"), ("2", "train"), ("1", "evaluate"), ("2", "evaluate")):
+    for rnd, stage in [(str(r), st) for r in range(1, HOSTILE_ROUNDS + 1) for st in ("train", "evaluate")]:
         for reason in reasons(rnd, stage):
             assert f"round {rnd} {stage}: rejected reply from" in log and reason in log, reason
+    assert f"round 3: partition 0 is claimed by nodes {quarantine['nodes']}: quarantined" in log
 
 
 @pytest.mark.e2e

@@ -1,10 +1,13 @@
 """ClientApp: partition 0 is honest; partitions 1 and 2 send one kind of bad reply per round.
 
-| partition | train round 1 | train round 2 | evaluate (every round) |
-|---|---|---|---|
-| 0 | honest | honest | honest |
-| 1 | ``num-examples`` = 10**15 | claims ``partition-id`` 0 (duplicate) | ``loss`` = NaN |
-| 2 | ``partition-id`` = NaN | ``w`` right dtype/shape, ~50 MB of bytes | honest |
+| partition | train round 1 | train round 2 | train round 3 | evaluate (every round) |
+|---|---|---|---|---|
+| 0 | honest | honest | honest | honest |
+| 1 | ``num-examples`` = 10**15 | ``w`` = 3e38 (finite float32, right shape), no ``partition-id`` | claims ``partition-id`` 0 (impostor) | ``loss`` = NaN |
+| 2 | ``partition-id`` = NaN | ``w`` right dtype/shape, ~50 MB of bytes | honest | honest |
+
+Round 3's impostor makes partition 0 claimed by two nodes: neither is trusted, so the honest node's
+replies are refused too (quarantine) and round 3 aggregates partition 2 alone.
 
 Scenario ``all-bad``: every client sends its trained state as float64 (the contract says float32).
 """
@@ -40,11 +43,13 @@ def train(msg: Message, context: Context) -> Message:
         new = {k: v.astype(np.float64) for k, v in new.items()}
     elif pid == 1 and rnd == 1:
         n = 10**15
+    elif pid == 1 and rnd == 2:  # no claim yet: its first valid claim will be the impostor's
+        new, metrics = {k: np.full_like(v, 3e38) for k, v in new.items()}, {}
     elif pid == 1:
         metrics["partition-id"] = 0
     elif pid == 2 and rnd == 1:
         metrics["partition-id"] = float("nan")
-    elif pid == 2:
+    elif pid == 2 and rnd == 2:
         good = ArrayRecord({k: Array(v) for k, v in new.items()})
         honest = good[WEIGHT]
         good[WEIGHT] = Array(dtype=honest.dtype, shape=honest.shape, stype=honest.stype,

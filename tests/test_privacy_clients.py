@@ -153,3 +153,56 @@ def test_payload_mode_is_refused_where_it_is_not_wired():
         parse_run_config({"method": "fccl", "task": "digits-offline", "dp-mode": "payload", "dp-noise-multiplier": 1.0})
     with pytest.raises(ConfigError, match="proto-local-protos"):
         parse_run_config({**PAYLOAD, "proto-local-protos": "training"})
+
+
+WEIGHTS = {"method": "fedavg", **UCI, "dp-mode": "payload", "avg-weighting": "uniform", "dp-noise-multiplier": 1.0}
+
+
+def weights_reply(rc: dict, tmp_path, name: str) -> tuple[Message, ArrayRecord]:
+    broadcast = METHODS["fedavg"].initial_arrays(parse_run_config(rc))
+    reply = clientapp_node(client_app, rc, 1, 3, state_dir=str(tmp_path / name))(train_message(1, broadcast))
+    assert not reply.has_error(), reply.error
+    return reply, broadcast
+
+
+class NoNoise:
+    """Stands in for the secure generator so the clipping can be checked exactly (the ledger still
+    composes the configured σ)."""
+
+    def normal(self, loc, scale, size):
+        return np.zeros(size)
+
+
+def test_payload_weights_release_the_broadcast_plus_a_clipped_noisy_update(tmp_path, monkeypatch):
+    off, broadcast = weights_reply({"method": "fedavg", **UCI}, tmp_path, "off")
+    with monkeypatch.context() as patch:
+        patch.setattr("pollen.privacy.payload.secure_rng", NoNoise)
+        # a clip above the update's norm: the release is the trained model
+        loose, _ = weights_reply({**WEIGHTS, "dp-clip": 1e4}, tmp_path, "loose")
+        for key, array in off.content["arrays"].items():
+            np.testing.assert_allclose(loose.content["arrays"][key].numpy(), array.numpy(), atol=1e-6)
+        # a small clip: the float update is cut to norm clip, in the trained direction
+        tight, _ = weights_reply({**WEIGHTS, "dp-clip": 0.05}, tmp_path, "tight")
+    floats = [k for k, b in broadcast.items() if b.numpy().dtype.kind == "f"]
+    cut = np.concatenate([tight.content["arrays"][k].numpy().astype(np.float64).ravel()
+                          - broadcast[k].numpy().ravel() for k in floats])
+    full = np.concatenate([off.content["arrays"][k].numpy().astype(np.float64).ravel()
+                           - broadcast[k].numpy().ravel() for k in floats])
+    assert np.linalg.norm(full) > 0.05 and np.linalg.norm(cut) == pytest.approx(0.05, rel=1e-4)
+    np.testing.assert_allclose(cut, full * 0.05 / np.linalg.norm(full), atol=1e-6)
+    # the noise: std σ·clip on every float entry; integer entries come back as broadcast
+    noisy, _ = weights_reply({**WEIGHTS, "dp-clip": 0.01, "dp-noise-multiplier": 1.0}, tmp_path, "noisy")
+    noise = np.concatenate([(noisy.content["arrays"][k].numpy().astype(np.float64) - b.numpy()).ravel()
+                            for k, b in broadcast.items() if b.numpy().dtype.kind == "f"])
+    assert noise.size > 5000 and noise.std() == pytest.approx(0.01, rel=0.05)
+    for key, b in broadcast.items():
+        if b.numpy().dtype.kind != "f":
+            np.testing.assert_array_equal(noisy.content["arrays"][key].numpy(), b.numpy())
+    metrics = noisy.content["metrics"]
+    assert metrics["num-examples"] == 1 and "train-loss" not in metrics
+    assert metrics["dp-epsilon"] == pytest.approx(independent_epsilon(1.0, 1), rel=1e-3)
+
+
+def test_payload_weights_need_uniform_averaging():
+    with pytest.raises(ConfigError, match="'avg-weighting' = 'samples'.*set avg-weighting = 'uniform'"):
+        parse_run_config({**WEIGHTS, "avg-weighting": "samples"})

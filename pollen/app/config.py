@@ -311,7 +311,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
 
 DP_KEYS = ("dp-mode", "dp-clip", "dp-noise-multiplier", "dp-target-epsilon", "dp-delta", "dp-max-epsilon")
 # The method families each private mode is wired into (docs/privacy.md); others are refused by name.
-DP_FAMILIES = {"payload": ("prototypes",), "sample": ()}
+DP_FAMILIES = {"payload": ("prototypes", "weights"), "sample": ()}
 
 
 def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
@@ -333,6 +333,9 @@ def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
         supported = sorted(m for m, spec in METHODS.items() if spec.family in DP_FAMILIES[cfg.dp_mode])
         raise ConfigError(f"run config key 'dp-mode' = {cfg.dp_mode!r} is not available for method {cfg.method!r} "
                           f"(family {family!r}); it is for: {', '.join(supported) or 'no method yet'}")
+    if family == "weights" and cfg.avg_weighting != "uniform":
+        raise ConfigError(f"run config key 'avg-weighting' = {cfg.avg_weighting!r} weights clients by their sample "
+                          f"counts, which dp-mode = {cfg.dp_mode!r} does not release: set avg-weighting = 'uniform'")
     if family == "prototypes" and cfg.extra.get("proto-local-protos") == "training":
         raise ConfigError("run config key 'proto-local-protos' = 'training' releases training-time features, but "
                           "dp-mode = 'payload' clips the embeddings of a pass after training: set "

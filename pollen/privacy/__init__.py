@@ -6,7 +6,7 @@ Everything here is numpy (and ``dp-accounting``); no torch, so the strategies an
 use it without a training stack.
 """
 
-from pollen.privacy.accounting import Ledger, Release, calibrate_noise_multiplier, pld_epsilon, rdp_epsilon
+from pollen.privacy.accounting import Ledger, Release, calibrate_noise_multiplier, composed_epsilon, rdp_epsilon
 from pollen.privacy.budget import DELTA, EPSILON, Budget, BudgetExhausted
 from pollen.privacy.clipping import clip_rows, clip_update
 from pollen.privacy.config import MODES, PrivacyConfig
@@ -21,4 +21,4 @@ from pollen.privacy.payload import PayloadPrivacy
 
 __all__ = ["DELTA", "EPSILON", "MODES", "Budget", "BudgetExhausted", "Ledger", "PayloadPrivacy", "PrivacyConfig",
            "PrototypeRelease", "Release", "calibrate_noise_multiplier", "clip_rows", "clip_update", "gaussian_noise",
-           "pld_epsilon", "rdp_epsilon", "release_prototypes", "release_update", "secure_rng"]
+           "composed_epsilon", "rdp_epsilon", "release_prototypes", "release_update", "secure_rng"]

@@ -1,9 +1,11 @@
 """The per-client ε ledger and noise calibration, on Google's ``dp-accounting``.
 
-Why PLD with an RDP cross-check: the privacy-loss-distribution accountant gives the tightest ε that
-``dp-accounting`` can certify for compositions of (subsampled) Gaussian mechanisms; RDP is a looser
-but independent bound, so a PLD ε above RDP's signals a bug. Flower's ``RdpAccountant`` would give
-only the looser bound.
+How ε is computed: releases on all of a client's data (``dp-mode = payload``) are Gaussian mechanisms,
+and Gaussians compose into one Gaussian, whose ε at δ ``dp-accounting`` computes exactly (the analytic
+Gaussian mechanism) in a millisecond. Once a release is Poisson-subsampled (DP-SGD), the
+privacy-loss-distribution (PLD) accountant gives the tightest ε ``dp-accounting`` can certify. RDP is
+a looser but independent bound, the cross-check: an ε above RDP's signals a bug. Flower's
+``RdpAccountant`` would give only that looser bound.
 
 A ledger stores its releases, not an accountant object: run-length ``(noise multiplier, sampling
 probability, count)`` triples, a few numbers per client. ε is recomputed from them, so a ledger
@@ -64,22 +66,27 @@ def _full_gaussian_sigma(releases: Iterable[Release]) -> float | None:
     return 1.0 / math.sqrt(inverse) if inverse > 0 else None
 
 
-def pld_epsilon(releases: Iterable[Release], delta: float) -> float:
-    """ε at ``delta`` of all ``releases`` composed, by the PLD accountant (0 for none)."""
-    from dp_accounting import GaussianDpEvent
+def composed_epsilon(releases: Iterable[Release], delta: float) -> float:
+    """ε at ``delta`` of all ``releases`` composed (0 for none): exact for Gaussians on all the data,
+    by the PLD accountant once any release is subsampled."""
+    from dp_accounting import GaussianDpEvent, gaussian_mechanism
     from dp_accounting.pld import pld_privacy_accountant
 
     releases = list(releases)
-    if not releases:
-        return 0.0
-    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
     sigma = _full_gaussian_sigma(releases)
+    sampled = [r for r in releases if r.sampling_probability < 1.0]
+    if not sampled:
+        return 0.0 if sigma is None else float(gaussian_mechanism.get_epsilon_gaussian(sigma, delta))
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
     if sigma is not None:
         accountant.compose(GaussianDpEvent(sigma))
-    for r in releases:
-        if r.sampling_probability < 1.0:
-            accountant.compose(r.event())
-    return max(0.0, float(accountant.get_epsilon(delta)))
+    for r in sampled:
+        accountant.compose(r.event())
+    try:
+        return max(0.0, float(accountant.get_epsilon(delta)))
+    except ValueError as err:  # the loss distribution outgrew the accountant's grid: ε in the hundreds
+        raise ValueError(f"epsilon of these releases is too large to account ({err}): raise the noise "
+                         "multiplier") from err
 
 
 def rdp_epsilon(releases: Iterable[Release], delta: float) -> float:
@@ -122,14 +129,14 @@ class Ledger:
         return sum(r.count for r in self.releases)
 
     def epsilon(self) -> float:
-        return pld_epsilon(self.releases, self.delta)
+        return composed_epsilon(self.releases, self.delta)
 
     def epsilon_rdp(self) -> float:
         return rdp_epsilon(self.releases, self.delta)
 
     def epsilon_after(self, release: Release) -> float:
         """ε if ``release`` were composed next; the ledger is unchanged."""
-        return pld_epsilon([*self.releases, release], self.delta)
+        return composed_epsilon([*self.releases, release], self.delta)
 
     def to_dict(self) -> dict[str, Any]:
         """A small JSON-able dict (the node's persisted state keeps it)."""
@@ -153,7 +160,7 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: in
                                sampling_probability: float = 1.0, steps_per_release: int = 1,
                                rtol: float = 1e-3) -> float:
     """The smallest noise multiplier (to ``rtol``) whose ``releases`` × ``steps_per_release``
-    compositions stay within ``target_epsilon`` at ``delta``: bisection on log σ over the PLD accountant.
+    compositions stay within ``target_epsilon`` at ``delta``: bisection on log σ over :func:`composed_epsilon`.
 
     ε falls as σ grows, so the bracket [lo, hi] keeps ε(lo) > target >= ε(hi) and the answer is hi:
     never above the target.
@@ -165,7 +172,7 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: in
         raise ValueError(f"releases and steps per release must be >= 1, got {releases} and {steps_per_release}")
 
     def eps(sigma: float) -> float:
-        return pld_epsilon([Release(sigma, sampling_probability, releases * steps_per_release)], delta)
+        return composed_epsilon([Release(sigma, sampling_probability, releases * steps_per_release)], delta)
 
     lo, hi = 0.05, 1.0
     while eps(hi) > target_epsilon:

@@ -175,10 +175,11 @@ def _smoke_launch(text: str, out_dir: Path) -> str:
     text = re.sub(r"\s--num-supernodes\s+(\d+)", lambda m: m[0] if int(m[1]) <= 5 else "", text)
     found = RUN_CONFIG_OPTION.search(text)
     values = parse_run_config(found[1]) if found else {}
-    # a resumed run keeps its saved config (only rounds, paths and device may change)
-    smoke = values if "--resume" in text.split() else _smoke(values)
+    # a resumed run keeps its saved config (only rounds, paths and device may change) and its own folder
+    resumed = "--resume" in text.split()
+    smoke = values if resumed else _smoke(values)
     text = RUN_CONFIG_OPTION.sub("", text).rstrip()
-    return f"{text} --out-dir {out_dir} --run-config \"{format_run_config(smoke)}\""
+    return f"{text}{'' if resumed else f' --out-dir {out_dir}'} --run-config \"{format_run_config(smoke)}\""
 
 
 def _smoke_make(text: str, out_dir: Path) -> str:

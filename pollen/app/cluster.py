@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pollen.app.launch import LaunchConfigError
-
 # Ray rewrites 127.0.0.1 to the machine's interface address unless this is 0 (on Linux it defaults to 1);
 # every process of a loopback cluster (nodes, launcher, probes) needs it.
 LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -42,8 +40,9 @@ CLIENT_ACTOR = "ClientAppActor"
 PLACEMENT_FILE = "cluster.json"
 
 
-class ClusterUnfit(LaunchConfigError):
-    """The Ray cluster cannot be reached or cannot hold one client: nothing was started (exit 2)."""
+class ClusterUnfit(ValueError):
+    """The Ray cluster cannot be reached or cannot hold one client: nothing was started (the launcher
+    turns it into its ``LaunchConfigError``, exit 2)."""
 
 
 @dataclass
@@ -187,7 +186,7 @@ def placement(info: ClusterInfo, driver_pids: Sequence[int], timeout: float = PR
             "--known-jobs", ",".join(info.jobs_before)]
     try:
         data = _run_probe(args, info.address, info.source, timeout)
-    except LaunchConfigError as err:
+    except ClusterUnfit as err:
         if echo:
             print(f"[pollen] Ray placement not read: {err}", file=sys.stderr, flush=True)
         return None

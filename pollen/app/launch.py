@@ -861,8 +861,11 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
             try:
                 if ray_address != "local":  # look before attaching: unreachable or too small is exit 2
                     from pollen.app import cluster
-                    cluster_info = cluster.attach(ray_address, source="--ray-address", cpus_per_client=cpus_per_client,
-                                                  gpus_per_client=gpus_per_client, echo=echo)
+                    try:
+                        cluster_info = cluster.attach(ray_address, source="--ray-address", echo=echo,
+                                                      cpus_per_client=cpus_per_client, gpus_per_client=gpus_per_client)
+                    except cluster.ClusterUnfit as err:  # not this module's class when launch runs as __main__
+                        raise LaunchConfigError(str(err)) from None
                 phase = time.monotonic()
                 with superlink(home, simulation=True, tree=tree, ray_address=ray_address) as (conn, port, proc):
                     if echo:

@@ -234,9 +234,10 @@ class PollenStrategy(Strategy):
                 self._register_claim(node, pid)
             verdicts.append((node, pid, reason))
         self._warn_quarantine(server_round)
+        quarantined = self.quarantined()
         for node, pid, reason in verdicts:
             if reason is None and pid is not None:
-                reason = self._check_partition(node, {PARTITION_ID: pid})
+                reason = self._check_partition(node, {PARTITION_ID: pid}, quarantined)
             if reason is not None or pid is None:
                 self.reject(server_round, "query", self.label(node), reason or "no partition id")
 
@@ -380,8 +381,10 @@ class PollenStrategy(Strategy):
             LOGGER.warning("round %d: partition %d is claimed by nodes %s: quarantined, none of them is trusted "
                            "(pin the partition to its node with partition-pins)", server_round, pid, nodes)
 
-    def _check_partition(self, node_id: int, metrics: dict[str, Any]) -> str | None:
-        """Why this node's reply may not count for the partition it claims (or claimed before)."""
+    def _check_partition(self, node_id: int, metrics: dict[str, Any],
+                         quarantined: dict[int, list[int]] | None = None) -> str | None:
+        """Why this node's reply may not count for the partition it claims (or claimed before).
+        ``quarantined``: :meth:`quarantined`, computed once per batch of replies by the caller."""
         claimed = self.partition_of.get(node_id)
         target = claimed
         if PARTITION_ID in metrics:
@@ -395,7 +398,9 @@ class PollenStrategy(Strategy):
             if reason is not None:
                 return reason
             target = pid
-        nodes = self.quarantined().get(target) if target is not None else None
+        if quarantined is None:
+            quarantined = self.quarantined()
+        nodes = quarantined.get(target) if target is not None else None
         if nodes:
             return (f"partition {target} is quarantined: nodes {nodes} all claim it, so none is trusted "
                     f"(this is node {node_id}; pin the partition with partition-pins)")
@@ -427,6 +432,7 @@ class PollenStrategy(Strategy):
                     and check_accuracy_keys(rec) is None:  # the metrics pass: a well-formed whole number
                 self._register_claim(node, int(claim))
         self._warn_quarantine(server_round)
+        quarantined = self.quarantined()
         accepted: list[Accepted] = []
         seen: set[int] = set()
         for msg in good:
@@ -444,7 +450,7 @@ class PollenStrategy(Strategy):
             reason = check_metrics(metrics_rec, bounds) or check_accuracy_keys(metrics_rec)
             metrics = _plain(metrics_rec)
             if reason is None:
-                reason = self._check_partition(node, metrics)
+                reason = self._check_partition(node, metrics, quarantined)
             if reason is None and PARTITION_ID in metrics:  # a consistent claim names the client
                 label = f"partition {int(metrics[PARTITION_ID])}"
             if reason is None:

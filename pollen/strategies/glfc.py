@@ -373,6 +373,7 @@ class IncrementalFedAvg(PollenStrategy):
         active = self.schedule.active_clients(task)
         nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, len(active)))
         self.identify(server_round, grid, nodes)
+        self._prune_claims()  # a claimant that left no longer keeps its partition quarantined
         self._warn_quarantine(server_round)  # a quarantined partition is never sampled: say so every round
         connected = set(nodes)
         candidates = sorted(pid for pid in active if self.node_of.get(pid) in connected)

@@ -14,10 +14,12 @@ import torch
 from dp_accounting.pld import pld_privacy_accountant
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
+from pollen.app.checkpoints import load_records
 from pollen.app.client_app import app as client_app
 from pollen.app.config import ConfigError, parse_run_config
 from pollen.app.registry import METHODS
 from pollen.app.server_app import main as server_main
+from pollen.clients.state import ClientState
 from pollen.privacy import calibrate_noise_multiplier
 from pollen.protocol import prototypes as proto_protocol
 from tests.inprocess import InProcessGrid, clientapp_node, set_task_identity
@@ -149,8 +151,10 @@ def test_a_payload_run_aggregates_and_records_epsilon_per_client(tmp_path):
 
 
 def test_payload_mode_is_refused_where_it_is_not_wired():
-    with pytest.raises(ConfigError, match="'dp-mode' = 'payload' is not available for method 'fccl'"):
-        parse_run_config({"method": "fccl", "task": "digits-offline", "dp-mode": "payload", "dp-noise-multiplier": 1.0})
+    with pytest.raises(ConfigError, match="'dp-mode' = 'payload' is not available for method 'local'"):
+        parse_run_config({"method": "local", **UCI, "dp-mode": "payload", "dp-noise-multiplier": 1.0})
+    with pytest.raises(ConfigError, match="'dp-mode' = 'sample' is not available for method 'fedproto'"):
+        parse_run_config({**PAYLOAD, "dp-mode": "sample"})
     with pytest.raises(ConfigError, match="proto-local-protos"):
         parse_run_config({**PAYLOAD, "proto-local-protos": "training"})
 
@@ -206,3 +210,40 @@ def test_payload_weights_release_the_broadcast_plus_a_clipped_noisy_update(tmp_p
 def test_payload_weights_need_uniform_averaging():
     with pytest.raises(ConfigError, match="'avg-weighting' = 'samples'.*set avg-weighting = 'uniform'"):
         parse_run_config({**WEIGHTS, "avg-weighting": "samples"})
+
+
+TINY_FCCL = {"task": "digits-offline", "model-width": 0.125, "fccl-public": "photo_patches", "fccl-public-size": 40,
+             "fccl-public-batch-size": 20, "fccl-train-sizes": "24,24,24,24", "fccl-solo-epochs": 1,
+             "fccl-local-epochs": "1", "fccl-test-size": 20, "fccl-batch-size": 12}
+
+
+def test_payload_logits_clip_every_row_and_add_noise_over_the_matrix(data_root, tmp_path, monkeypatch):
+    base = {**TINY_FCCL, "method": "fedmd", "data-root": data_root, "fccl-target": "leave-one-out"}
+    private = {**base, "dp-mode": "payload", "dp-noise-multiplier": 1.5, "dp-clip": 0.1}
+    off = clientapp_node(client_app, base, 1, 4, state_dir=str(tmp_path / "off"))(train_message(1))
+    raw = off.content["arrays"]["logits"].numpy().astype(np.float64)
+    assert (np.linalg.norm(raw, axis=1) > 0.1).all()
+    with monkeypatch.context() as patch:
+        patch.setattr("pollen.privacy.payload.secure_rng", NoNoise)
+        cut = clientapp_node(client_app, private, 1, 4, state_dir=str(tmp_path / "cut"))(train_message(1))
+    clipped = cut.content["arrays"]["logits"].numpy()
+    np.testing.assert_allclose(clipped, raw * (0.1 / np.linalg.norm(raw, axis=1))[:, None], rtol=1e-5, atol=1e-6)
+    node = clientapp_node(client_app, private, 1, 4, state_dir=str(tmp_path / "noisy"))
+    noisy = node(train_message(1))
+    noise = noisy.content["arrays"]["logits"].numpy().astype(np.float64) - clipped
+    assert noise.std() == pytest.approx(1.5 * 0.1 * np.sqrt(40), rel=0.1)  # 400 entries: ~4% s.e.
+    metrics = noisy.content["metrics"]
+    assert metrics["num-examples"] == 1 and metrics["dp-epsilon"] == pytest.approx(independent_epsilon(1.5, 1))
+    assert not [k for k in metrics if k.startswith(("solo-", "train-"))]
+    # the client's own logits for the leave-one-out target are what it released, not the clean ones
+    state = RecordDict()
+    assert load_records(tmp_path / "noisy", state)  # the node's persisted context.state
+    stored = ClientState(state).load_arrays("fccl-last-logits")
+    assert stored is not None
+    np.testing.assert_array_equal(stored["logits"], noisy.content["arrays"]["logits"].numpy())
+
+
+def test_payload_refuses_homogeneous_logit_mode():
+    with pytest.raises(ConfigError, match="'fccl-average-weights' = true"):
+        parse_run_config({**TINY_FCCL, "method": "fccl", "dp-mode": "payload", "dp-noise-multiplier": 1.0,
+                          "fccl-average-weights": True})

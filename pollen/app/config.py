@@ -311,7 +311,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
 
 DP_KEYS = ("dp-mode", "dp-clip", "dp-noise-multiplier", "dp-target-epsilon", "dp-delta", "dp-max-epsilon")
 # The method families each private mode is wired into (docs/privacy.md); others are refused by name.
-DP_FAMILIES = {"payload": ("prototypes", "weights"), "sample": ()}
+DP_FAMILIES = {"payload": ("prototypes", "weights", "logits"), "sample": ()}
 
 
 def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
@@ -336,6 +336,9 @@ def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
     if family == "weights" and cfg.avg_weighting != "uniform":
         raise ConfigError(f"run config key 'avg-weighting' = {cfg.avg_weighting!r} weights clients by their sample "
                           f"counts, which dp-mode = {cfg.dp_mode!r} does not release: set avg-weighting = 'uniform'")
+    if family == "logits" and cfg.extra.get("fccl-average-weights"):
+        raise ConfigError("run config key 'fccl-average-weights' = true also sends model weights, which "
+                          "dp-mode = 'payload' does not privatize for the logit family: set it to false")
     if family == "prototypes" and cfg.extra.get("proto-local-protos") == "training":
         raise ConfigError("run config key 'proto-local-protos' = 'training' releases training-time features, but "
                           "dp-mode = 'payload' clips the embeddings of a pass after training: set "

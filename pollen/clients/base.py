@@ -18,6 +18,7 @@ from pollen.clients.state import ClientState
 from pollen.datasets.tasks import ClientData, build_client_data, resolve_task
 from pollen.methods.training import LocalTraining, derive_seed, pick_device, seed_everything
 from pollen.models import SMALL_MODELS, SplitModel, build_model, to_channels_last
+from pollen.privacy.payload import PayloadPrivacy
 
 # Conv backbones are stored channels-last (NHWC): faster training on CPU as well as CUDA, see
 # bench/backbones.py and bench/results/backbones.md. The small nets (SMALL_MODELS) keep the default layout.
@@ -59,6 +60,14 @@ class PollenClient(NumPyClient):
         c = self.cfg
         return LocalTraining(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, momentum=c.momentum,
                              weight_decay=c.weight_decay, proximal_mu=c.fedprox_mu)
+
+    def payload_privacy(self) -> PayloadPrivacy | None:
+        """``dp-mode = payload``: the mechanism and this partition's ledger (in ``context.state``);
+        σ covers ``num-server-rounds`` releases. ``None`` in any other mode."""
+        if self.cfg.dp_mode != "payload":
+            return None
+        return PayloadPrivacy(self.cfg.privacy, self.cfg.num_server_rounds, self.state,
+                              f"partition {self.partition_id}")
 
     def base_metrics(self) -> dict[str, Any]:
         return {"partition-id": self.partition_id}

@@ -66,7 +66,7 @@ class LogitClient(PollenClient):
     def core(self) -> LogitRound:
         return LogitRound(self.recipe, self.settings, self.state, self.data, self.x_public, self.task.num_classes,
                           self.domain_task.top_k, self.device, self.new_model, self.cfg.seed, self.partition_id,
-                          self._solo_cache_path())
+                          self._solo_cache_path(), self.payload_privacy())
 
     def contributed(self, config: dict) -> bool:
         """Are this client's last logits in the consensus? By node (``contributed``) or, after a

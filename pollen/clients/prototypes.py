@@ -22,7 +22,6 @@ from pollen.methods.prototypes import (
 )
 from pollen.methods.settings import from_values
 from pollen.methods.training import derive_seed
-from pollen.privacy.payload import PayloadPrivacy
 
 
 class PrototypeClient(PollenClient):
@@ -43,11 +42,10 @@ class PrototypeClient(PollenClient):
     @functools.cached_property
     def core(self) -> PrototypeRound:
         init_seed = derive_seed(self.cfg.seed, self.partition_id, 0, 0x5052)
-        privacy = (PayloadPrivacy(self.cfg.privacy, self.cfg.num_server_rounds, self.state,
-                                  f"partition {self.partition_id}") if self.cfg.dp_mode == "payload" else None)
         return PrototypeRound(self.method, self.settings, self.local_training(), self.state, self.data,
                               self.task.num_classes, self.device,
-                              lambda: self.new_model(init_seed=init_seed, **self.model_kwargs()), privacy)
+                              lambda: self.new_model(init_seed=init_seed, **self.model_kwargs()),
+                              self.payload_privacy())
 
     def load_model(self):
         return self.core.load_model()

@@ -18,8 +18,7 @@ class WeightClient(PollenClient):
 
     def fit(self, parameters, config):
         server_round = int(config.get("server-round", 0))
-        privacy = (PayloadPrivacy(self.cfg.privacy, self.cfg.num_server_rounds, self.state,
-                                  f"partition {self.partition_id}") if self.cfg.dp_mode == "payload" else None)
+        privacy = self.payload_privacy()
         if privacy is not None:
             privacy.check()  # out of budget: stop before training, saying so
         mu = float(config.get("proximal-mu", 0.0))

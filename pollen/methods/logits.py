@@ -55,6 +55,7 @@ from pollen.methods.training import (
     train_epochs,
 )
 from pollen.models import SplitModel
+from pollen.privacy.payload import PayloadPrivacy
 
 COLLABORATIVE = ("col", "l1", "kl")
 TARGETS = ("mean", "leave-one-out")
@@ -277,11 +278,12 @@ class LogitRound:
     def __init__(self, recipe: Recipe, settings: LogitSettings, store: Any, data: ClientData,
                  x_public: Callable[[], torch.Tensor], num_classes: int, top_k: int, device: torch.device,
                  new_model: Callable[[], SplitModel], seed: int, partition_id: int,
-                 solo_cache_path: str | None = None):
+                 solo_cache_path: str | None = None, privacy: PayloadPrivacy | None = None):
         self.recipe, self.settings, self.store, self.data = recipe, settings, store, data
         self._x_public, self.num_classes, self.top_k, self.device = x_public, num_classes, top_k, device
         self.new_model, self.seed, self.partition_id = new_model, seed, partition_id
         self.solo_cache_path = solo_cache_path
+        self.privacy = privacy  # dp-mode = payload: the logits released are clipped and noisy
 
     @property
     def x_public(self) -> torch.Tensor:
@@ -396,8 +398,15 @@ class LogitRound:
     def fit(self, arrays: list[np.ndarray], server_round: int,
             contributed: bool) -> tuple[list[np.ndarray], int, dict[str, Any]]:
         """Collaborative step towards the consensus (``arrays``: consensus, contributor count[, model
-        state]), local step, then this client's public logits (and model state when averaging)."""
+        state]), local step, then this client's public logits (and model state when averaging).
+
+        Under ``privacy`` the logits are the mechanism's release (kept as this client's own for the
+        leave-one-out target, since that is what the consensus holds) and the metrics say only ε."""
         s = self.settings
+        releases = self.privacy is not None and (self.recipe.collaborative or s.average_weights)
+        if releases:
+            assert self.privacy is not None
+            self.privacy.check()  # out of budget: stop before training, saying so
         net, solo, prev, fresh = self.models()
         metrics: dict[str, Any] = {"domain": self.data.domain}
         if fresh:  # the SOLO row (round 0): the pretrained model before any collaboration
@@ -415,11 +424,14 @@ class LogitRound:
         reply: list[np.ndarray] = []
         if self.recipe.collaborative or s.average_weights:
             logits = self.public_logits(net, server_round)
+            if releases:
+                assert self.privacy is not None
+                logits, metrics = self.privacy.logits(logits)
             self.store.save_arrays(self.LAST, {"logits": logits})
             reply.append(logits)
             if s.average_weights:
                 reply.extend(model_arrays(net))
-        return reply, self.data.num_train, metrics
+        return reply, 1 if releases else self.data.num_train, metrics
 
     def evaluate(self) -> tuple[float, int, dict[str, Any]]:
         net, _, _, _ = self.models()

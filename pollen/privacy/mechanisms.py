@@ -11,6 +11,12 @@ neighbouring relation is add/remove of one *unit* of what the release is compute
   one sum by <= clip and one count by 1), i.e. noise std σ·√2·clip on sums and σ·√2 on counts.
 * weights — the update reply − broadcast, clipped to ``clip`` as one vector; unit: the client's whole
   update (its dataset); Δ = ``clip``.
+* logits — every public-sample row of the N0×C matrix clipped to ``clip``; every row depends on all the
+  client's data, so the unit is its dataset and Δ = ``clip·√N0`` (the matrix's largest Frobenius norm).
+
+For weights and logits Δ is the norm bound of the release: the distance to the release of no data
+(add/remove the client's dataset). Against replacing the dataset by another one, the distance doubles:
+the same noise then gives the guarantee of σ/2.
 """
 
 from __future__ import annotations
@@ -84,3 +90,12 @@ def release_update(reply: Mapping[str, np.ndarray], broadcast: Mapping[str, np.n
     out = {name: np.asarray(broadcast[name], dtype=np.float64) + u + gaussian_noise(u.shape, std, rng)
            for name, u in update.items()}
     return out, norm
+
+
+def release_logits(logits: np.ndarray, clip: float, noise_multiplier: float,
+                   rng: np.random.Generator) -> tuple[np.ndarray, float]:
+    """Rows clipped to ``clip`` plus N(0, (σ·clip·√N0)²) on every entry (float64), and the share of rows
+    the clip cut."""
+    clipped, norms = clip_rows(logits, clip)
+    std = noise_multiplier * clip * np.sqrt(clipped.shape[0])
+    return clipped + gaussian_noise(clipped.shape, std, rng), float((norms > clip).mean()) if norms.size else 0.0

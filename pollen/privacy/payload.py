@@ -12,7 +12,13 @@ import numpy as np
 from pollen.privacy.accounting import Release
 from pollen.privacy.budget import Budget, ValueStore
 from pollen.privacy.config import PrivacyConfig
-from pollen.privacy.mechanisms import PrototypeRelease, release_prototypes, release_update, secure_rng
+from pollen.privacy.mechanisms import (
+    PrototypeRelease,
+    release_logits,
+    release_prototypes,
+    release_update,
+    secure_rng,
+)
 
 
 class PayloadPrivacy:
@@ -53,3 +59,8 @@ class PayloadPrivacy:
         released, _norm = release_update(reply, broadcast, self.config.clip, self.noise_multiplier,
                                          rng or secure_rng())
         return released, self.budget.spend(self._release())
+
+    def logits(self, logits: np.ndarray, rng: np.random.Generator | None = None) -> tuple[np.ndarray, dict[str, float]]:
+        """Public-set logits with rows clipped and noise over the whole matrix, float32, and ε metrics."""
+        released, _clipped = release_logits(logits, self.config.clip, self.noise_multiplier, rng or secure_rng())
+        return released.astype(np.float32), self.budget.spend(self._release())

@@ -850,8 +850,9 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
         where["run_id"] = run_id
         watchdog.run_id(run_id)
         if where["run_dir"] is None and results_root is not None:
-            where["run_dir"] = results_root / str(run_id)
-            watchdog.run_dir(where["run_dir"])
+            found = results_root / str(run_id)
+            where["run_dir"] = found
+            watchdog.run_dir(found)
         if echo:
             print(f"[pollen] run {run_id} submitted; waiting for round 1 (the simulation starts Ray with "
                   f"{num_supernodes} ClientApp actor(s) first)", flush=True)

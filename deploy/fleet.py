@@ -342,9 +342,20 @@ class Fleet:
 
     def partition_pins(self) -> dict[int, int]:
         """``{partition: node id}`` of every registered SuperNode (TLS): the id its registered key was given,
-        for run config ``partition-pins`` — then no other node can serve that partition."""
-        return {int(n.spec.config["partition-id"]): n.registered_id for n in self.supernodes
-                if n.registered_id is not None}
+        for run config ``partition-pins`` — then no other node can serve that partition. Two registered
+        nodes configured with one partition are refused by name: which of them to trust is the operator's
+        call."""
+        pins: dict[int, int] = {}
+        names: dict[int, str] = {}
+        for node in self.supernodes:
+            if node.registered_id is None or "partition-id" not in node.spec.config:
+                continue
+            pid = int(node.spec.config["partition-id"])
+            if pid in pins:
+                raise ConfigError(f"partition {pid} is configured on two registered SuperNodes ({names[pid]} and "
+                                  f"{node.spec.name}): pin it by hand with run config partition-pins")
+            pins[pid], names[pid] = node.registered_id, node.spec.name
+        return pins
 
     def add_supernode(self, spec: NodeSpec, *, register: bool = True) -> SuperNode:
         """Start one SuperNode; with TLS, write its key pair and (unless ``register=False``) register it."""

@@ -367,10 +367,15 @@ def test_glfc_aggregates_robustly_when_asked():
 
 def test_the_fleet_pins_each_partition_to_its_registered_node(tmp_path, capsys):
     from deploy.fleet import EXIT_USAGE, Fleet, NodeSpec, SuperNode, main
+    from pollen.app.config import ConfigError
 
     fleet = Fleet(tmp_path, tls=True, echo=False)
     fleet.supernodes = [SuperNode(NodeSpec(f"supernode_{i}", {"partition-id": i, "num-partitions": 2}), None,
                                   tmp_path / "log", None, node) for i, node in enumerate((4312, 9876))]
     assert format_partition_pins(fleet.partition_pins()) == "0:4312,1:9876"
+    fleet.supernodes.append(SuperNode(NodeSpec("impostor", {"partition-id": 0}), None, tmp_path / "log", None, 555))
+    with pytest.raises(ConfigError, match=r"partition 0 is configured on two registered SuperNodes \(supernode_0 "
+                                          r"and impostor\)"):
+        fleet.partition_pins()
     assert main(["--pin-partitions", "--num-supernodes", "2"]) == EXIT_USAGE
     assert "--pin-partitions pins partitions to registered node keys: add --tls" in capsys.readouterr().err

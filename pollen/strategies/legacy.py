@@ -196,6 +196,14 @@ class RejectionLog:
         return accepted
 
 
+def sample_clients(client_manager: ClientManager, min_available: int, fraction: float,
+                   minimum: int = 1) -> list[ClientProxy]:
+    """``max(fraction × available, minimum, 1)`` clients, once ``min_available`` are connected."""
+    client_manager.wait_for(min_available, WAIT_TIMEOUT)
+    n = max(int(client_manager.num_available() * fraction), minimum, 1)
+    return client_manager.sample(num_clients=n, min_num_clients=n)
+
+
 def weighted_evaluate(results: list[tuple[ClientProxy, EvaluateRes]],
                       weight: Callable[[EvaluateRes], float]) -> tuple[float | None, dict[str, Scalar]]:
     """Loss and metrics of accepted evaluate replies, each client weighted by ``weight``."""
@@ -296,15 +304,9 @@ class LocalOnly(RejectionLog, Strategy):
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         return ndarrays_to_parameters([])
 
-    def _all(self, client_manager: ClientManager, fraction: float) -> list[ClientProxy]:
-        client_manager.wait_for(self.min_available_clients, WAIT_TIMEOUT)
-        available = client_manager.num_available()
-        n = max(1, int(round(available * fraction)))
-        return client_manager.sample(num_clients=n, min_num_clients=n)
-
     def configure_fit(self, server_round, parameters, client_manager):
         ins = FitIns(ndarrays_to_parameters([]), {"server-round": server_round})
-        return [(c, ins) for c in self._all(client_manager, 1.0)]
+        return [(c, ins) for c in sample_clients(client_manager, self.min_available_clients, 1.0)]
 
     def aggregate_fit(self, server_round, results, failures):
         accepted = self.screen_fit(server_round, results, lambda _proxy, _res: (None, None))
@@ -317,7 +319,7 @@ class LocalOnly(RejectionLog, Strategy):
         if self.fraction_evaluate <= 0:
             return []
         ins = EvaluateIns(ndarrays_to_parameters([]), {"server-round": server_round})
-        return [(c, ins) for c in self._all(client_manager, self.fraction_evaluate)]
+        return [(c, ins) for c in sample_clients(client_manager, self.min_available_clients, self.fraction_evaluate)]
 
     def aggregate_evaluate(self, server_round, results: list[tuple[ClientProxy, EvaluateRes]], failures):
         return weighted_evaluate(self.screen_evaluate(server_round, results), lambda r: r.num_examples)
@@ -397,16 +399,10 @@ class PrototypeStrategy(RejectionLog, Strategy):
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         return ndarrays_to_parameters([])
 
-    def _sample(self, client_manager: ClientManager, fraction: float) -> list[ClientProxy]:
-        client_manager.wait_for(self.min_available_clients, WAIT_TIMEOUT)
-        available = client_manager.num_available()
-        n = max(1, int(available * fraction))
-        return client_manager.sample(num_clients=n, min_num_clients=n)
-
     def configure_fit(self, server_round: int, parameters: Parameters,
                       client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
         ins = FitIns(ndarrays_to_parameters(self.global_payload()), {"server-round": server_round})
-        return [(c, ins) for c in self._sample(client_manager, self.fraction_fit)]
+        return [(c, ins) for c in sample_clients(client_manager, self.min_available_clients, self.fraction_fit)]
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures) -> tuple[Parameters | None, dict[str, Scalar]]:
@@ -433,7 +429,7 @@ class PrototypeStrategy(RejectionLog, Strategy):
         if self.fraction_evaluate <= 0 or not self._evaluates(server_round):
             return []
         ins = EvaluateIns(ndarrays_to_parameters(self.global_payload()), {"server-round": server_round})
-        return [(c, ins) for c in self._sample(client_manager, self.fraction_evaluate)]
+        return [(c, ins) for c in sample_clients(client_manager, self.min_available_clients, self.fraction_evaluate)]
 
     def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
                            failures) -> tuple[float | None, dict[str, Scalar]]:
@@ -485,12 +481,6 @@ class LogitAveraging(RejectionLog, Strategy):
         return (f"LogitAveraging(num_public={self.num_public}, num_classes={self.num_classes}, "
                 f"average_weights={self.average_weights})")
 
-    # sampling ------------------------------------------------------------------------------
-    def _sample(self, client_manager: ClientManager, fraction: float, minimum: int) -> list[ClientProxy]:
-        client_manager.wait_for(self.min_available_clients, WAIT_TIMEOUT)
-        n = max(int(client_manager.num_available() * fraction), minimum)
-        return client_manager.sample(num_clients=n, min_num_clients=n)
-
     # Flower Strategy API --------------------------------------------------------------------
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         return ndarrays_to_parameters([])
@@ -509,7 +499,8 @@ class LogitAveraging(RejectionLog, Strategy):
         params = ndarrays_to_parameters(self.payload())
         return [(proxy, FitIns(params, {"server-round": server_round,
                                         "contributed": proxy.cid in self.contributors}))
-                for proxy in self._sample(client_manager, self.fraction_fit, self.min_fit_clients)]
+                for proxy in sample_clients(client_manager, self.min_available_clients, self.fraction_fit,
+                                            self.min_fit_clients)]
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures) -> tuple[Parameters | None, dict[str, Scalar]]:
@@ -561,7 +552,8 @@ class LogitAveraging(RejectionLog, Strategy):
         if self.fraction_evaluate <= 0:
             return []
         ins = EvaluateIns(ndarrays_to_parameters([]), {"server-round": server_round})
-        return [(proxy, ins) for proxy in self._sample(client_manager, self.fraction_evaluate, 1)]
+        return [(proxy, ins) for proxy in sample_clients(client_manager, self.min_available_clients,
+                                                         self.fraction_evaluate)]
 
     def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
                            failures) -> tuple[float | None, dict[str, Scalar]]:

@@ -24,6 +24,7 @@ from pollen.privacy import (
     calibrate_noise_multiplier,
     clip_rows,
     clip_update,
+    release_glfc,
     release_prototypes,
     release_update,
 )
@@ -258,3 +259,25 @@ def test_privacy_imports_neither_torch_nor_layers_above_it():
             "'models'))]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+class NoNoise:
+    def normal(self, loc, scale, size):
+        return np.zeros(size)
+
+
+def test_glfc_release_clips_the_update_and_each_gradient_set_and_sizes_noise_for_the_most_sets():
+    rng = np.random.default_rng(5)
+    broadcast = {"w": rng.normal(size=(30, 20))}
+    reply = {"w": broadcast["w"] + rng.normal(size=(30, 20))}
+    sets = [{"a": rng.normal(size=(50, 40)) * 3, "b": rng.normal(size=40)}, {"a": np.full((50, 40), 1e-4),
+                                                                           "b": np.zeros(40)}]
+    model, released = release_glfc(reply, broadcast, sets, 4, 0.5, 2.0, NoNoise())
+    assert np.linalg.norm(model["w"] - broadcast["w"]) == pytest.approx(0.5)
+    assert np.sqrt(sum((g ** 2).sum() for g in released[0].values())) == pytest.approx(0.5)
+    np.testing.assert_allclose(released[1]["a"], 1e-4)  # inside the clip: untouched
+    _, noisy = release_glfc(reply, broadcast, sets, 4, 0.5, 2.0, rng)
+    noise = np.concatenate([noisy[1]["a"].ravel() - 1e-4, noisy[1]["b"]])
+    assert noise.std() == pytest.approx(2.0 * 0.5 * np.sqrt(5), rel=0.05)  # 2,040 draws: ~1.6% s.e.
+    with pytest.raises(ValueError, match="3 gradient sets, but the noise is sized for at most 2"):
+        release_glfc(reply, broadcast, sets + sets[:1], 2, 0.5, 2.0, rng)

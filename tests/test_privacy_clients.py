@@ -247,3 +247,27 @@ def test_payload_refuses_homogeneous_logit_mode():
     with pytest.raises(ConfigError, match="'fccl-average-weights' = true"):
         parse_run_config({**TINY_FCCL, "method": "fccl", "dp-mode": "payload", "dp-noise-multiplier": 1.0,
                           "fccl-average-weights": True})
+
+
+def test_payload_glfc_run_in_process_releases_noisy_models_and_gradients(tmp_path):
+    """GLFC's model update and prototype gradients (which its proxy inverts into images) are clipped and
+    noisy; the run goes on (the proxy and the bounds accept them) and every client reports its ε."""
+    from pollen.app.methods_glfc import initial_arrays, make_strategy
+    from tests.test_glfc_strategy import UCI_RC, client_app_grid
+
+    rc = {**UCI_RC, "dp-mode": "payload", "dp-noise-multiplier": 1.0, "dp-clip": 1.0,
+          "out-dir": str(tmp_path / "runs")}
+    cfg = parse_run_config(rc)
+    strategy = make_strategy(cfg)
+    grid = client_app_grid(rc, 5, tmp_path)
+    strategy.start(grid=grid, initial_arrays=initial_arrays(cfg), num_rounds=4, evaluate_fn=strategy.evaluate_global)
+    reports = [strategy.take_round_report(r) for r in range(1, 5)]
+    assert all(rep.accepted == 3 and not rep.rejected and not rep.failures for rep in reports), \
+        [(rep.rejected, rep.failures) for rep in reports]
+    rounds_of: dict[str, int] = {}
+    for rep in reports:
+        for name, metrics in rep.fit_clients.items():
+            rounds_of[name] = rounds_of.get(name, 0) + 1
+            assert metrics["dp-epsilon"] == pytest.approx(independent_epsilon(1.0, rounds_of[name]), rel=1e-3)
+            assert "train-loss" not in metrics and "entropy" not in metrics
+    assert sum(rounds_of.values()) == 12 and len(rounds_of) == 5  # 3 a round; task 2 brings two newcomers

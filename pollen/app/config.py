@@ -22,6 +22,7 @@ from pollen.app.run_keys import COMMON
 from pollen.privacy.config import PrivacyConfig
 from pollen.protocol.identity import parse_partition_pins
 from pollen.protocol.screening import PayloadBounds
+from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION
 
 PROFILES = ("quick", "paper")
 DEVICES = ("auto", "cpu", "cuda")
@@ -93,7 +94,7 @@ class RunConfig:
     run_name: str = ""
     # Hostile nodes: how accepted values combine, the payload bounds, operator-pinned partitions.
     aggregation: str = "mean"
-    trim_fraction: float = 0.2
+    trim_fraction: float = DEFAULT_TRIM_FRACTION
     max_update_norm: float = PayloadBounds.max_update_norm
     max_logit_abs: float = PayloadBounds.max_logit_abs
     max_grad_norm: float = PayloadBounds.max_grad_norm
@@ -311,7 +312,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
 
 DP_KEYS = ("dp-mode", "dp-clip", "dp-noise-multiplier", "dp-target-epsilon", "dp-delta", "dp-max-epsilon")
 # The method families each private mode is wired into (docs/privacy.md); others are refused by name.
-DP_FAMILIES = {"payload": ("prototypes", "weights", "logits"), "sample": ()}
+DP_FAMILIES = {"payload": ("prototypes", "weights", "logits", "glfc"), "sample": ()}
 
 
 def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:

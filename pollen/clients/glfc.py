@@ -45,7 +45,7 @@ class IncrementalClient(PollenClient):
     def core(self) -> IncrementalRound:
         return IncrementalRound(self.settings, self.local_training(), self.state, self.partition_id, self.cfg.seed,
                                 self.device, self._model, self.node.data_root or self.cfg.data_root,
-                                self.cfg.download)
+                                self.cfg.download, self.payload_privacy())
 
     def get_parameters(self, config):
         return model_arrays(self._model(self.settings.stream.classes_per_task))

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from pollen.clients.base import PollenClient
 from pollen.methods.terms import CrossEntropy, LossTerm, Proximal, objective
 from pollen.methods.training import evaluate_classifier, load_model_arrays, make_sgd, model_arrays, train_epochs
-from pollen.privacy.payload import PayloadPrivacy
 
 
 class WeightClient(PollenClient):
@@ -34,7 +31,7 @@ class WeightClient(PollenClient):
                                optimizer=training.sgd(model), loss_fn=objective(terms))
         metrics = self.base_metrics()
         if privacy is not None:
-            reply, dp_metrics = private_update(privacy, list(parameters), model_arrays(model))
+            reply, dp_metrics = privacy.update(list(parameters), model_arrays(model))
             return reply, 1, {**metrics, **dp_metrics}  # 1: the dataset size is not released (uniform weights)
         if history:
             metrics["train-loss"] = history[-1].loss
@@ -45,19 +42,6 @@ class WeightClient(PollenClient):
         load_model_arrays(model, parameters)
         loss, acc = evaluate_classifier(model, self.data.x_test, self.data.y_test, self.device)
         return loss, len(self.data.y_test), {**self.base_metrics(), "accuracy": acc}
-
-
-def private_update(privacy: PayloadPrivacy, broadcast: list[np.ndarray],
-                   trained: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
-    """``dp-mode = payload`` for the weights family: the float entries (parameters and BatchNorm
-    statistics alike: both come from the data) become broadcast + clipped, noisy update; integer entries
-    (batch counters, which would count the samples) are sent back as received."""
-    floats = [i for i, a in enumerate(trained) if a.dtype.kind == "f"]
-    released, dp_metrics = privacy.update({str(i): trained[i] for i in floats}, {str(i): broadcast[i] for i in floats})
-    reply = [np.array(b, copy=True) for b in broadcast]
-    for i in floats:
-        reply[i] = released[str(i)].astype(trained[i].dtype)
-    return reply, dp_metrics
 
 
 class LocalClient(PollenClient):

@@ -56,6 +56,7 @@ from pollen.methods.training import (
     train_epochs,
 )
 from pollen.models import LeNet, SplitModel, build_model
+from pollen.privacy.payload import PayloadPrivacy
 
 OLD_MODEL_SOURCES = ("proxy", "previous-task", "none")
 
@@ -177,7 +178,8 @@ class IncrementalRound:
 
     def __init__(self, settings: IncrementalSettings, training: LocalTraining, store: Any, partition_id: int,
                  seed: int, device: torch.device, new_model: Callable[[int], SplitModel], root: str | None,
-                 download: bool):
+                 download: bool, privacy: PayloadPrivacy | None = None):
+        self.privacy = privacy  # dp-mode = payload: the model update and gradient sets are clipped and noisy
         self.settings, self.training, self.store = settings, training, store
         self.partition_id, self.seed, self.device, self.new_model = partition_id, seed, device, new_model
         self.root, self.download = root, download
@@ -260,6 +262,8 @@ class IncrementalRound:
         task = int(config.get("task", s.task_of_round(server_round)))
         num_classes = int(config["num-classes"])
         n_model = int(config["model-arrays"])
+        if self.privacy is not None:
+            self.privacy.check()  # out of budget: stop before training, saying so
         generator = seed_everything(derive_seed(self.seed, self.partition_id, server_round, 0))
 
         model = self.new_model(num_classes)
@@ -307,8 +311,7 @@ class IncrementalRound:
             history += train_epochs(model, x_train, y_train, epochs=1, batch_size=self.training.batch_size,
                                     optimizer=opt, generator=generator, device=self.device, loss_fn=loss_fn)
 
-        grads: list[np.ndarray] = []
-        num_grads = 0
+        grad_sets: list[list[np.ndarray]] = []
         if transition and s.shares_gradients:
             lenet = build_lenet(s.task, self.seed).to(self.device)
             feats = normalised_features(model, x_cur, self.device)
@@ -318,18 +321,23 @@ class IncrementalRound:
                     continue
                 proto = x_cur[rows[nearest_to_mean(feats[rows])]].to(self.device)
                 proto = perturb_prototype(model, proto, c, num_classes, s.perturb_steps, s.perturb_lr)
-                grads += [g.cpu().numpy().astype(np.float32) for g in lenet.gradient(proto, c)]
-                num_grads += 1
+                grad_sets.append([g.cpu().numpy().astype(np.float32) for g in lenet.gradient(proto, c)])
 
         self.store.save_values(self.STATE, st)
         metrics = {"task": task, "transition": int(transition), "entropy": entropy,
-                   "num-gradients": num_grads, "learned-classes": len(st["learned"]),
+                   "num-gradients": len(grad_sets), "learned-classes": len(st["learned"]),
                    "exemplars": int(sum(len(v) for v in memory.values())), "distilled": int(old is not None),
                    "old1-version": int(self.store.load_values("old1-meta", {"version": 0})["version"]),
                    "old2-version": int(self.store.load_values("old2-meta", {"version": 0})["version"])}
+        if self.privacy is not None:  # what the mechanism released; metrics that reveal no data
+            state, grad_sets, dp_metrics = self.privacy.glfc(parameters[:n_model], model_arrays(model), grad_sets,
+                                                             s.stream.classes_per_task)
+            keep = ("task", "num-gradients", "old1-version", "old2-version")
+            return (state + [g for grads in grad_sets for g in grads], 1,
+                    {**{k: metrics[k] for k in keep}, **dp_metrics})
         if history:
             metrics["train-loss"] = history[-1].loss
-        return model_arrays(model) + grads, int(len(y_train)), metrics
+        return model_arrays(model) + [g for grads in grad_sets for g in grads], int(len(y_train)), metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:
         """Accuracy of the global model on this client's current data (the server evaluates globally).

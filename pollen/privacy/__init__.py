@@ -13,6 +13,7 @@ from pollen.privacy.config import MODES, PrivacyConfig
 from pollen.privacy.mechanisms import (
     PrototypeRelease,
     gaussian_noise,
+    release_glfc,
     release_logits,
     release_prototypes,
     release_update,
@@ -21,5 +22,6 @@ from pollen.privacy.mechanisms import (
 from pollen.privacy.payload import PayloadPrivacy
 
 __all__ = ["DELTA", "EPSILON", "MODES", "Budget", "BudgetExhausted", "Ledger", "PayloadPrivacy", "PrivacyConfig",
-           "PrototypeRelease", "Release", "calibrate_noise_multiplier", "clip_rows", "clip_update", "gaussian_noise",
-           "composed_epsilon", "rdp_epsilon", "release_logits", "release_prototypes", "release_update", "secure_rng"]
+           "PrototypeRelease", "Release", "calibrate_noise_multiplier", "clip_rows", "clip_update", "composed_epsilon",
+           "gaussian_noise", "rdp_epsilon", "release_glfc", "release_logits", "release_prototypes", "release_update",
+           "secure_rng"]

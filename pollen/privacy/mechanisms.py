@@ -14,7 +14,11 @@ neighbouring relation is add/remove of one *unit* of what the release is compute
 * logits — every public-sample row of the N0×C matrix clipped to ``clip``; every row depends on all the
   client's data, so the unit is its dataset and Δ = ``clip·√N0`` (the matrix's largest Frobenius norm).
 
-For weights and logits Δ is the norm bound of the release: the distance to the release of no data
+* GLFC — the model update (as weights) and each prototype-gradient set (all LeNet arrays of one set as
+  one vector), each clipped to ``clip``; with at most K sets a round, the unit is the client's dataset
+  and Δ = ``clip·√(1 + K)``.
+
+For weights, logits and GLFC Δ is the norm bound of the release: the distance to the release of no data
 (add/remove the client's dataset). Against replacing the dataset by another one, the distance doubles:
 the same noise then gives the guarantee of σ/2.
 """
@@ -99,3 +103,22 @@ def release_logits(logits: np.ndarray, clip: float, noise_multiplier: float,
     clipped, norms = clip_rows(logits, clip)
     std = noise_multiplier * clip * np.sqrt(clipped.shape[0])
     return clipped + gaussian_noise(clipped.shape, std, rng), float((norms > clip).mean()) if norms.size else 0.0
+
+
+def release_glfc(reply: Mapping[str, np.ndarray], broadcast: Mapping[str, np.ndarray],
+                 gradient_sets: list[Mapping[str, np.ndarray]], max_sets: int, clip: float, noise_multiplier: float,
+                 rng: np.random.Generator) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+    """GLFC's reply: ``broadcast`` + the clipped update, and each gradient set clipped, all with
+    N(0, (σ·clip·√(1 + max_sets))²) per entry (float64). The noise is sized for ``max_sets`` whatever the
+    round's count, so the bound holds in every round."""
+    if not 0 <= len(gradient_sets) <= max_sets:
+        raise ValueError(f"{len(gradient_sets)} gradient sets, but the noise is sized for at most {max_sets}")
+    update, _ = clip_update(reply, broadcast, clip)
+    std = noise_multiplier * clip * float(np.sqrt(1 + max_sets))
+    model = {name: np.asarray(broadcast[name], dtype=np.float64) + u + gaussian_noise(u.shape, std, rng)
+             for name, u in update.items()}
+    sets = []
+    for grads in gradient_sets:
+        clipped, _ = clip_update(grads, {k: np.zeros(np.shape(v)) for k, v in grads.items()}, clip)
+        sets.append({k: g + gaussian_noise(g.shape, std, rng) for k, g in clipped.items()})
+    return model, sets

@@ -14,6 +14,7 @@ from pollen.privacy.budget import Budget, ValueStore
 from pollen.privacy.config import PrivacyConfig
 from pollen.privacy.mechanisms import (
     PrototypeRelease,
+    release_glfc,
     release_logits,
     release_prototypes,
     release_update,
@@ -53,14 +54,45 @@ class PayloadPrivacy:
                                       rng or secure_rng())
         return released, self.budget.spend(self._release())
 
-    def update(self, reply: Mapping[str, np.ndarray], broadcast: Mapping[str, np.ndarray],
-               rng: np.random.Generator | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """``broadcast`` + the clipped, noisy update, by name, and the round's ε metrics."""
-        released, _norm = release_update(reply, broadcast, self.config.clip, self.noise_multiplier,
-                                         rng or secure_rng())
-        return released, self.budget.spend(self._release())
+    def update(self, broadcast: list[np.ndarray], trained: list[np.ndarray],
+               rng: np.random.Generator | None = None) -> tuple[list[np.ndarray], dict[str, float]]:
+        """A model state (positional, as received): float entries (parameters and BatchNorm statistics
+        alike: both come from the data) become broadcast + clipped, noisy update; integer entries (batch
+        counters, which would count the samples) go back as received. And the round's ε metrics."""
+        floats = _float_entries(broadcast, trained)
+        released, _norm = release_update({str(i): trained[i] for i in floats}, {str(i): broadcast[i] for i in floats},
+                                         self.config.clip, self.noise_multiplier, rng or secure_rng())
+        return _with_floats(broadcast, trained, released), self.budget.spend(self._release())
 
     def logits(self, logits: np.ndarray, rng: np.random.Generator | None = None) -> tuple[np.ndarray, dict[str, float]]:
         """Public-set logits with rows clipped and noise over the whole matrix, float32, and ε metrics."""
         released, _clipped = release_logits(logits, self.config.clip, self.noise_multiplier, rng or secure_rng())
         return released.astype(np.float32), self.budget.spend(self._release())
+
+    def glfc(self, broadcast: list[np.ndarray], trained: list[np.ndarray], gradient_sets: list[list[np.ndarray]],
+             max_sets: int, rng: np.random.Generator | None = None
+             ) -> tuple[list[np.ndarray], list[list[np.ndarray]], dict[str, float]]:
+        """GLFC: the model state as in :meth:`update` and each gradient set clipped, one mechanism sized
+        for ``max_sets`` sets; float32 gradient sets, and ε metrics."""
+        floats = _float_entries(broadcast, trained)
+        model, sets = release_glfc({str(i): trained[i] for i in floats}, {str(i): broadcast[i] for i in floats},
+                                   [{str(j): g for j, g in enumerate(grads)} for grads in gradient_sets], max_sets,
+                                   self.config.clip, self.noise_multiplier, rng or secure_rng())
+        released_sets = [[released[str(j)].astype(np.float32) for j in range(len(grads))]
+                         for grads, released in zip(gradient_sets, sets)]
+        return _with_floats(broadcast, trained, model), released_sets, self.budget.spend(self._release())
+
+
+def _float_entries(broadcast: list[np.ndarray], trained: list[np.ndarray]) -> list[int]:
+    if len(broadcast) != len(trained):
+        raise ValueError(f"the trained state has {len(trained)} entries, the broadcast {len(broadcast)}")
+    return [i for i, a in enumerate(trained) if np.asarray(a).dtype.kind == "f"]
+
+
+def _with_floats(broadcast: list[np.ndarray], trained: list[np.ndarray],
+                 released: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """The broadcast state with its float entries replaced by the released ones, in the trained dtypes."""
+    out = [np.array(b, copy=True) for b in broadcast]
+    for key, value in released.items():
+        out[int(key)] = value.astype(np.asarray(trained[int(key)]).dtype)
+    return out

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from pollen.protocol.screening import PayloadBounds
+from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION
 
 _BOUNDS = PayloadBounds()  # the payload bounds' defaults are declared once, there
 
@@ -108,7 +109,7 @@ COMMON: dict[str, Key] = {
     "aggregation": Key("mean", "choice",
         "how accepted client values combine: `mean` (the method's weighted mean), or coordinate-wise and "
         "unweighted `median` / `trimmed-mean`, which a minority of hostile clients cannot drag far"),
-    "trim-fraction": Key(0.2, "float in [0, 0.5)",
+    "trim-fraction": Key(DEFAULT_TRIM_FRACTION, "float in [0, 0.5)",
         "`trimmed-mean`: share of the smallest and of the largest client values dropped at each coordinate"),
     "max-update-norm": Key(_BOUNDS.max_update_norm, "float in (0, 1000000000000]",
         "weights, GLFC and homogeneous-logit models: a reply moving further than this × the broadcast model's "

@@ -49,7 +49,12 @@ from pollen.protocol.screening import (
     check_metrics,
     metric_bounds,
 )
-from pollen.strategies.aggregation import average_arrays, check_aggregation, robust_arrays
+from pollen.strategies.aggregation import (
+    DEFAULT_TRIM_FRACTION,
+    average_arrays,
+    check_aggregation,
+    robust_arrays,
+)
 from pollen.strategies.metrics import mean_std_metrics
 
 SIMULATION_NODE_WAIT_S = 5.0
@@ -121,7 +126,7 @@ class PollenStrategy(Strategy):
                  evaluate_every: int = 1, num_rounds: int | None = None, max_examples: int = 10_000_000,
                  max_empty_rounds: int = 0, node_wait_s: float = 120.0, seed: int = 0,
                  identify_nodes: bool = False, query_timeout: float | None = None, aggregation: str = "mean",
-                 trim_fraction: float = 0.2, bounds: PayloadBounds | None = None,
+                 trim_fraction: float = DEFAULT_TRIM_FRACTION, bounds: PayloadBounds | None = None,
                  partition_pins: Mapping[int, int] | None = None):
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")

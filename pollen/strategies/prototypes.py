@@ -17,7 +17,7 @@ from flwr.serverapp import Grid
 
 from pollen.protocol.prototypes import decode_prototype_reply, encode_global_prototypes
 from pollen.protocol.records import ARRAYS, CONFIG
-from pollen.strategies.aggregation import check_aggregation, robust_stack
+from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION, check_aggregation, robust_stack
 from pollen.strategies.base import PollenStrategy
 
 PROTO_WEIGHTINGS = ("samples", "uniform")
@@ -25,7 +25,7 @@ PROTO_WEIGHTINGS = ("samples", "uniform")
 
 def aggregate_prototypes(protos: Sequence[np.ndarray], counts: Sequence[np.ndarray],
                          weighting: str = "samples", aggregation: str = "mean",
-                         trim_fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+                         trim_fraction: float = DEFAULT_TRIM_FRACTION) -> tuple[np.ndarray, np.ndarray]:
     """Class-wise average of client prototypes over the clients that hold each class.
 
     ``C̄^j = Σ_i w_ij C_i^j / Σ_i w_ij`` with ``w_ij = |D_ij|`` (``"samples"``, the paper) or

@@ -26,7 +26,7 @@ def test_flower_app_metadata():
     assert re.fullmatch(r"[A-Za-z][A-Za-z0-9-]{0,31}", meta["project"]["name"])
     comps = meta["tool"]["flwr"]["app"]["components"]
     assert comps == {"serverapp": "pollen.app.server_app:app", "clientapp": "pollen.app.client_app:app"}
-    assert any(dep.startswith("flwr[simulation]>=1.42") for dep in meta["project"]["dependencies"])
+    assert any(dep.startswith("flwr[simulation]>=1.42") for dep in meta["project"]["optional-dependencies"]["train"])
 
 
 def test_no_top_level_shadowing_packages():

@@ -181,7 +181,7 @@ def test_fedproto_runs_on_both_nodes(loopback, tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_cluster_too_small_for_one_client_is_refused_before_anything_starts(loopback, tmp_path):
+def test_a_cluster_too_small_for_one_client_is_refused_before_anything_starts(loopback, tmp_path, monkeypatch):
     """2 CPUs per client on nodes of 1 CPU: Flower's actor pool would be empty and the run would wait
     forever; the launcher refuses it (exit 2) before the SuperLink starts. A GPU share on GPU-less nodes
     likewise (checked on the probe alone, without a second launch)."""
@@ -193,6 +193,7 @@ def test_a_cluster_too_small_for_one_client_is_refused_before_anything_starts(lo
             "lower --cpus-per-client / --gpus-per-client") in proc.stderr
     assert "SuperLink up" not in proc.stdout
     assert time.monotonic() - began < 60
+    monkeypatch.setenv(cluster.LOOPBACK_VAR, "0")  # the probe runs with this process's environment
     with pytest.raises(cluster.ClusterUnfit, match=r"cannot hold one client \(client-resources-num-cpus=1, "
                                                    r"client-resources-num-gpus=0.5\)"):
         cluster.attach(loopback.address, source="--ray-address", cpus_per_client=1, gpus_per_client=0.5,

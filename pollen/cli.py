@@ -13,6 +13,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -94,11 +95,31 @@ def _rounds_done(run_dir: Path) -> int:
         return 0
 
 
+def _unfinished_status(run_dir: Path) -> str:
+    """A folder without ``summary.json``: ``running`` while a launcher holds its lock, else ``no summary``
+    (a run whose every process was killed before anything could write one)."""
+    import fcntl
+
+    from pollen.app.runs import LOCK_FILE
+
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return "no summary"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return "running"
+    finally:
+        os.close(fd)  # also drops the shared lock just taken
+    return "no summary"
+
+
 def describe_run(run_dir: Path) -> dict[str, Any] | None:
     """One run folder as ``pollen runs`` shows it, or None when the folder is no run folder.
 
-    A folder with ``config.json`` but no ``summary.json`` is a run in progress, or one whose every
-    process was killed before anything could write its summary: ``status`` says ``no summary``.
+    A folder with ``config.json`` but no ``summary.json`` is ``running`` or, when no launcher holds it,
+    ``no summary``.
     """
     config = _json(run_dir / "config.json")
     summary = _json(run_dir / "summary.json")
@@ -106,12 +127,13 @@ def describe_run(run_dir: Path) -> dict[str, Any] | None:
         return None
     config = config or {}
     summary = summary or {}
+    status = summary.get("status") or _unfinished_status(run_dir)
     final = summary.get("final-accuracy")
     metric = f"{final['metric']} {100 * final['mean']:.2f} ± {100 * final['std']:.2f} %" \
         if isinstance(final, dict) and {"metric", "mean", "std"} <= set(final) else ""
     reason = summary.get("failure-reason") or ""
     rounds = summary.get("last-round") or _rounds_done(run_dir)
-    return {"run": run_dir.name, "path": str(run_dir), "status": summary.get("status", "no summary"),
+    return {"run": run_dir.name, "path": str(run_dir), "status": status,
             "method": summary.get("method") or config.get("method", "?"),
             "task": summary.get("task") or config.get("task", "?"),
             "rounds": rounds, "planned": config.get("num-server-rounds") or summary.get("num-server-rounds"),
@@ -146,9 +168,12 @@ def runs_main(argv: Sequence[str]) -> int:
                         help="the results root (default: $POLLEN_OUT_DIR, else ./pollen-runs)")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a table")
     args = parser.parse_args(list(argv))
-    from pollen.app.launch import default_out_dir
+    if args.out_dir is not None:
+        out_dir = args.out_dir.expanduser()
+    else:
+        from pollen.app.launch import default_out_dir
 
-    out_dir = args.out_dir.expanduser() if args.out_dir is not None else default_out_dir()
+        out_dir = default_out_dir()
     if not out_dir.is_dir():
         print(f"{PROG} runs: {out_dir} is not a folder (pass --out-dir, or set POLLEN_OUT_DIR)", file=sys.stderr)
         return EXIT_USAGE

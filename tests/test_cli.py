@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pollen.app.results import RunRecorder, write_stopped_summary
+from pollen.app.runs import RunLock
 from tests.conftest import PROJECT_ROOT
 
 POLLEN = Path(sys.executable).parent / "pollen"
@@ -77,23 +78,31 @@ def test_runs_lists_completed_interrupted_and_unfinished_runs(tmp_path):
     RunRecorder(root / "20261202-120000-fccl-digits-offline", {"method": "fccl", "task": "digits-offline",
                                                                 "num-server-rounds": 3}, num_rounds=3, echo=False)
     (root / "not-a-run").mkdir()
+    live = RunRecorder(root / "20261202-130000-fedavg-uci-dirichlet", {"method": "fedavg", "task": "uci-dirichlet",
+                                                                       "num-server-rounds": 5},
+                       num_rounds=5, echo=False)
+    lock = RunLock(live.run_dir).acquire()  # a launcher at work on it
 
-    out = pollen("runs", "--out-dir", str(root))
+    try:
+        out = pollen("runs", "--out-dir", str(root))
+    finally:
+        lock.release()
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split() == ["run", "status", "method", "task", "rounds", "final"]
     rows = {line.split()[0]: line for line in lines[1:]}
     assert set(rows) == {"20261202-100000-fedavg-uci-dirichlet", "20261202-110000-fedproto-mnist-shot",
-                         "20261202-120000-fccl-digits-offline"}
+                         "20261202-120000-fccl-digits-offline", "20261202-130000-fedavg-uci-dirichlet"}
     assert rows["20261202-100000-fedavg-uci-dirichlet"].split()[1:5] == ["completed", "fedavg", "uci-dirichlet", "2/2"]
     assert "accuracy 90.00 ± 5.00 %" in rows["20261202-100000-fedavg-uci-dirichlet"]
     assert rows["20261202-110000-fedproto-mnist-shot"].split()[1:5] == ["interrupted", "fedproto", "mnist-shot",
                                                                         "1/10"]
     assert "SIGINT" in rows["20261202-110000-fedproto-mnist-shot"]
     assert "no summary" in rows["20261202-120000-fccl-digits-offline"]
+    assert rows["20261202-130000-fedavg-uci-dirichlet"].split()[1:5] == ["running", "fedavg", "uci-dirichlet", "0/5"]
 
     as_json = [json.loads(line) for line in pollen("runs", "--out-dir", str(root), "--json").stdout.splitlines()]
-    assert [run["status"] for run in as_json] == ["completed", "interrupted", "no summary"]
+    assert [run["status"] for run in as_json] == ["completed", "interrupted", "no summary", "no summary"]
 
 
 def test_runs_of_a_missing_folder_is_a_usage_error(tmp_path):

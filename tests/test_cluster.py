@@ -252,6 +252,10 @@ def test_slots_follow_flowers_actor_pool_sizing():
     assert cpu_node.slots(1, 0.25) == 0 and cpu_node.slots(3, 0) == 2 and cpu_node.slots(9, 0) == 0
     info = cluster.ClusterInfo("10.0.0.5:6379", "--ray-address", [gpu_node, cpu_node])
     assert info.slots(1, 0.5) == 4 and info.slots(1, 0) == 16
+    # what other jobs leave free now: 3 CPUs and half a GPU on the first node, nothing on the second
+    gpu_node.free_cpus, gpu_node.free_gpus, cpu_node.free_cpus, cpu_node.free_gpus = 3, 0.5, 0, 0
+    assert info.slots(1, 0.25, free=True) == 2 and info.slots(1, 0, free=True) == 3
+    assert info.slots(4, 0, free=True) == 0 and info.slots(4, 0) == 4
 
 
 def test_the_documented_recipe_is_what_these_tests_run():

@@ -55,11 +55,13 @@ class RayNode:
     free_cpus: float | None = None
     free_gpus: float | None = None
 
-    def slots(self, cpus: float, gpus: float) -> int:
-        """Clients this node holds at once, as Flower sizes its actor pool (whole CPUs, GPU shares)."""
-        count = int(self.cpus // cpus) if cpus > 0 else 0
+    def slots(self, cpus: float, gpus: float, free: bool = False) -> int:
+        """Clients this node holds at once, as Flower sizes its actor pool (whole CPUs, GPU shares); with
+        ``free``, in what other jobs leave free now (Flower sizes by the totals, extra actors wait)."""
+        have_cpus, have_gpus = (self.free_cpus or 0.0, self.free_gpus or 0.0) if free else (self.cpus, self.gpus)
+        count = int(have_cpus // cpus) if cpus > 0 else 0
         if gpus > 0:
-            count = min(count, int(self.gpus // gpus)) if self.gpus else 0
+            count = min(count, int(have_gpus // gpus)) if have_gpus else 0
         return count
 
     def label(self) -> str:
@@ -73,8 +75,8 @@ class ClusterInfo:
     nodes: list[RayNode]
     jobs_before: list[str] = field(default_factory=list)  # job ids already known before the run
 
-    def slots(self, cpus: float, gpus: float) -> int:
-        return sum(node.slots(cpus, gpus) for node in self.nodes)
+    def slots(self, cpus: float, gpus: float, free: bool = False) -> int:
+        return sum(node.slots(cpus, gpus, free) for node in self.nodes)
 
 
 # --- the address --------------------------------------------------------------------------------------
@@ -173,6 +175,9 @@ def attach(address: str, *, source: str, cpus_per_client: float, gpus_per_client
     if echo:
         print(f"[pollen] Ray cluster holds {slots} client(s) at once ({want}); the launcher will not stop it",
               flush=True)
+        if info.slots(cpus_per_client, gpus_per_client, free=True) == 0:
+            print("[pollen] warning: other jobs hold the cluster's resources now: no node has room for a client "
+                  "until they free some (the run waits for them)", file=sys.stderr, flush=True)
     return info
 
 

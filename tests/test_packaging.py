@@ -5,6 +5,7 @@ import subprocess
 import sys
 import tomllib
 import zipfile
+from pathlib import Path
 
 from tests.conftest import PROJECT_ROOT
 
@@ -32,4 +33,9 @@ def test_flower_app_metadata():
 def test_no_top_level_shadowing_packages():
     """Flower puts the app directory first on sys.path: top-level names like `datasets` would shadow."""
     tops = {p.name for p in PROJECT_ROOT.iterdir() if (p / "__init__.py").exists()}
-    assert tops == {"pollen"}
+    # bench/ is a package too (`python -m bench.x`): no installed distribution provides or imports `bench`
+    assert tops == {"pollen", "bench"}
+    import importlib.util
+
+    spec = importlib.util.find_spec("bench")
+    assert spec is None or Path(spec.origin or "").resolve().parent == PROJECT_ROOT / "bench"

@@ -18,7 +18,10 @@ this class makes sure no reply reaches that code unchecked:
 * a failure (an error reply, or no reply before the timeout) is recorded once, under the node the
   message was *sent to* (its partition when known): in a deployment the SuperLink itself writes the
   error reply for a node that has gone, so the reply's source would name the SuperLink;
-* arrays are checked from their metadata before decoding (:mod:`pollen.protocol.screening`).
+* arrays are checked from their metadata before decoding (:mod:`pollen.protocol.screening`);
+* replies are handled in partition order (:meth:`PollenStrategy.reply_order`), never in arrival order:
+  every sum, average, the GLFC proxy's pool and the per-client results then come out the same, to the
+  bit, whichever node answers first.
 
 A rejected reply is logged as a WARNING naming the client, the key and the reason, and kept in the
 round report (:meth:`take_round_report`). A round in which nobody was accepted is a WARNING with the
@@ -284,6 +287,16 @@ class PollenStrategy(Strategy):
         return out
 
     # ------------------------------------------------------------------ screening
+    def reply_order(self, node_id: int) -> tuple[int, int, int]:
+        """Sort key of a node's reply: its partition, then (unidentified nodes last) its node id.
+
+        Float sums depend on the order of their terms, and replies arrive in whatever order the nodes
+        finish; node ids are new in every run, partitions are not. Ordering here, where replies are
+        collected, is what makes two runs of one command write the same numbers.
+        """
+        pid = self.partition_of.get(node_id)
+        return (0, pid, node_id) if pid is not None else (1, node_id, node_id)
+
     def label(self, node_id: int) -> str:
         pid = self.partition_of.get(node_id)
         return f"partition {pid}" if pid is not None else f"node {node_id}"
@@ -297,7 +310,7 @@ class PollenStrategy(Strategy):
     def _record_failures(self, server_round: int, stage: str, sent: Sequence[Message],
                          replies: Iterable[Message]) -> list[Message]:
         """Record (and log, once each) every error reply and every message of ``sent`` that got no reply,
-        under the node the message was sent to; return the replies that are not errors.
+        under the node the message was sent to; return the replies that are not errors, in :meth:`reply_order`.
 
         A reply names the message it answers (``reply_to_message_id``); in a deployment an error reply for a
         node that has gone is written by the SuperLink, so its source is the SuperLink, never the node.
@@ -307,15 +320,16 @@ class PollenStrategy(Strategy):
         dst_of = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in sent if m.metadata.message_id}
         answered: set[int] = set()
         good: list[Message] = []
-        for msg in replies:
-            node = dst_of.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
+        addressed = [(dst_of.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id)), msg)
+                     for msg in replies]
+        for node, msg in sorted(addressed, key=lambda pair: self.reply_order(pair[0])):  # stable: ties keep arrival
             answered.add(node)
             if not msg.has_error():
                 good.append(msg)
                 continue
             code, reason = int(msg.error.code), str(msg.error.reason)
             self._failure(rep, stage, node, code, reason)
-        for m in sent:
+        for m in sorted(sent, key=lambda m: self.reply_order(int(m.metadata.dst_node_id))):
             node = int(m.metadata.dst_node_id)
             if node not in answered:
                 self._failure(rep, stage, node, None, "no reply before the round timeout")
@@ -415,7 +429,7 @@ class PollenStrategy(Strategy):
                decode: Callable[[Message, dict[str, Any]], tuple[Any, str | None]]) -> list[Accepted]:
         """Failures recorded by destination, partition claims registered (all of the round's replies before
         any is judged, so the order of answers decides nothing), bad replies rejected with a reason, the
-        rest decoded by ``decode``."""
+        rest decoded by ``decode`` and returned in :meth:`reply_order`."""
         rep = self.report(server_round)
         wanted = MessageType.TRAIN if stage == "train" else MessageType.EVALUATE
         sent = [m for m in self._outbox if m.metadata.message_type == wanted]
@@ -440,7 +454,8 @@ class PollenStrategy(Strategy):
         quarantined = self.quarantined()
         accepted: list[Accepted] = []
         seen: set[int] = set()
-        for msg in good:
+        # round 1's claims were only just registered: order again, by the partitions now known
+        for msg in sorted(good, key=lambda m: self.reply_order(int(m.metadata.src_node_id))):
             node = int(msg.metadata.src_node_id)
             rep.bytes_up += record_bytes(msg.content)
             label = self.label(node)

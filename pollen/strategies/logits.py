@@ -160,8 +160,8 @@ class LogitAveraging(PollenStrategy):
         return ((logits, state), None) if reason is None else (None, f"{MODEL}: {reason}")
 
     def _majority_state(self, replies: list[Message]) -> ArrayRecord | None:
-        """Without an initial model, the state layout most round-1 replies share (first one on a
-        tie): one odd or hostile client answering first must not decide the model's shapes."""
+        """Without an initial model, the state layout most round-1 replies share (on a tie, the least in
+        name order): neither one odd or hostile client nor the order of answers decides the model's shapes."""
         layouts: dict[tuple, list[ArrayRecord]] = {}
         for msg in replies:
             model = None if msg.has_error() else msg.content.get(MODEL)
@@ -170,8 +170,8 @@ class LogitAveraging(PollenStrategy):
                 layouts.setdefault(key, []).append(model)
         if not layouts:
             return None
-        best = max(layouts.values(), key=len)
-        return best[0]
+        best = min(layouts, key=lambda layout: (-len(layouts[layout]), layout))
+        return layouts[best][0]
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:

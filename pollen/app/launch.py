@@ -1104,6 +1104,8 @@ def prepare_run_dir(app_dir: Path, values: dict[str, Any], results_root: Path, r
     if lock.taken_over and lock.taken_over.get("pid"):
         print(f"[pollen] note: took over the lock of {run_dir} from launcher PID {lock.taken_over['pid']}, which is "
               "no longer running", flush=True)
+    if args.resume:  # the last launch's summary no longer says how the run stands; this launch writes one on
+        (run_dir / "summary.json").unlink(missing_ok=True)  # every exit path, and meanwhile the lock says running
     if not (run_dir / "launch.json").exists():
         write_launch_info(run_dir, {"num-supernodes": args.num_supernodes, "cpus-per-client": args.cpus_per_client,
                                     "gpus-per-client": args.gpus_per_client, "ray-address": args.ray_address or "local",

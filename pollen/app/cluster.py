@@ -71,7 +71,7 @@ class RayNode:
 @dataclass
 class ClusterInfo:
     address: str
-    source: str  # "--ray-address" or "RAY_ADDRESS"
+    source: str  # how the user named it, for messages ("--ray-address")
     nodes: list[RayNode]
     jobs_before: list[str] = field(default_factory=list)  # job ids already known before the run
 

@@ -245,6 +245,17 @@ def test_an_address_that_is_not_host_port_is_refused_by_name(address):
         cluster.split_address(address)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["loopback", "--nodes", "0"], "--nodes 0 / --num-cpus 1 / --num-gpus 0: expected at least 1 node"),
+    (["loopback", "--num-cpus", "0"], "--nodes 2 / --num-cpus 0 / --num-gpus 0: expected at least 1 node"),
+    (["probe", "auto"], "address 'auto': expected HOST:PORT of the head node's GCS"),
+])
+def test_the_cluster_command_refuses_bad_input_by_name(args, message):
+    proc = subprocess.run([sys.executable, "-m", "pollen.app.cluster", *args], cwd=PROJECT_ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"[pollen] error: {message}" in proc.stderr, proc.stderr
+
+
 def test_slots_follow_flowers_actor_pool_sizing():
     gpu_node = cluster.RayNode("a" * 56, "10.0.0.5", cpus=8, gpus=2)
     cpu_node = cluster.RayNode("b" * 56, "10.0.0.6", cpus=8, gpus=0)

@@ -360,6 +360,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     loop.add_argument("--port", type=int, default=None, help="the head's GCS port (default: a free one)")
     loop.add_argument("--temp-dir", default=None, help="Ray's temp dir (default: a private one, removed at the end)")
     args = parser.parse_args(argv)
+    if args.command in ("probe", "placement"):
+        try:
+            split_address(args.address, "address")
+        except ClusterUnfit as err:
+            print(f"[pollen] error: {err}", file=sys.stderr, flush=True)
+            return 2
     if args.command == "probe":
         print(json.dumps(_probe(args.address)), flush=True)
         return 0

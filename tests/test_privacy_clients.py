@@ -153,8 +153,8 @@ def test_a_payload_run_aggregates_and_records_epsilon_per_client(tmp_path):
 def test_payload_mode_is_refused_where_it_is_not_wired():
     with pytest.raises(ConfigError, match="'dp-mode' = 'payload' is not available for method 'local'"):
         parse_run_config({"method": "local", **UCI, "dp-mode": "payload", "dp-noise-multiplier": 1.0})
-    with pytest.raises(ConfigError, match="'dp-mode' = 'sample' is not available for method 'fedproto'"):
-        parse_run_config({**PAYLOAD, "dp-mode": "sample"})
+    with pytest.raises(ConfigError, match="'dp-mode' = 'sample' is not available for method 'fedmd'"):
+        parse_run_config({**TINY_FCCL, "method": "fedmd", "dp-mode": "sample", "dp-noise-multiplier": 1.0})
     with pytest.raises(ConfigError, match="proto-local-protos"):
         parse_run_config({**PAYLOAD, "proto-local-protos": "training"})
 
@@ -271,3 +271,59 @@ def test_payload_glfc_run_in_process_releases_noisy_models_and_gradients(tmp_pat
             assert metrics["dp-epsilon"] == pytest.approx(independent_epsilon(1.0, rounds_of[name]), rel=1e-3)
             assert "train-loss" not in metrics and "entropy" not in metrics
     assert sum(rounds_of.values()) == 12 and len(rounds_of) == 5  # 3 a round; task 2 brings two newcomers
+
+
+def sampled_epsilon(sigma: float, q: float, steps: int, rounds: int, prototypes: bool) -> float:
+    """dp-accounting's own PLD of ``rounds`` × (DP-SGD steps [+ one prototype release])."""
+    accountant = pld_privacy_accountant.PLDAccountant()
+    for _ in range(rounds):
+        accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        if prototypes:
+            accountant.compose(dp_accounting.GaussianDpEvent(sigma))
+    return accountant.get_epsilon(1e-5)
+
+
+SAMPLE = {**UCI, "dp-mode": "sample", "dp-noise-multiplier": 1.2, "dp-clip": 1.0, "local-epochs": 2}
+
+
+def test_sample_mode_fedavg_trains_with_dp_sgd_and_reports_the_sampled_epsilon(tmp_path):
+    rc = {**SAMPLE, "method": "fedavg", "avg-weighting": "uniform"}
+    n = weights_reply({"method": "fedavg", **UCI}, tmp_path, "off")[0].content["metrics"]["num-examples"]
+    reply, broadcast = weights_reply(rc, tmp_path, "sample")
+    metrics = reply.content["metrics"]
+    steps = 2 * -(-n // 8)
+    assert metrics["num-examples"] == 1 and "train-loss" not in metrics
+    assert metrics["dp-epsilon"] == pytest.approx(sampled_epsilon(1.2, 8 / n, steps, 1, False), rel=2e-3)
+    moved = sum(float(np.abs(reply.content["arrays"][k].numpy() - b.numpy()).sum()) for k, b in broadcast.items())
+    assert moved > 0  # it trained
+
+
+def test_sample_mode_fedproto_composes_dp_sgd_and_the_prototype_release(tmp_path):
+    rc = {**SAMPLE, "method": "fedproto", "num-server-rounds": 2, "out-dir": str(tmp_path / "runs"),
+          "fraction-evaluate": 0.0}
+    nodes = {100 + p: clientapp_node(client_app, rc, p, 3, state_dir=str(tmp_path / f"p{p}")) for p in range(3)}
+    server_main(InProcessGrid(nodes), Context(run_id=5, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
+    run = tmp_path / "runs" / "5"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    sizes = {p: len(clientapp_partition_labels(rc, p)) for p in range(3)}
+    for record in records:
+        assert record["accepted"] == 3 and record["fit"]["classes-present"] >= 1
+        for name, metrics in record["fit-clients"].items():
+            n = sizes[int(name.split()[-1])]
+            expected = sampled_epsilon(1.2, 8 / n, 2 * -(-n // 8), record["round"], True)
+            assert metrics["dp-epsilon"] == pytest.approx(expected, rel=2e-3), (name, record["round"])
+
+
+def clientapp_partition_labels(rc: dict, partition: int) -> np.ndarray:
+    """The training labels a partition holds (independently of the client under test)."""
+    from pollen.datasets.tasks import build_client_data
+
+    cfg = parse_run_config(rc)
+    return build_client_data(cfg.task, cfg.task_options(), partition, 3).y_train.numpy()
+
+
+def test_sample_mode_refuses_batchnorm_before_anything_starts():
+    with pytest.raises(ConfigError, match=r"model 'resnet10' has layer 'bn1' \(BatchNorm2d\).*GroupNorm.*"
+                                          r"'payload'.*without BatchNorm: cnn_mnist, lenet"):
+        parse_run_config({**SAMPLE, "method": "fedavg", "avg-weighting": "uniform", "model": "resnet10"})

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from pollen.privacy.accounting import Release
-from pollen.privacy.dpsgd import dp_sgd, refuse_cross_sample_layers, steps_and_rate
+from pollen.privacy.dpsgd import dp_sgd, refuse_cross_sample_layers
+from pollen.privacy.sample import steps_and_rate
 
 torch.set_num_threads(1)
 

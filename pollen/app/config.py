@@ -312,7 +312,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
 
 DP_KEYS = ("dp-mode", "dp-clip", "dp-noise-multiplier", "dp-target-epsilon", "dp-delta", "dp-max-epsilon")
 # The method families each private mode is wired into (docs/privacy.md); others are refused by name.
-DP_FAMILIES = {"payload": ("prototypes", "weights", "logits", "glfc"), "sample": ()}
+DP_FAMILIES = {"payload": ("prototypes", "weights", "logits", "glfc"), "sample": ("prototypes", "weights")}
 
 
 def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
@@ -342,8 +342,36 @@ def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
                           "dp-mode = 'payload' does not privatize for the logit family: set it to false")
     if family == "prototypes" and cfg.extra.get("proto-local-protos") == "training":
         raise ConfigError("run config key 'proto-local-protos' = 'training' releases training-time features, but "
-                          "dp-mode = 'payload' clips the embeddings of a pass after training: set "
+                          f"dp-mode = {cfg.dp_mode!r} clips the embeddings of a pass after training: set "
                           "proto-local-protos = 'post-pass'")
+    if cfg.dp_mode == "sample":
+        _refuse_cross_sample_models(cfg)
+
+
+def _refuse_cross_sample_models(cfg: RunConfig) -> None:
+    """DP-SGD needs per-sample gradients: a model with BatchNorm is refused now, naming the layer and
+    the fix, not at the first round (shapes only: built on the meta device)."""
+    import torch
+
+    from pollen.datasets.tasks import resolve_task
+    from pollen.models import MODEL_NAMES, build_model
+    from pollen.privacy.dpsgd import refuse_cross_sample_layers
+
+    task = resolve_task(cfg.task, cfg.task_options())
+
+    def model(name: str) -> torch.nn.Module:
+        with torch.device("meta"):
+            return build_model(name, task.num_classes, in_channels=task.fmt.channels, image_size=task.fmt.size,
+                               width=cfg.width_for(name))
+
+    for name in [cfg.model] if cfg.model else sorted({task.default_model, *task.partition_models}):
+        try:
+            refuse_cross_sample_layers(model(name), name)
+        except ValueError as err:
+            fitting = [m for m in MODEL_NAMES if not any(isinstance(x, torch.nn.modules.batchnorm._BatchNorm)
+                                                         for x in model(m).modules())]
+            raise ConfigError(f"run config key 'dp-mode' = 'sample': {err}; Pollen's models without BatchNorm: "
+                              f"{', '.join(fitting)} (run key 'model')") from None
 
 
 def _refuse_other_methods_keys(method: str, merged: Mapping[str, Any], extra_defaults: Mapping[str, Any]) -> None:

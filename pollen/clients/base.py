@@ -19,6 +19,7 @@ from pollen.datasets.tasks import ClientData, build_client_data, resolve_task
 from pollen.methods.training import LocalTraining, derive_seed, pick_device, seed_everything
 from pollen.models import SMALL_MODELS, SplitModel, build_model, to_channels_last
 from pollen.privacy.payload import PayloadPrivacy
+from pollen.privacy.sample import SamplePrivacy
 
 # Conv backbones are stored channels-last (NHWC): faster training on CPU as well as CUDA, see
 # bench/backbones.py and bench/results/backbones.md. The small nets (SMALL_MODELS) keep the default layout.
@@ -68,6 +69,15 @@ class PollenClient(NumPyClient):
             return None
         return PayloadPrivacy(self.cfg.privacy, self.cfg.num_server_rounds, self.state,
                               f"partition {self.partition_id}")
+
+    def sample_privacy(self, prototypes: bool = False) -> SamplePrivacy | None:
+        """``dp-mode = sample``: this client's DP-SGD plan over its training set (and, for ``prototypes``,
+        the prototype release after training) and its ledger. ``None`` in any other mode."""
+        if self.cfg.dp_mode != "sample":
+            return None
+        return SamplePrivacy(self.cfg.privacy, self.cfg.num_server_rounds, self.state, f"partition {self.partition_id}",
+                             num_records=self.data.num_train, batch_size=self.cfg.batch_size,
+                             epochs=self.cfg.local_epochs, prototypes=prototypes)
 
     def base_metrics(self) -> dict[str, Any]:
         return {"partition-id": self.partition_id}

@@ -45,7 +45,7 @@ class PrototypeClient(PollenClient):
         return PrototypeRound(self.method, self.settings, self.local_training(), self.state, self.data,
                               self.task.num_classes, self.device,
                               lambda: self.new_model(init_seed=init_seed, **self.model_kwargs()),
-                              self.payload_privacy())
+                              self.payload_privacy() or self.sample_privacy(prototypes=True))
 
     def load_model(self):
         return self.core.load_model()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pollen.clients.base import PollenClient
-from pollen.methods.terms import CrossEntropy, LossTerm, Proximal, objective
+from pollen.methods.terms import CrossEntropy, LossTerm, Proximal, train_terms
 from pollen.methods.training import evaluate_classifier, load_model_arrays, make_sgd, model_arrays, train_epochs
 
 
@@ -15,9 +15,10 @@ class WeightClient(PollenClient):
 
     def fit(self, parameters, config):
         server_round = int(config.get("server-round", 0))
-        privacy = self.payload_privacy()
-        if privacy is not None:
-            privacy.check()  # out of budget: stop before training, saying so
+        privacy, sample = self.payload_privacy(), self.sample_privacy()
+        for private in (privacy, sample):
+            if private is not None:
+                private.check()  # out of budget: stop before training, saying so
         mu = float(config.get("proximal-mu", 0.0))
         model = self.new_model()
         load_model_arrays(model, parameters)
@@ -25,11 +26,11 @@ class WeightClient(PollenClient):
         terms: list[LossTerm] = [CrossEntropy()] + ([Proximal(mu)] if mu > 0 else [])
         for term in terms:
             term.start(model)
-        training = self.local_training()
-        history = train_epochs(model, self.data.x_train, self.data.y_train, epochs=training.epochs,
-                               batch_size=training.batch_size, generator=generator, device=self.device,
-                               optimizer=training.sgd(model), loss_fn=objective(terms))
+        history, trained = train_terms(model, self.data.x_train, self.data.y_train, terms, self.local_training(),
+                                       generator=generator, device=self.device, sample=sample)
         metrics = self.base_metrics()
+        if sample is not None and trained is not None:  # DP-SGD: the model is private, n is not released
+            return model_arrays(model), 1, {**metrics, **sample.spend(trained)}
         if privacy is not None:
             reply, dp_metrics = privacy.update(list(parameters), model_arrays(model))
             return reply, 1, {**metrics, **dp_metrics}  # 1: the dataset size is not released (uniform weights)

@@ -38,11 +38,12 @@ from pollen.methods.prototype_losses import (
 )
 from pollen.methods.settings import setting
 from pollen.methods.state import StateStore
-from pollen.methods.terms import Batch, CrossEntropy, LossTerm, Proximal, objective
-from pollen.methods.training import LocalTraining, evaluate_classifier, seed_everything, train_epochs
+from pollen.methods.terms import Batch, CrossEntropy, LossTerm, Proximal, train_terms
+from pollen.methods.training import LocalTraining, evaluate_classifier, seed_everything
 from pollen.models import SplitModel
 from pollen.models.pretrained import load_stage_weights
 from pollen.privacy.payload import PayloadPrivacy
+from pollen.privacy.sample import SamplePrivacy
 
 LOCAL_PROTO_MODES = ("post-pass", "training")
 NEGATIVE_FORMS = ("hinge", "infonce")
@@ -223,15 +224,16 @@ class PrototypeRound:
     store → decode the global prototypes → build the method's loss terms → train → encode the local
     prototypes. ``new_model`` builds this client's model with its reproducible initial weights.
 
-    With ``privacy`` (``dp-mode = payload``) the reply is what the mechanism released — noisy sums and
-    counts of all classes from the post-pass embeddings — and the metrics only what reveals no data."""
+    With ``privacy`` the reply is what the mechanism released — noisy sums and counts of all classes
+    from the post-pass embeddings — and the metrics only what reveals no data; under ``dp-mode = sample``
+    (:class:`SamplePrivacy`) the model is trained with DP-SGD first."""
 
     MODEL_KEY = "proto-model"
     DA_KEY = "proto-da-state"
 
     def __init__(self, method: PrototypeMethod, settings: ProtoSettings, training: LocalTraining,
                  store: StateStore, data: ClientData, num_classes: int, device: torch.device,
-                 new_model: Callable[[], SplitModel], privacy: PayloadPrivacy | None = None):
+                 new_model: Callable[[], SplitModel], privacy: PayloadPrivacy | SamplePrivacy | None = None):
         self.method, self.settings, self.training = method, settings, training
         self.store, self.data, self.num_classes = store, data, num_classes
         self.device, self.new_model, self.privacy = device, new_model, privacy
@@ -281,10 +283,10 @@ class PrototypeRound:
         observers = []
         if self.settings.local_protos == "training":
             observers.append(TrainingTimePrototypes(self.num_classes, max(1, data.num_train // training.batch_size)))
-        history = train_epochs(model, data.x_train, data.y_train, epochs=training.epochs,
-                               batch_size=training.batch_size, generator=seed_everything(round_seed),
-                               device=self.device, drop_last=data.num_train >= training.batch_size,
-                               optimizer=training.sgd(model), loss_fn=objective(terms, observers))
+        sample = self.privacy if isinstance(self.privacy, SamplePrivacy) else None
+        history, trained = train_terms(model, data.x_train, data.y_train, terms, training,
+                                       generator=seed_everything(round_seed), device=self.device, sample=sample,
+                                       drop_last=data.num_train >= training.batch_size, observers=observers)
         self.store.save_module(self.MODEL_KEY, model)
 
         y_train = data.y_train.to(self.device)
@@ -310,8 +312,13 @@ class PrototypeRound:
         self.store.save_values(self.DA_KEY, da_state)
         if self.privacy is not None:
             assert z_train is not None
-            released, dp_metrics = self.privacy.prototypes(z_train.cpu().numpy(), y_train.cpu().numpy(),
-                                                           self.num_classes)
+            z_np, y_np = z_train.cpu().numpy(), y_train.cpu().numpy()
+            if isinstance(self.privacy, SamplePrivacy):
+                assert trained is not None
+                released = self.privacy.prototypes(z_np, y_np, self.num_classes)
+                dp_metrics = self.privacy.spend(trained)
+            else:
+                released, dp_metrics = self.privacy.prototypes(z_np, y_np, self.num_classes)
             private_reply = [released.sums.astype(np.float32), released.counts.astype(np.float32),
                              np.array([released.count_std], dtype=np.float32)]
             return private_reply, max(1, round(float(released.counts.sum()))), dp_metrics

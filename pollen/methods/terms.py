@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pollen.methods.training import LossFn, proximal_term
+from pollen.methods.training import EpochStats, LocalTraining, LossFn, proximal_term, train_epochs
+from pollen.privacy.accounting import Release
+from pollen.privacy.sample import SamplePrivacy
 
 
 @dataclass
@@ -104,3 +106,40 @@ def objective(terms: Sequence[LossTerm], observers: Sequence[Observer] = ()) -> 
         return loss, parts
 
     return loss_fn
+
+
+def scalar_objective(terms: Sequence[LossTerm]) -> Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss(model, x, y) -> Σ weight·value`` as one tensor, without the per-term floats of
+    :func:`objective`: what DP-SGD differentiates one sample at a time (under ``vmap``, where a tensor
+    cannot become a Python float). Call each term's ``start`` first."""
+    if not terms:
+        raise ValueError("an objective needs at least one loss term")
+
+    def loss(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = model.features(x)
+        batch = Batch(model, x, y, z, model.classify(z))
+        total = terms[0].weight * terms[0].value(batch)
+        for term in terms[1:]:
+            total = total + term.weight * term.value(batch)
+        return total
+
+    return loss
+
+
+def train_terms(model: Any, x: torch.Tensor, y: torch.Tensor, terms: Sequence[LossTerm], training: LocalTraining, *,
+                generator: torch.Generator, device: torch.device, sample: SamplePrivacy | None = None,
+                drop_last: bool = False, observers: Sequence[Observer] = ()) -> tuple[list[EpochStats], Release | None]:
+    """A round of local training on ``terms``: minibatch SGD (per-epoch losses), or under ``sample``
+    (``dp-mode = sample``) DP-SGD, which reports no losses but the :class:`Release` it ran."""
+    if sample is None:
+        return train_epochs(model, x, y, epochs=training.epochs, batch_size=training.batch_size, generator=generator,
+                            device=device, drop_last=drop_last, optimizer=training.sgd(model),
+                            loss_fn=objective(terms, observers)), None
+    if observers:
+        raise ValueError("DP-SGD cannot feed training-time observers: each batch is a secret Poisson sample")
+    from pollen.privacy.dpsgd import dp_sgd  # torch.func: only when DP-SGD runs
+
+    release = dp_sgd(model, x, y, loss=scalar_objective(terms), epochs=training.epochs,
+                     batch_size=training.batch_size, optimizer=training.sgd(model), clip=sample.config.clip,
+                     noise_multiplier=sample.noise_multiplier, device=device)
+    return [], release

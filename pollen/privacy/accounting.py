@@ -134,9 +134,9 @@ class Ledger:
     def epsilon_rdp(self) -> float:
         return rdp_epsilon(self.releases, self.delta)
 
-    def epsilon_after(self, release: Release) -> float:
-        """ε if ``release`` were composed next; the ledger is unchanged."""
-        return composed_epsilon([*self.releases, release], self.delta)
+    def epsilon_after(self, *releases: Release) -> float:
+        """ε if ``releases`` were composed next; the ledger is unchanged."""
+        return composed_epsilon([*self.releases, *releases], self.delta)
 
     def to_dict(self) -> dict[str, Any]:
         """A small JSON-able dict (the node's persisted state keeps it)."""
@@ -158,9 +158,10 @@ class Ledger:
 @functools.lru_cache(maxsize=64)
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: int,
                                sampling_probability: float = 1.0, steps_per_release: int = 1,
-                               rtol: float = 1e-3) -> float:
-    """The smallest noise multiplier (to ``rtol``) whose ``releases`` × ``steps_per_release``
-    compositions stay within ``target_epsilon`` at ``delta``: bisection on log σ over :func:`composed_epsilon`.
+                               full_per_release: int = 0, rtol: float = 1e-3) -> float:
+    """The smallest noise multiplier (to ``rtol``) whose ``releases`` × (``steps_per_release``
+    mechanisms at ``sampling_probability`` + ``full_per_release`` on all the data) stay within
+    ``target_epsilon`` at ``delta``: bisection on log σ over :func:`composed_epsilon`.
 
     ε falls as σ grows, so the bracket [lo, hi] keeps ε(lo) > target >= ε(hi) and the answer is hi:
     never above the target.
@@ -172,7 +173,10 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: in
         raise ValueError(f"releases and steps per release must be >= 1, got {releases} and {steps_per_release}")
 
     def eps(sigma: float) -> float:
-        return composed_epsilon([Release(sigma, sampling_probability, releases * steps_per_release)], delta)
+        plan = [Release(sigma, sampling_probability, releases * steps_per_release)]
+        if full_per_release:
+            plan.append(Release(sigma, 1.0, releases * full_per_release))
+        return composed_epsilon(plan, delta)
 
     lo, hi = 0.05, 1.0
     while eps(hi) > target_epsilon:

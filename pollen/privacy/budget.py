@@ -35,9 +35,9 @@ class Budget:
             raise ValueError(f"{who}: the stored privacy ledger is at delta {self.ledger.delta}, the run's "
                              f"'dp-delta' is {delta}; a ledger cannot change delta midway")
 
-    def check(self, release: Release) -> float:
-        """ε after ``release``; raises :class:`BudgetExhausted` (saying so) when it would pass the cap."""
-        after = self.ledger.epsilon_after(release)
+    def check(self, *releases: Release) -> float:
+        """ε after ``releases``; raises :class:`BudgetExhausted` (saying so) when it would pass the cap."""
+        after = self.ledger.epsilon_after(*releases)
         if self.max_epsilon > 0 and after > self.max_epsilon:
             raise BudgetExhausted(
                 f"{self.who} stops releasing: after {self.ledger.count} release(s) at epsilon "
@@ -45,9 +45,10 @@ class Budget:
                 f"{self.max_epsilon:g} (delta {self.ledger.delta:g})")
         return after
 
-    def spend(self, release: Release) -> dict[str, float]:
-        """Compose ``release`` (after :meth:`check`), persist the ledger, and return the round's metrics."""
-        epsilon = self.check(release)
-        self.ledger.add(release)
+    def spend(self, *releases: Release) -> dict[str, float]:
+        """Compose ``releases`` (after :meth:`check`), persist the ledger, and return the round's metrics."""
+        epsilon = self.check(*releases)
+        for release in releases:
+            self.ledger.add(release)
         self.store.save_values(LEDGER_KEY, self.ledger.to_dict())
         return {EPSILON: epsilon, DELTA: self.ledger.delta}

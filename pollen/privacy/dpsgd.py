@@ -21,6 +21,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from pollen.privacy.accounting import Release
+from pollen.privacy.sample import steps_and_rate
 
 SampleLoss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -35,14 +36,7 @@ def refuse_cross_sample_layers(model: torch.nn.Module, model_name: str) -> None:
             raise ValueError(
                 f"model {model_name!r} has layer '{name}' ({type(module).__name__}), which mixes the samples of "
                 "a batch, so per-sample gradients (dp-mode = 'sample') are undefined: use a model without "
-                "BatchNorm (a GroupNorm variant, or a small model such as cnn_mnist), or dp-mode = 'payload'")
-
-
-def steps_and_rate(num_records: int, batch_size: int, epochs: int) -> tuple[int, float]:
-    """(steps a round, sampling rate q): an epoch is ⌈n / batch⌉ steps at q = min(1, batch / n)."""
-    if num_records < 1 or batch_size < 1 or epochs < 1:
-        raise ValueError(f"DP-SGD needs >= 1 record, batch and epoch, got {num_records}, {batch_size}, {epochs}")
-    return epochs * math.ceil(num_records / batch_size), min(1.0, batch_size / num_records)
+                "BatchNorm (its BatchNorm layers replaced by GroupNorm), or dp-mode = 'payload'")
 
 
 class _Loss(torch.nn.Module):

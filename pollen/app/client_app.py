@@ -28,6 +28,7 @@ from pollen.app.config import ConfigError, NodeConfig, RunConfig, parse_node_con
 from pollen.app.registry import METHODS
 from pollen.app.results import run_directory
 from pollen.log import LOGGER
+from pollen.protocol.identity import encode_identity_reply
 
 app = ClientApp()
 HISTORY = "node-history"  # context.state key: rounds trained by this partition, restarts included
@@ -119,10 +120,10 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Answer a strategy's identity query (GLFC): which partition this node serves."""
-    from pollen.app.methods_glfc import answer_query
-
-    return answer_query(msg, context)
+    """Answer a strategy's identity query: which partition this node serves. Only the node config is read —
+    no run config, state, data or model — so a query costs Flower's message and nothing of Pollen's."""
+    return Message(content=encode_identity_reply(parse_node_config(context.node_config).partition_id),
+                   reply_to=msg)
 
 
 @app.evaluate()

@@ -64,6 +64,24 @@ SIMULATION_NODE_WAIT_S = 5.0
 REASON_CHARS = 2000  # a ClientApp traceback's last lines (long data paths included), bounded for metrics.jsonl
 
 
+def engine_partitions(grid: Grid) -> dict[int, int] | None:
+    """``{node id: partition id}`` as Flower's simulation engine assigned them, without a message; ``None``
+    for any other grid.
+
+    The engine registers its SuperNodes one after another in the in-memory link state the ServerApp's
+    grid reads, giving the i-th registered node ``partition-id`` i; the state keeps its nodes in
+    registration order. Only a grid whose link state holds exactly the connected nodes, in a dict,
+    qualifies (tests/test_identity_scale.py registers nodes with the engine's own function and checks
+    the result).
+    """
+    nodes = getattr(getattr(grid, "state", None), "nodes", None)
+    if not isinstance(nodes, dict) or not nodes:
+        return None
+    if set(grid.get_node_ids()) != set(nodes):
+        return None
+    return {int(node): i for i, node in enumerate(nodes)}
+
+
 class NoTrainingError(RuntimeError):
     """Raised when more rounds than allowed trained nobody: the run has failed."""
 
@@ -216,29 +234,59 @@ class PollenStrategy(Strategy):
         return sorted(self.rng.sample(nodes, size))
 
     def identify(self, server_round: int, grid: Grid, node_ids: Iterable[int]) -> None:
-        """Send one query to each node whose partition is unknown and register the partitions they claim.
+        """Learn the partition of each node whose partition is unknown and register it as that node's claim.
 
-        A claim here follows the rules of every reply (module docstring): a second connected node
-        claiming a partition quarantines it rather than losing to the first answer.
+        Under Flower's simulation engine the engine's own node → partition assignment is read from the grid
+        (:func:`engine_partitions`) and checked by querying two nodes: thousands of simultaneous queries
+        cost minutes there, because the engine scans every pending message for every node each poll.
+        Elsewhere, or when the check disagrees, every unknown node gets one query. Either way a partition
+        learnt here is a claim under the rules of every reply (module docstring): pins win, a changed
+        claim is refused, two connected claimants quarantine the partition, and each later train or
+        evaluate reply's ``partition-id`` must match it.
         """
         unknown = sorted(n for n in node_ids if n not in self.partition_of and n not in self._queried)
         if not unknown:
             return
-        self._queried.update(unknown)
+        engine = engine_partitions(grid)
+        if engine is not None and all(n in engine for n in unknown):
+            by_partition = sorted(unknown, key=engine.__getitem__)
+            probes = sorted({by_partition[0], by_partition[-1]})
+            answers = self._query(server_round, grid, probes)
+            if all(answers.get(n) == engine[n] for n in probes):
+                rest = [n for n in unknown if n not in answers]
+                self._queried.update(rest)
+                for n in rest:
+                    self._register_claim(n, engine[n])
+                self._warn_quarantine(server_round)
+                return
+            LOGGER.warning("round %d: could not confirm the simulation engine's node order (nodes %s answered "
+                           "partitions %s, the engine assigned %s); asking every node", server_round, probes,
+                           [answers.get(n) for n in probes], [engine[n] for n in probes])
+            unknown = [n for n in unknown if n not in self._queried]
+        self._query(server_round, grid, unknown)
+
+    def _query(self, server_round: int, grid: Grid, node_ids: Sequence[int]) -> dict[int, int]:
+        """One query to each of ``node_ids``; registers the valid claims and returns them (``{node: partition}``,
+        refused claims included: what each node said, not what it was granted)."""
+        if not node_ids:
+            return {}
+        self._queried.update(node_ids)
         messages = [Message(content=query_content(server_round), message_type=MessageType.QUERY, dst_node_id=n)
-                    for n in unknown]
+                    for n in node_ids]
         timeout = self.query_timeout if self.query_timeout is not None else self.timeout
         replies = list(grid.send_and_receive(messages, timeout=timeout))
         replies = self._record_failures(server_round, "query", messages, replies)
         self._prune_claims()
         bounds = {PARTITION_ID: COMMON_METRICS[PARTITION_ID]}
         verdicts: list[tuple[int, int | None, str | None]] = []
+        said: dict[int, int] = {}
         for msg in replies:
             node = int(msg.metadata.src_node_id)
             pid, reason = decode_identity_reply(msg.content)
             if pid is not None:
                 reason = check_metrics(msg.content[METRICS], bounds)
             if pid is not None and reason is None:
+                said.setdefault(node, pid)
                 self._register_claim(node, pid)
             verdicts.append((node, pid, reason))
         self._warn_quarantine(server_round)
@@ -248,6 +296,7 @@ class PollenStrategy(Strategy):
                 reason = self._check_partition(node, {PARTITION_ID: pid}, quarantined)
             if reason is not None or pid is None:
                 self.reject(server_round, "query", self.label(node), reason or "no partition id")
+        return said
 
     def partition_claim_reason(self, pid: int) -> str | None:
         """Why a node may not serve partition ``pid`` (``None``: it may); strategies with a plan override it."""

@@ -43,7 +43,7 @@ def test_unknown_task_and_key():
 
 
 @pytest.mark.parametrize("key,value,fragment", [
-    ("num-server-rounds", 0, "expected an integer >= 1"),
+    ("num-server-rounds", 0, "expected an integer in [1, 1000000]"),
     ("num-server-rounds", 2.5, "integer"),
     ("fraction-fit", 0.0, "expected a number in (0, 1]"),
     ("fraction-fit", 1.5, "expected a number in (0, 1]"),

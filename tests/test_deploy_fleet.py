@@ -34,7 +34,7 @@ from deploy.fleet import (
     parse_config_string,
     plan_nodes,
 )
-from pollen.app import launch
+from pollen.app import checkpoints
 from pollen.app.config import ConfigError
 from tests.conftest import PROJECT_ROOT, require_real_data
 
@@ -283,7 +283,9 @@ def test_supernode_killed_and_restarted_carries_on_from_its_state_dir(tmp_path, 
     assert served[0] == 1 and served[-1] == rounds, served  # the old node, then the new one to the end
     assert all("partition 0" in r["fit-clients"] for r in rows)
     assert not any("already served" in x["reason"] for r in rows for x in r.get("rejected", [])), rows
-    history = json.loads((tmp_path / "state" / "p1" / "small-state.json").read_text())["node-history"]["values"]
+    node_state = tmp_path / "state" / "p1"
+    newest = checkpoints.state_folder(node_state, checkpoints.state_rounds(node_state)[-1])
+    history = json.loads((newest / "small-state.json").read_text())["node-history"]["values"]
     # A fresh start would have counted only the new node's rounds (at most len(served) - 1); the old
     # process may also have trained round 2 before it died, without its reply arriving.
     assert len(served) <= history["rounds-trained"] <= len(served) + 1, (history, served)

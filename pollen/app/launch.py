@@ -4,16 +4,19 @@
 command. This launcher checks the run config against the app's keys before anything starts, starts its
 own ``flower-superlink`` (simulation, or deployment for ``deploy/``) with a private ``FLWR_HOME``,
 submits the app with ``flwr run``, streams the run's log, reads the final status with ``flwr ls`` (and
-the failure reason from ``<out-dir>/<run-id>/summary.json``) and always stops every process the launch
+the failure reason from the run folder's ``summary.json``) and always stops every process the launch
 started, by PID: the SuperLink, ``flower-superexec``, ``flwr-simulation``/``flwr-serverapp``/
-``flwr-clientapp`` and the run's private Ray instance. Used by ``make run``, the tests and the
-benchmarks::
+``flwr-clientapp`` and the run's private Ray instance — also when the launcher itself is killed (its
+watchdog, :class:`~pollen.app.processes.Watchdog`). From the command line a Pollen run gets a named,
+locked folder (``YYYYMMDD-HHMMSS-<method>-<task>``, ``latest``; :mod:`pollen.app.runs`), and
+``summary.json`` on every exit path. Used by ``make run``, the tests and the benchmarks::
 
     python -m pollen.app.launch --num-supernodes 5 --run-config "method='fedprox' num-server-rounds=3"
 
 Exit codes: 0 only for ``finished:completed``; 1 the run failed, was stopped or its status is unknown;
-2 bad options or run config (nothing was started); 3 the SuperLink died; 124 timeout; 128 + signal when
-interrupted (130 Ctrl-C, 143 SIGTERM).
+2 bad options or run config, an out-dir that cannot be written, a run folder another launcher holds or
+a resume that does not match its folder (nothing was started); 3 the SuperLink died; 124 timeout;
+128 + signal when interrupted (130 Ctrl-C, 143 SIGTERM).
 """
 
 from __future__ import annotations
@@ -974,7 +977,8 @@ def _catalog() -> str:
 
 
 def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
-    epilog = ("exit codes: 0 finished:completed; 1 run failed/stopped/unknown; 2 bad options or run config "
+    epilog = ("exit codes: 0 finished:completed; 1 run failed/stopped/unknown; 2 bad options or run config, "
+              "out-dir not writable, run folder held by another launcher, resume not matching its folder "
               "(nothing started); 3 SuperLink died; 124 timeout; 130/143 interrupted (Ctrl-C/SIGTERM)")
     if catalog:
         epilog = _catalog() + "\n\n" + epilog
@@ -997,8 +1001,9 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
                         help="run keys of [tool.flwr.app.config], e.g. \"method='fedprox' num-server-rounds=3\" "
                              "(or one .toml file); unknown keys are refused before anything starts")
     parser.add_argument("--out-dir", default=None,
-                        help="results root, the 'out-dir' run key; results land in OUT_DIR/<run-id>/ (default: the "
-                             "run config's out-dir, else $POLLEN_OUT_DIR, else ./pollen-runs)")
+                        help="results root, the 'out-dir' run key; results land in "
+                             "OUT_DIR/YYYYMMDD-HHMMSS-<method>-<task>/, OUT_DIR/latest points at the newest (default: "
+                             "the run config's out-dir, else $POLLEN_OUT_DIR, else ./pollen-runs)")
     parser.add_argument("--data-root", default=None,
                         help="dataset root, the 'data-root' run key (default: the run config's, else "
                              "$POLLEN_DATA_ROOT as the app reads it)")
@@ -1006,8 +1011,9 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
                         help="attach the simulation to this Ray cluster (default: start a private local Ray, "
                              "RAY_ADDRESS=local, ignoring any cluster recorded on this machine)")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its last valid checkpoint, with its config.json "
-                             "(--run-config may change only num-server-rounds, paths, device, torch-threads)")
+                        help="continue the run in RUN_DIR (e.g. OUT_DIR/latest) from its last valid checkpoint, "
+                             "with its config.json and SuperNodes (--run-config may change only num-server-rounds, "
+                             "paths, device, torch-threads; no --out-dir: it stays in RUN_DIR)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped (exit 124)")
     parser.add_argument("--quiet", action="store_true", help="do not stream the run's log")
     return parser

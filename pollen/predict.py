@@ -292,9 +292,17 @@ def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | 
     check_state(model, arrays, weights,
                 f"model {name!r} (width {width}, {task.num_classes} classes) built from {config}")
     _load_into(model, arrays)
+    from pollen.app.runs import RunFolderError, recorded_supernodes
+
+    try:
+        partitions = recorded_supernodes(run_dir)  # launch.json, or the run's nodes/partition-* folders
+    except RunFolderError as err:
+        raise PredictError(str(err)) from err
     info = {"method": cfg.method, "task": cfg.task, "model": name, "width": width,
             "num-classes": task.num_classes, "round": meta.get("round"), "seed": cfg.seed,
             "in-channels": task.fmt.channels, "image-size": task.fmt.size}
+    if partitions is not None:
+        info["num-partitions"] = partitions
     if task.class_names:
         info["class-names"] = list(task.class_names)
         if cfg.image_mean and cfg.image_std:

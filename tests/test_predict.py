@@ -354,3 +354,10 @@ def test_partitioning_comes_from_the_model_and_predictions_go_to_stdout(uci_runs
     rows = list(csv.reader(out.split("predictions (", 1)[1].splitlines()[1:]))
     assert rows[0] == ["file", "label", "prediction", "score"]
     assert len(rows) - 1 == _reported(run_dir, 2)["num-examples"] and rows[1][0] == "uci-dirichlet/partition-2/test/0"
+
+
+def test_a_global_model_takes_the_partitioning_its_run_folder_records(uci_runs, capsys):
+    run_dir = uci_runs["fedavg"]
+    rc, out, _ = _predict(capsys, "--run", run_dir, "--partition", 1)  # 3 nodes/partition-* folders
+    assert rc == 0, out
+    assert abs(_accuracy(out) - _reported(run_dir, 1)["accuracy"]) <= 1e-6

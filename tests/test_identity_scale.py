@@ -159,3 +159,23 @@ def test_the_clientapp_answers_a_query_from_the_node_config_alone(monkeypatch):
     query.metadata.__dict__["_message_id"] = "q1"
     reply = client_app.app(query, context)
     assert reply.content["metrics"][PARTITION_ID] == 4 and len(context.state) == 0
+
+
+def test_simulation_sampling_waits_for_the_engine_to_finish_registering():
+    """The engine registers its nodes just after the ServerApp starts: a draw over the nodes seen so far
+    would depend on timing, so the first answer waits until the count holds still."""
+    class InMemoryGrid(EngineGrid):  # the name the simulation's grid has
+        def __init__(self, num_nodes: int):
+            super().__init__(num_nodes)
+            self.calls = 0
+
+        def get_node_ids(self):
+            self.calls += 1
+            registered = list(self.mapping)[:10 * self.calls]
+            return registered
+
+    grid = InMemoryGrid(50)
+    strategy = WeightAveraging(identify_nodes=True)
+    assert strategy.wait_for_nodes(grid, 5) == sorted(grid.mapping)
+    assert grid.calls == 6  # grew for five calls, then held still once
+    assert strategy.wait_for_nodes(grid, 5) == sorted(grid.mapping) and grid.calls == 7  # settled: no more waiting

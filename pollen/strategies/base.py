@@ -191,25 +191,33 @@ class PollenStrategy(Strategy):
         self.query_timeout = query_timeout
         self.timeout: float | None = None  # start()'s, the default wait for query replies
         self._queried: set[int] = set()
+        self._settled = False  # the simulation's node registration was seen to have finished
         self.reports: dict[int, RoundReport] = {}
 
     # ------------------------------------------------------------------ sampling and messages
     def wait_for_nodes(self, grid: Grid, needed: int) -> list[int]:
         """Connected node ids once ``needed`` are there; a clear error after ``node_wait_s``.
 
-        Flower's simulation registers every node before the ServerApp starts, so there no node will
-        come later: the wait is cut to a few seconds.
+        Flower's simulation registers all its nodes, one after another, just after the ServerApp starts,
+        so there no node comes later: the wait is cut to a few seconds, and the first answer waits until
+        the count holds still for one poll — a draw over half-registered nodes would depend on timing.
         """
-        wait = min(self.node_wait_s, SIMULATION_NODE_WAIT_S) if type(grid).__name__ == "InMemoryGrid" \
-            else self.node_wait_s
+        simulation = type(grid).__name__ == "InMemoryGrid"
+        wait = min(self.node_wait_s, SIMULATION_NODE_WAIT_S) if simulation else self.node_wait_s
         self.grid = grid
         deadline = time.monotonic() + wait
         next_log = 0.0
+        previous: list[int] | None = None
         while True:
             nodes = sorted(grid.get_node_ids())
-            if len(nodes) >= needed:
+            if len(nodes) >= needed and (not simulation or self._settled or nodes == previous):
+                self._settled = True
                 return nodes
+            previous = nodes
             now = time.monotonic()
+            if now >= deadline and len(nodes) >= needed:  # still growing after the wait: take what is there
+                self._settled = True
+                return nodes
             if now >= deadline:
                 raise NoTrainingError(
                     f"only {len(nodes)} node(s) connected after {wait:.0f} s, but "

@@ -65,6 +65,18 @@ def test_an_out_dir_that_cannot_be_created_is_refused_before_anything_starts(tmp
     assert code == EXIT_USAGE and f"out-dir {blocker / 'runs'} cannot be created: Not a directory" in err
 
 
+def test_too_little_free_space_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch, nothing_starts):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(2**30, 2**30 - 2**20, 2**20))
+    code = launch.main(["--run-config", "num-server-rounds=1", "--out-dir", str(tmp_path / "new" / "runs")])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and f"{tmp_path / 'new' / 'runs'}: 1 MiB free, the run needs about 256 MiB" in err
+    assert not (tmp_path / "new").exists()
+
+
 def test_seed_and_counts_are_bounded_before_anything_starts(capsys, nothing_starts):
     code = launch.main(["--run-config", f"seed={2**32}"])
     assert code == EXIT_USAGE

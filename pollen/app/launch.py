@@ -47,11 +47,13 @@ from pollen.app.results import write_stopped_summary
 from pollen.app.runs import (
     RunFolderError,
     RunLock,
+    check_free_space,
     create_run_dir,
     link_latest,
     read_launch_info,
     recorded_supernodes,
     run_name,
+    space_needed,
     write_launch_info,
 )
 
@@ -1101,6 +1103,7 @@ def prepare_run_dir(app_dir: Path, values: dict[str, Any], results_root: Path, r
                     args: argparse.Namespace) -> tuple[Path, RunLock]:
     """A new run's folder ``YYYYMMDD-HHMMSS-<method>-<task>`` (or the resumed one), locked for this
     launcher, ``latest`` pointing at it, its federation in ``launch.json``. ``values`` gets ``run-name``."""
+    check_free_space(run_dir if run_dir is not None else results_root, space_needed(run_dir))
     if run_dir is None:
         merged = {**app_run_config(app_dir), **values}
         name = str(values.get("run-name") or run_name(str(merged.get("method")), str(merged.get("task"))))

@@ -60,6 +60,39 @@ def create_run_dir(out_dir: Path, name: str) -> Path:
     raise RunFolderError(f"out-dir {out_dir}: 999 runs named {name} already")
 
 
+MIN_FREE_BYTES = 256 * 2**20  # a new run: config, metrics, plots, a few small checkpoints and node states
+
+
+def space_needed(run_dir: Path | None) -> int:
+    """Bytes a run needs free before it starts: a fixed floor for a new run; for a resumed one, room
+    for another round of everything it keeps (its newest checkpoint and one state of every node, each
+    written beside the old one before that is pruned), twice over."""
+    if run_dir is None:
+        return MIN_FREE_BYTES
+    run_dir = Path(run_dir)
+    checkpoints = sorted((run_dir / "checkpoints").glob("round-*.safetensors"))
+    newest = checkpoints[-1].stat().st_size if checkpoints else 0
+    node_state = 0
+    for node in (run_dir / "nodes").glob("partition-*"):
+        rounds = sorted(p for p in node.glob("round-*") if p.is_dir())
+        if rounds:
+            node_state += sum(f.stat().st_size for f in rounds[-1].iterdir() if f.is_file())
+    return max(MIN_FREE_BYTES, 2 * (newest + node_state))
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    """``RunFolderError`` before anything starts when ``folder``'s file system has less than ``needed``."""
+    import shutil
+
+    existing = Path(folder).resolve()
+    while not existing.exists() and existing != existing.parent:  # a new out-dir: its file system
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        raise RunFolderError(f"{folder}: {free / 2**20:.0f} MiB free, the run needs about {needed / 2**20:.0f} MiB "
+                             "(checkpoints and node states); free some space or choose another --out-dir")
+
+
 def link_latest(run_dir: Path) -> Path:
     """Point ``<out-dir>/latest`` at ``run_dir`` (relative, replaced atomically)."""
     run_dir = Path(run_dir)

@@ -173,15 +173,22 @@ def run_floor(n: int, args) -> dict:
         cmd = floor_command(Path(tmp) / "floor-app", n, args.rounds, sampled=k, evaluate_every_round=True,
                             extra=("--timeout", str(args.timeout)))
         started = time.monotonic()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[tuple[float, str]] = []  # (seconds since launch, line): the round lines as they come
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.monotonic() - started, line))
+        proc.wait()
         wall = time.monotonic() - started
-    walls = [sum(float(t) for t in re.findall(r"replies ([0-9.]+)s", line))
-             for line in proc.stdout.splitlines() if line.startswith("[floor] round ")]
+    rounds = [(at, line) for at, line in lines if line.startswith("[floor] round ")]
+    walls = [sum(float(t) for t in re.findall(r"replies ([0-9.]+)s", line)) for _, line in rounds]
     row = {"clients": n, "sampled-per-round": k, "rounds": args.rounds, "rc": proc.returncode,
            "launch-wall-s": round(wall, 1), "round-wall-s": [round(w, 2) for w in walls],
            "ms-per-message": [round(1000 * w / (2 * k), 1) for w in walls]}
+    if rounds:  # as Pollen's: when round 1's line appeared, less round 1's own wall
+        row["time-to-round-1-s"] = round(rounds[0][0] - walls[0], 1)
     if proc.returncode != 0:
-        row["log-tail"] = (proc.stdout + proc.stderr)[-3000:]
+        row["log-tail"] = "".join(line for _, line in lines)[-3000:]
     return row
 
 
@@ -255,24 +262,33 @@ def report(out: Path) -> None:
              "that round (train + evaluate). *Peak PSS*: proportional set size of the launch's whole "
              "process tree (SuperLink, ServerApp, Ray and its workers), summed, shared pages counted once. "
              "Written by `bench/scale.py` from `bench/results/scale/*.json`.", "",
-             "Before round 1 the strategy asks every node its partition once (a `query` message each), so that "
-             "one seed samples the same partitions in every run; at N = 10,000 these 10,000 queries are most of "
-             "the time to round 1. `bench/results/scale-before-identify/` holds the same study sampled by node id "
-             "(no queries), run on a more loaded machine.", "",
+             "Before round 1 the strategy learns which partition each node serves, so that one seed samples the "
+             "same partitions in every run: under the simulation engine it reads the engine's assignment and "
+             "confirms it with two `query` messages (below: before that, one query per node). Those two queries "
+             "wait for the engine to start, so the engine's start-up falls before round 1; in the floor, and in "
+             "`bench/results/scale-before-identify/` (sampled by node id, no queries, a more loaded machine), it "
+             "falls inside round 1's wall. *Round 1 ends* (time to round 1 + round 1's wall) compares them.", "",
              "*Busiest actor*: the CPU-seconds of the Ray actor (one per core, each running ClientApps one "
              "after another) that worked most during the round, train and evaluate messages together, read from "
              "`/proc` 8 times a second; round wall / busiest actor near 1 means the round waited for client "
              "work, not for dispatch (runs before this column existed show –).", "",
-             "| N | sampled | exit | time to round 1 s | round wall s (1 / 2 / 3) | ms/message (1 / 2 / 3) | "
-             "busiest actor CPU s | round wall / busiest actor | peak PSS MB | processes | launch wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| N | sampled | exit | time to round 1 s | round 1 ends s | round wall s (1 / 2 / 3) | "
+             "ms/message (1 / 2 / 3) | busiest actor CPU s | round wall / busiest actor | peak PSS MB | processes | "
+             "launch wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def per_round(values) -> str:
         return " / ".join("–" if v is None else str(v) for v in values or []) or "–"
 
+    def round_one_ends(r: dict) -> str:
+        if r.get("time-to-round-1-s") is None or not r.get("round-wall-s"):
+            return "–"
+        return str(round(r["time-to-round-1-s"] + r["round-wall-s"][0], 1))
+
     for r in rows:
         lines.append(f"| {r['clients']:,} | {r['sampled-per-round']} | {r['rc']} | {r.get('time-to-round-1-s', '–')} | "
-                     f"{per_round(r.get('round-wall-s'))} | {per_round(r.get('ms-per-message'))} | "
+                     f"{round_one_ends(r)} | {per_round(r.get('round-wall-s'))} | "
+                     f"{per_round(r.get('ms-per-message'))} | "
                      f"{per_round(r.get('busiest-actor-cpu-s'))} | "
                      f"{per_round(r.get('round-wall-per-busiest-actor'))} | "
                      f"{r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} |")
@@ -283,12 +299,28 @@ def report(out: Path) -> None:
                   "The same launch of a Flower app with no Pollen and no torch (`FLOOR_APP` in "
                   "`bench/overhead.py`): N SuperNodes, the same k sampled for train and then evaluate each round, "
                   "every node answering at once. Its round wall is what Flower's dispatch alone costs in this shape.",
-                  "", "| N | sampled | exit | round wall s (1 / 2 / 3) | ms/message (1 / 2 / 3) | launch wall s |",
-                  "|---|---|---|---|---|---|"]
+                  "", "| N | sampled | exit | time to round 1 s | round 1 ends s | round wall s (1 / 2 / 3) | "
+                  "ms/message (1 / 2 / 3) | launch wall s |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in floors:
             lines.append(f"| {r['clients']:,} | {r['sampled-per-round']} | {r['rc']} | "
+                         f"{r.get('time-to-round-1-s', '–')} | {round_one_ends(r)} | "
                          f"{per_round(r.get('round-wall-s'))} | {per_round(r.get('ms-per-message'))} | "
                          f"{r['launch-wall-s']} |")
+    pairs = sorted((json.loads(p.read_text()) for p in (out / "scale-identity").glob("*.json")),
+                   key=lambda r: (r["clients"], r["order"]))
+    if pairs:
+        lines += ["", "## Identity: one query per node vs the engine's assignment, interleaved", "",
+                  "The same launch at the same N with Pollen before (`queries`: one `query` message per node before "
+                  "round 1) and after (`engine`: the engine's assignment, two queries), run in the order shown "
+                  "(old, new, new, old) so that the machine's load hits both alike. *Load*: the machine's 1-minute "
+                  "load average when the launch started (2 cores). Rows: `bench/results/scale-identity/*.json`.", "",
+                  "| N | order | identity | load | time to round 1 s | round 1 ends s | round wall s (1 / 2 / 3) | "
+                  "launch wall s |", "|---|---|---|---|---|---|---|---|"]
+        for r in pairs:
+            lines.append(f"| {r['clients']:,} | {r['order']} | {r['identity']} | {r['load-1min']} | "
+                         f"{r.get('time-to-round-1-s', '–')} | {round_one_ends(r)} | "
+                         f"{per_round(r.get('round-wall-s'))} | {r['launch-wall-s']} |")
     with_roles = [r for r in rows if any(r.get("cpu-by-role-s") or [])]
     if with_roles:
         lines += ["", "## Where the CPU went in the last round", "",

@@ -518,6 +518,9 @@ def test_the_run_dies_with_its_launcher(tmp_path):
     text = "".join(lines)
     assert left == "" and stopped_after <= 10.0, f"{stopped_after:.1f}s: {left}\n{text[-3000:]}"
     assert everything == "", everything
+    # what happens before round 1 is said as it happens
+    assert re.search(r"^\[pollen\] SuperLink up on port \d+ \([\d.]+s\)", text, flags=re.M), text[-3000:]
+    assert "waiting for round 1 (the simulation starts Ray with 2 ClientApp actor(s) first)" in text
     home = re.search(r"^\[pollen\] FLWR_HOME (\S+) \(private", text, flags=re.M)
     assert home and not Path(home.group(1)).exists(), text[-3000:]
     run_dir = (out / "latest").resolve()

@@ -46,3 +46,19 @@ def test_round_report_keeps_failure_reasons_and_failed_status(tmp_path):
     summary = rec.finish(status="failed", reason="round 1 trained nobody")
     assert summary["status"] == "failed" and summary["failure-reason"] == "round 1 trained nobody"
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_round_lines_say_elapsed_time_and_eta(tmp_path, monkeypatch, capsys):
+    import pollen.app.results as results
+
+    clock = [100.0]
+    monkeypatch.setattr(results.time, "perf_counter", lambda: clock[0])
+    rec = RunRecorder(tmp_path / "run", {"method": "fedavg", "task": "uci-dirichlet"}, num_rounds=5,
+                      resume_after=1)  # a resumed run: its ETA counts only the rounds this process ran
+    for rnd in (2, 3):
+        rec.round(rnd)
+        clock[0] += 30.0
+        rec.end_round(rnd)
+    out = capsys.readouterr().out
+    assert "round 2/5 |" in out and "| elapsed 30s, ETA 1m30s" in out
+    assert "round 3/5 |" in out and "| elapsed 1m00s, ETA 1m00s" in out

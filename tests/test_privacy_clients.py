@@ -22,6 +22,7 @@ from pollen.app.server_app import main as server_main
 from pollen.clients.state import ClientState
 from pollen.privacy import calibrate_noise_multiplier
 from pollen.protocol import prototypes as proto_protocol
+from pollen.strategies.base import NoTrainingError
 from tests.inprocess import InProcessGrid, clientapp_node, set_task_identity
 
 torch.set_num_threads(1)
@@ -327,3 +328,17 @@ def test_sample_mode_refuses_batchnorm_before_anything_starts():
     with pytest.raises(ConfigError, match=r"model 'resnet10' has layer 'bn1' \(BatchNorm2d\).*GroupNorm.*"
                                           r"'payload'.*without BatchNorm: cnn_mnist, lenet"):
         parse_run_config({**SAMPLE, "method": "fedavg", "avg-weighting": "uniform", "model": "resnet10"})
+
+
+def test_a_run_whose_clients_all_stop_releasing_fails_with_that_reason(tmp_path):
+    cap = independent_epsilon(2.0, 1) * 1.001  # room for one release each
+    rc = {**PAYLOAD, "dp-max-epsilon": cap, "num-server-rounds": 3, "out-dir": str(tmp_path / "runs"),
+          "fraction-evaluate": 0.0}
+    nodes = {100 + p: clientapp_node(client_app, rc, p, 3, state_dir=str(tmp_path / f"p{p}")) for p in range(3)}
+    with pytest.raises(NoTrainingError, match="stops releasing"):
+        server_main(InProcessGrid(nodes), Context(run_id=3, node_id=0, node_config={}, state=RecordDict(),
+                                                  run_config=rc))
+    summary = json.loads((tmp_path / "runs" / "3" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "stops releasing" in summary["failure-reason"], summary
+    records = [json.loads(line) for line in (tmp_path / "runs" / "3" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["accepted"] == 3

@@ -465,7 +465,7 @@ def arrays_ok(kind: str, record: Any, max_examples: int) -> bool:
 
 @dataclass
 class Verdicts:
-    accepted: list[int] = field(default_factory=list)  # nodes, in arrival order
+    accepted: list[int] = field(default_factory=list)  # nodes, by partition claimed (then node id), not arrival
     rejected: int = 0
     failed: int = 0
 
@@ -486,7 +486,7 @@ def oracle(kind: str, stage: str, replies: list[tuple[int, RecordDict | None]], 
         if metrics_ok(metrics, stage, max_examples) and "partition-id" in metrics:
             claimants.setdefault(int(metrics["partition-id"]), set()).add(node)
     untrusted = {pid for pid, nodes in claimants.items() if len(nodes) > 1}
-    seen = set()
+    seen, claimed = set(), {}
     for node, content in replies:
         if content is None:
             out.failed += 1
@@ -510,6 +510,9 @@ def oracle(kind: str, stage: str, replies: list[tuple[int, RecordDict | None]], 
             out.rejected += 1  # logits on another (or an unnamed) public set
             continue
         out.accepted.append(node)
+        if "partition-id" in metrics:
+            claimed[node] = int(metrics["partition-id"])
+    out.accepted.sort(key=lambda n: (0, claimed[n], n) if n in claimed else (1, n, n))
     return out
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pollen.app.checkpoints import write_json
 from pollen.strategies.base import RoundReport
 
 STATUSES = ("completed", "failed", "interrupted")
@@ -114,7 +115,7 @@ class RunRecorder:
             self.rounds = [json.loads(line) for line in kept]
             metrics.write_text("".join(line + "\n" for line in kept))
         else:
-            (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            write_json(self.run_dir / "config.json", config)  # with its sidecar: predict and --resume verify it
             metrics.write_text("")
         self._print(f"[pollen] method={config.get('method')} task={config.get('task')} "
                     f"rounds={num_rounds} -> {self.run_dir}")

@@ -172,6 +172,7 @@ def run_floor(n: int, args) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"pollen-floor-{n}-") as tmp:
         cmd = floor_command(Path(tmp) / "floor-app", n, args.rounds, sampled=k, evaluate_every_round=True,
                             extra=("--timeout", str(args.timeout)))
+        load = os.getloadavg()[0]
         started = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list[tuple[float, str]] = []  # (seconds since launch, line): the round lines as they come
@@ -183,7 +184,7 @@ def run_floor(n: int, args) -> dict:
     rounds = [(at, line) for at, line in lines if line.startswith("[floor] round ")]
     walls = [sum(float(t) for t in re.findall(r"replies ([0-9.]+)s", line)) for _, line in rounds]
     row = {"clients": n, "sampled-per-round": k, "rounds": args.rounds, "rc": proc.returncode,
-           "launch-wall-s": round(wall, 1), "round-wall-s": [round(w, 2) for w in walls],
+           "launch-wall-s": round(wall, 1), "load-1min": round(load, 2), "round-wall-s": [round(w, 2) for w in walls],
            "ms-per-message": [round(1000 * w / (2 * k), 1) for w in walls]}
     if rounds:  # as Pollen's: when round 1's line appeared, less round 1's own wall
         row["time-to-round-1-s"] = round(rounds[0][0] - walls[0], 1)
@@ -214,6 +215,7 @@ def run_one(n: int, args) -> dict:
         first_line_s = None
         round_ends: list[float] = []  # monotonic time each round's metrics line appeared (within 0.1 s)
         with TreeMemory() as memory, log.open("w") as out:
+            load = os.getloadavg()[0]  # other work on the machine: every figure here is a wall time
             started = time.monotonic()
             proc = subprocess.Popen(cmd, cwd=ROOT, env=memory.env(), stdout=out, stderr=subprocess.STDOUT)
             while proc.poll() is None:
@@ -227,7 +229,7 @@ def run_one(n: int, args) -> dict:
                 time.sleep(0.1)
             wall = time.monotonic() - started
         row: dict = {"clients": n, "sampled-per-round": k, "fraction": round(k / n, 4), "rounds": args.rounds,
-                     "rc": proc.returncode, "launch-wall-s": round(wall, 1),
+                     "rc": proc.returncode, "launch-wall-s": round(wall, 1), "load-1min": round(load, 2),
                      "peak-pss-mb": round(memory.peak_bytes / 2**20, 1),
                      "processes-at-peak": memory.peak_processes}
         runs = run_folders(out_dir)
@@ -271,11 +273,12 @@ def report(out: Path) -> None:
              "*Busiest actor*: the CPU-seconds of the Ray actor (one per core, each running ClientApps one "
              "after another) that worked most during the round, train and evaluate messages together, read from "
              "`/proc` 8 times a second; round wall / busiest actor near 1 means the round waited for client "
-             "work, not for dispatch (runs before this column existed show –).", "",
+             "work, not for dispatch (runs before this column existed show –). *Load*: the machine's 1-minute load "
+             "average when the launch started (2 cores; – where not recorded).", "",
              "| N | sampled | exit | time to round 1 s | round 1 ends s | round wall s (1 / 2 / 3) | "
              "ms/message (1 / 2 / 3) | busiest actor CPU s | round wall / busiest actor | peak PSS MB | processes | "
-             "launch wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "launch wall s | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def per_round(values) -> str:
         return " / ".join("–" if v is None else str(v) for v in values or []) or "–"
@@ -291,7 +294,7 @@ def report(out: Path) -> None:
                      f"{per_round(r.get('ms-per-message'))} | "
                      f"{per_round(r.get('busiest-actor-cpu-s'))} | "
                      f"{per_round(r.get('round-wall-per-busiest-actor'))} | "
-                     f"{r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} |")
+                     f"{r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} | {r.get('load-1min', '–')} |")
     floors = sorted((json.loads(p.read_text()) for p in (out / "scale" / "floor").glob("*.json")),
                     key=lambda r: r["clients"])
     if floors:
@@ -300,13 +303,13 @@ def report(out: Path) -> None:
                   "`bench/overhead.py`): N SuperNodes, the same k sampled for train and then evaluate each round, "
                   "every node answering at once. Its round wall is what Flower's dispatch alone costs in this shape.",
                   "", "| N | sampled | exit | time to round 1 s | round 1 ends s | round wall s (1 / 2 / 3) | "
-                  "ms/message (1 / 2 / 3) | launch wall s |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "ms/message (1 / 2 / 3) | launch wall s | load |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in floors:
             lines.append(f"| {r['clients']:,} | {r['sampled-per-round']} | {r['rc']} | "
                          f"{r.get('time-to-round-1-s', '–')} | {round_one_ends(r)} | "
                          f"{per_round(r.get('round-wall-s'))} | {per_round(r.get('ms-per-message'))} | "
-                         f"{r['launch-wall-s']} |")
+                         f"{r['launch-wall-s']} | {r.get('load-1min', '–')} |")
     pairs = sorted((json.loads(p.read_text()) for p in (out / "scale-identity").glob("*.json")),
                    key=lambda r: (r["clients"], r["order"]))
     if pairs:

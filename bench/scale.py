@@ -294,7 +294,8 @@ def report(out: Path) -> None:
                      f"{per_round(r.get('ms-per-message'))} | "
                      f"{per_round(r.get('busiest-actor-cpu-s'))} | "
                      f"{per_round(r.get('round-wall-per-busiest-actor'))} | "
-                     f"{r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} | {r.get('load-1min', '–')} |")
+                     f"{r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} | "
+                     f"{r.get('load-1min', '–')} |")
     floors = sorted((json.loads(p.read_text()) for p in (out / "scale" / "floor").glob("*.json")),
                     key=lambda r: r["clients"])
     if floors:

@@ -19,6 +19,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
@@ -322,3 +323,22 @@ def test_two_glfc_runs_with_one_seed_write_the_same_metrics_whichever_node_answe
     _assert_identical_apart_from_timing(first, second, rounds=2)
     fits = [json.loads(x)["fit"] for x in first]
     assert sum(f.get("proxy-gradients", 0) for f in fits) > 0  # the proxy pooled gradients, identically
+
+
+# -- (c) end to end: `make run`'s shape at 2 rounds, twice, through the launcher's simulation -------------
+@pytest.mark.e2e
+def test_two_launches_of_make_runs_shape_write_the_same_metrics(tmp_path):
+    """Ray runs the 5 ClientApps on as many actors as there are cores: replies arrive as they finish."""
+    from pollen.app.launch import DEFAULT_SUPERNODES, simulate
+    from tests.conftest import PROJECT_ROOT
+
+    lines = []
+    for run in (0, 1):
+        out = tmp_path / f"runs-{run}"
+        outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / f"flwr-{run}", num_supernodes=DEFAULT_SUPERNODES,
+                           run_config=f"num-server-rounds=2 out-dir='{out}'", timeout=300, echo=False)
+        assert outcome.completed, outcome.log[-4000:]
+        (metrics,) = out.glob("*/metrics.jsonl")
+        lines.append(metrics.read_text().splitlines())
+    _assert_identical_apart_from_timing(lines[0], lines[1], rounds=2)
+    assert len(json.loads(lines[0][-1])["fit-clients"]) == DEFAULT_SUPERNODES

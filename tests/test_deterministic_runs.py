@@ -7,9 +7,10 @@ order and are delivered in another order (:class:`ShuffledGrid`): every aggregat
 average, the GLFC proxy's pool (its reconstructions) and a whole run's ``metrics.jsonl`` must be
 bit-identical. Bit-equality holds by construction: the same terms are summed in the same order.
 
-Where a float32 aggregate would hide the order (a float64 sum rounds to the same float32 almost always),
-the payloads here are float64, and metric averages are float64 anyway: with replies in arrival order
-these tests fail.
+A float32 aggregate hides the order (its float64 sum rounds to the same float32 almost always), so the
+FedAvg and homogeneous-logit states here are float64; prototypes and logits must be float32, and there
+the order shows in the float64 metric averages; for GLFC in the proxy's pool as well. Each test fails
+with replies taken in arrival order (checked by making ``reply_order`` a constant).
 """
 
 from __future__ import annotations

@@ -154,6 +154,8 @@ def test_a_payload_run_aggregates_and_records_epsilon_per_client(tmp_path):
 def test_payload_mode_is_refused_where_it_is_not_wired():
     with pytest.raises(ConfigError, match="'dp-mode' = 'payload' is not available for method 'local'"):
         parse_run_config({"method": "local", **UCI, "dp-mode": "payload", "dp-noise-multiplier": 1.0})
+    with pytest.raises(ConfigError, match="method 'solo' sends nothing to the server"):
+        parse_run_config({**TINY_FCCL, "method": "solo", "dp-mode": "payload", "dp-noise-multiplier": 1.0})
     with pytest.raises(ConfigError, match="'dp-mode' = 'sample' is not available for method 'fedmd'"):
         parse_run_config({**TINY_FCCL, "method": "fedmd", "dp-mode": "sample", "dp-noise-multiplier": 1.0})
     with pytest.raises(ConfigError, match="proto-local-protos"):

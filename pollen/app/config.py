@@ -337,6 +337,9 @@ def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
     if family == "weights" and cfg.avg_weighting != "uniform":
         raise ConfigError(f"run config key 'avg-weighting' = {cfg.avg_weighting!r} weights clients by their sample "
                           f"counts, which dp-mode = {cfg.dp_mode!r} does not release: set avg-weighting = 'uniform'")
+    if cfg.method == "solo" and not cfg.extra.get("fccl-average-weights"):
+        raise ConfigError("method 'solo' sends nothing to the server, so dp-mode has nothing to privatize: "
+                          "set dp-mode = 'off'")
     if family == "logits" and cfg.extra.get("fccl-average-weights"):
         raise ConfigError("run config key 'fccl-average-weights' = true also sends model weights, which "
                           "dp-mode = 'payload' does not privatize for the logit family: set it to false")

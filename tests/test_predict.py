@@ -305,10 +305,12 @@ def test_usage_errors_exit_2_with_a_message(uci_runs, capsys, tmp_path):
     rc, _, err = _predict(capsys, "--run", uci_runs["fedavg"], "--partition", 5, "--num-partitions", PARTITIONS)
     assert rc == 2 and "--partition 5 is outside 0..2" in err
     import shutil
+    import tempfile
 
-    bare = tmp_path / "bare"
-    shutil.copytree(uci_runs["fedavg"], bare, ignore=shutil.ignore_patterns("nodes"))  # no record of the split
-    rc, _, err = _predict(capsys, "--run", bare, "--partition", 0)
+    with tempfile.TemporaryDirectory() as other:
+        bare = Path(other) / "bare"
+        shutil.copytree(uci_runs["fedavg"], bare, ignore=shutil.ignore_patterns("nodes"))  # no record of the split
+        rc, _, err = _predict(capsys, "--run", bare, "--partition", 0)
     assert rc == 2 and "--num-partitions is needed" in err and "does not record it" in err
     (tmp_path / "seven").mkdir()
     rc, _, err = _predict(capsys, "--run", uci_runs["fedavg"], "--images", tmp_path)

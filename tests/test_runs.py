@@ -145,6 +145,9 @@ def test_resume_refuses_an_altered_file_naming_it(finished_run, capsys, nothing_
 
 
 def test_resume_of_a_folder_another_launcher_holds_is_refused_at_once(finished_run, capsys, monkeypatch):
+    """Refused on the lock, before any of its files is read: a file the holder is rewriting is no reason."""
+    state = finished_run / "nodes" / "partition-1" / "round-0001" / "small-state.json"
+    state.write_text(state.read_text() + " ")
     holder = _holder(finished_run)
     _refuse_starts(monkeypatch)
     try:
@@ -156,6 +159,7 @@ def test_resume_of_a_folder_another_launcher_holds_is_refused_at_once(finished_r
         holder.kill()
         holder.wait()
     assert code == EXIT_USAGE and f"is in use by another launcher (launcher PID {holder.pid})" in err
+    assert "content does not match" not in err
 
 
 def test_a_stopped_run_gets_a_summary_unless_its_server_app_wrote_a_final_one(tmp_path):

@@ -1040,7 +1040,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise LaunchConfigError(f"--app {args.app}: {app_dir} has no pyproject.toml with [tool.flwr.app]")
         run_dir: Path | None = None
         if args.resume:
-            run_dir, run_config = check_resume(app_dir, args)
+            run_dir, run_config, lock = check_resume(app_dir, args)
         else:
             run_config = args.run_config
             if args.num_supernodes is None:  # a preset file names the nodes it needs
@@ -1050,8 +1050,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.cpus_per_client = 1 if args.cpus_per_client is None else args.cpus_per_client
         args.gpus_per_client = 0.0 if args.gpus_per_client is None else args.gpus_per_client
         if results_root is not None and "run-name" in app_run_config(app_dir):  # a Pollen app: named, locked
-            run_dir, lock = prepare_run_dir(app_dir, values, results_root, run_dir, args)
+            run_dir, lock = prepare_run_dir(app_dir, values, results_root, run_dir, args, lock)
     except (LaunchConfigError, RunFolderError) as err:
+        if lock is not None:
+            lock.release()
         print(f"[pollen] error: {err}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     try:
@@ -1061,18 +1063,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             lock.release()
 
 
-def check_resume(app_dir: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
-    """Everything ``--resume`` needs, checked before anything starts: the folder, its config (changed
-    keys refused by name), its federation (SuperNodes and resources from ``launch.json``, a different
-    ``--num-supernodes`` refused), every hashed file intact and a valid checkpoint to continue from."""
-    from pollen.app.checkpoints import CheckpointError, latest_checkpoint, verify_files
-
+def check_resume(app_dir: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Any], RunLock]:
+    """Everything ``--resume`` needs, checked before anything starts: the folder, locked for this launcher
+    first (another launcher writing it is refused at once, and nothing is read while it writes), its config
+    (changed keys refused by name), its federation (SuperNodes and resources from ``launch.json``, a
+    different ``--num-supernodes`` refused), every hashed file intact and a valid checkpoint."""
     run_dir = Path(args.resume).expanduser().resolve()
     if args.out_dir is not None:
         raise LaunchConfigError(f"--out-dir {args.out_dir} with --resume {args.resume}: a resumed run continues in its "
                                 f"own folder {run_dir}; drop --out-dir (copy the folder to resume it elsewhere)")
     if not run_dir.is_dir():
         raise LaunchConfigError(f"--resume {args.resume}: no such folder")
+    lock = RunLock(run_dir).acquire(argv=sys.argv[1:])
+    try:
+        run_config = _resume_checks(app_dir, args, run_dir)
+    except BaseException:
+        lock.release()
+        raise
+    return run_dir, run_config, lock
+
+
+def _resume_checks(app_dir: Path, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    from pollen.app.checkpoints import CheckpointError, latest_checkpoint, verify_files
+
     run_config = resume_config(app_dir, run_dir, args.run_config)
     info = read_launch_info(run_dir)
     recorded = recorded_supernodes(run_dir)
@@ -1096,11 +1109,11 @@ def check_resume(app_dir: Path, args: argparse.Namespace) -> tuple[Path, dict[st
         latest_checkpoint(run_dir)
     except CheckpointError as err:
         raise LaunchConfigError(f"--resume {args.resume}: {err}") from err
-    return run_dir, run_config
+    return run_config
 
 
 def prepare_run_dir(app_dir: Path, values: dict[str, Any], results_root: Path, run_dir: Path | None,
-                    args: argparse.Namespace) -> tuple[Path, RunLock]:
+                    args: argparse.Namespace, lock: RunLock | None = None) -> tuple[Path, RunLock]:
     """A new run's folder ``YYYYMMDD-HHMMSS-<method>-<task>`` (or the resumed one), locked for this
     launcher, ``latest`` pointing at it, its federation in ``launch.json``. ``values`` gets ``run-name``."""
     check_free_space(run_dir if run_dir is not None else results_root, space_needed(run_dir))
@@ -1109,7 +1122,7 @@ def prepare_run_dir(app_dir: Path, values: dict[str, Any], results_root: Path, r
         name = str(values.get("run-name") or run_name(str(merged.get("method")), str(merged.get("task"))))
         run_dir = create_run_dir(results_root, name)
         values["run-name"] = run_dir.name
-    lock = RunLock(run_dir).acquire(argv=sys.argv[1:])
+    lock = lock or RunLock(run_dir).acquire(argv=sys.argv[1:])
     if lock.taken_over and lock.taken_over.get("pid"):
         print(f"[pollen] note: took over the lock of {run_dir} from launcher PID {lock.taken_over['pid']}, which is "
               "no longer running", flush=True)

@@ -258,8 +258,7 @@ def test_payload_glfc_run_in_process_releases_noisy_models_and_gradients(tmp_pat
     from pollen.app.methods_glfc import initial_arrays, make_strategy
     from tests.test_glfc_strategy import UCI_RC, client_app_grid
 
-    # clip 0.05: noise std 0.05·√6 per weight; at clip 1 (std 2.4) the averaged model is noise, and an
-    # occasional client's loss overflows (an error reply: a real outcome, not this test's subject)
+    # clip 0.05: noise std 0.05·√6 per weight; at clip 1 (std 2.4) the averaged model is mostly noise
     rc = {**UCI_RC, "dp-mode": "payload", "dp-noise-multiplier": 1.0, "dp-clip": 0.05,
           "out-dir": str(tmp_path / "runs")}
     cfg = parse_run_config(rc)

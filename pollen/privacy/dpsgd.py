@@ -4,7 +4,7 @@ only by training; nothing else here imports torch).
 Per-sample gradients come from ``torch.func`` (``functional_call`` + ``vmap`` + ``grad``) rather than
 Opacus: no new dependency and no version lock on torch, any model without cross-sample layers works
 as it is (Opacus needs a hook per supported layer type), and the loss is the method's own function of
-one sample. Each step follows Abadi et al.: a Poisson sample of the records (rate q = batch-size / n,
+one sample. Each step: a Poisson sample of the records (rate q = batch-size / n,
 drawn from the OS's entropy — amplification by subsampling needs the server not to know the batches),
 each sample's gradient clipped to ``clip`` (global L2 over all parameters), summed, plus
 N(0, (σ·clip)²) per coordinate, divided by the expected batch size q·n, then the usual optimizer step

@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m pollen.app.launch $(if $(NUM_SUPERNODES),--num-supernodes $(NUM_SUPERNODES)) \
+	$(VENV)/bin/pollen run $(if $(NUM_SUPERNODES),--num-supernodes $(NUM_SUPERNODES)) \
 		--run-config "out-dir='$(OUT_DIR)' $(RUN_CONFIG)"
 
 # The full suite (what CI runs), in two passes: the tests that launch nothing, one pytest-xdist worker

@@ -23,7 +23,7 @@ Every run key below is declared with its default in `[tool.flwr.app.config]` of 
 Override keys with `--run-config` (values are TOML: strings in quotes, `true`/`false`, numbers):
 
 ```bash
-python -m pollen.app.launch --num-supernodes 3 --run-config "method='fedprox' fedprox-mu=0.1 num-server-rounds=2"
+pollen run --num-supernodes 3 --run-config "method='fedprox' fedprox-mu=0.1 num-server-rounds=2"
 ```
 
 The same string works for `flwr run . --run-config "..."` and `make run RUN_CONFIG="..."`. The whole
@@ -49,7 +49,7 @@ two itself (see [deployment.md](deployment.md) for fleets).
 
 ## Launcher options
 
-`python -m pollen.app.launch --help` lists the launcher's own options (`--num-supernodes`,
+`pollen run --help` lists the launcher's own options (`--num-supernodes`,
 `--out-dir`, `--data-root`, `--gpus-per-client`, `--resume`, `--timeout`, ...) with their defaults,
 the registered methods and tasks, and its exit codes.
 """

@@ -1,4 +1,4 @@
-"""Classify images with a trained Pollen model: ``python -m pollen.predict`` (console script ``pollen-predict``).
+"""Classify images with a trained Pollen model: ``pollen predict`` (formerly ``pollen-predict``).
 
 Loads a saved model — a node's personal ``final-model.safetensors`` (with its ``final-model.json``) or
 a weights-family run's global model (``<run>/final/global.safetensors``, rebuilt from the run's
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_USAGE = 0, 2
-PROG = "pollen-predict"
+PROG = "pollen predict"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 # Tasks whose training images are decoded from files by PIL (RGB, resized to 32 with PIL bilinear)
 # before ``to_model_input``: their --images input is decoded the same way (pollen.datasets.sources).
@@ -620,9 +620,9 @@ refused (exit code 2, naming the file and the mismatch):
   prototypes whose d differs from the model's feature_dim or whose class count or task differs, and
   bad usage or input (unknown task, partition out of range, missing data, unreadable images).
 examples:
-  pollen-predict --model runs/7/nodes/partition-0/final-model.safetensors --partition 0 --num-partitions 3
-  pollen-predict --model state/final-model.safetensors --prototypes runs/7 --images my-digits/ --out p.csv
-  pollen-predict --run runs/12 --partition 2 --num-partitions 10 --data-root ~/data
+  pollen predict --model runs/7/nodes/partition-0/final-model.safetensors --partition 0 --num-partitions 3
+  pollen predict --model state/final-model.safetensors --prototypes runs/7 --images my-digits/ --out p.csv
+  pollen predict --run runs/12 --partition 2 --num-partitions 10 --data-root ~/data
 """
 
 
@@ -801,6 +801,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None and Path(sys.argv[0]).name == "pollen-predict":
+        print("note: `pollen-predict` is now `pollen predict`; this spelling goes in the next release", file=sys.stderr)
     args = build_parser().parse_args(argv)
     from pollen.app.config import ConfigError
     from pollen.datasets.partition import PartitionError

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
 TINY = "num-server-rounds=2 local-epochs=1"  # embedded UCI digits, no data files
 # The two commands of docs/cluster.md's loopback recipe (test_the_documented_recipe_is_what_these_tests_run).
 LOOPBACK_ARGS = ["-m", "pollen.app.cluster", "loopback", "--nodes", "2", "--num-cpus", "1"]
-LAUNCH_ARGS = ["-m", "pollen.app.launch", "--ray-address", "{address}", "--num-supernodes", "3", "--run-config", TINY]
+LAUNCH_ARGS = ["run", "--ray-address", "{address}", "--num-supernodes", "3", "--run-config", TINY]
+POLLEN = str(Path(sys.executable).parent / "pollen")  # the console script `make install` puts beside python
 LOOPBACK_CMD = [sys.executable, *LOOPBACK_ARGS]
 # Ray notices a dead node after ~15 s by default; the test's cluster checks every second (5 misses).
 FAST_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "5"}
@@ -119,7 +120,7 @@ def loopback(tmp_path_factory):
 
 def _launch(address: str, out: Path, *args: str, run_config: str = TINY, timeout: float = 400,
             **env: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, *(a.format(address=address) for a in LAUNCH_ARGS[:-1]), run_config,
+    cmd = [POLLEN, *(a.format(address=address) for a in LAUNCH_ARGS[:-1]), run_config,
            "--out-dir", str(out), "--timeout", "300", *args]
     return subprocess.run(cmd, cwd=PROJECT_ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
 
@@ -274,11 +275,12 @@ def test_the_documented_recipe_is_what_these_tests_run():
     tests make (they add only --out-dir, --timeout and the option under test)."""
     lines = [line.strip() for line in (PROJECT_ROOT / "docs" / "cluster.md").read_text().splitlines()]
     loop = [shlex.split(line) for line in lines if line.startswith("python -m pollen.app.cluster loopback")]
-    launch = [shlex.split(line) for line in lines if "pollen.app.launch --ray-address 127.0.0.1:PORT" in line]
+    launch = [shlex.split(line) for line in lines if "pollen run --ray-address 127.0.0.1:PORT" in line]
     assert [cmd[1:] for cmd in loop] == [LOOPBACK_ARGS]
     assert [cmd[0] for cmd in launch] == [f"{cluster.LOOPBACK_VAR}=0"] and _env()[cluster.LOOPBACK_VAR] == "0"
     assert [cmd[2:] for cmd in launch] == [[a.format(address="127.0.0.1:PORT") for a in LAUNCH_ARGS]]
-    assert "python -m pollen.app.launch --ray-address HEAD_IP:6379" in "\n".join(lines)
+    assert [cmd[1] for cmd in launch] == ["pollen"]
+    assert "pollen run --ray-address HEAD_IP:6379" in "\n".join(lines)
 
 
 @pytest.mark.e2e
@@ -287,7 +289,7 @@ def test_worker_node_killed_mid_run_ends_the_run_within_a_bound_and_the_head_sta
     the run must end (on the head, or failed with a reason) before its timeout, never hang."""
     out = tmp_path / "runs"
     rounds = 20
-    cmd = [sys.executable, "-m", "pollen.app.launch", "--ray-address", loopback.address, "--num-supernodes", "3",
+    cmd = [POLLEN, "run", "--ray-address", loopback.address, "--num-supernodes", "3",
            "--run-config", f"num-server-rounds={rounds} local-epochs=1", "--out-dir", str(out), "--timeout", "240"]
     log_path = tmp_path / "launch.log"
     with log_path.open("w") as log:

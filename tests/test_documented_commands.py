@@ -4,7 +4,7 @@ Commands are the lines of fenced ``bash``/``sh`` blocks (``\\`` continues a line
 comments). A command marked with a trailing ``# needs: <what>`` comment, or in a block whose first line
 is such a comment, is skipped with that reason; so is one that names a placeholder path
 (``/path/to/...``) or needs ``$POLLEN_DATA_ROOT`` when it is unset. The rest run for real, made tiny:
-a launch (``python -m pollen.app.launch``, ``make run``, ``make fleet``) gets its run config merged
+a launch (``pollen run``, ``make run``, ``make fleet``) gets its run config merged
 with :data:`SMOKE` settings for its method's family (one round, a few samples), results go to a
 temporary folder (which also stands for the documented ``runs/``), ``make`` never reinstalls the
 venv, and the block, run as one ``bash -e`` script, must exit 0.
@@ -157,12 +157,17 @@ RUN_CONFIG_OPTION = re.compile(r"--run-config\s+\"([^\"]*)\"")
 RUN_CONFIG_VAR = re.compile(r"RUN_CONFIG=\"([^\"]*)\"")
 
 
+def is_launch(words: list[str]) -> bool:
+    """``pollen run ...``, or the launcher's old spelling ``python -m pollen.app.launch ...``."""
+    return words[:2] == ["pollen", "run"] or "pollen.app.launch" in words
+
+
 def smoke_command(text: str, out_dir: Path) -> str:
     """The documented command with a tiny run config and results under ``out_dir`` (which also replaces
     the documented results folder ``runs/``). Rewritten as text, so shell variables stay as written."""
     text = RUNS.sub(str(out_dir), text)
     words = text.split()
-    if "pollen.app.launch" in words and "--help" not in words and "-h" not in words:
+    if is_launch(words) and "--help" not in words and "-h" not in words:
         return _smoke_launch(text, out_dir)
     if words[:2] in (["make", "run"], ["make", "fleet"]):
         return _smoke_make(text, out_dir)
@@ -206,7 +211,7 @@ def skip_reason(cmd: Command) -> str | None:
     if "/path/to/" in cmd.text:
         return "names a placeholder path (/path/to/...)"
     if not os.environ.get("POLLEN_DATA_ROOT"):
-        if "pollen.datasets.user_data sample" in cmd.text and "--data-root" not in cmd.text:
+        if "pollen data sample" in cmd.text and "--data-root" not in cmd.text:
             return "samples MNIST images: needs POLLEN_DATA_ROOT"
         words = shlex.split(cmd.text)
         config = next((words[i + 1] for i, w in enumerate(words[:-1]) if w == "--run-config"), "")
@@ -240,12 +245,12 @@ def test_the_pages_print_commands_and_keep_the_skip_list_small():
     assert len(skipped) <= len(COMMANDS) // 3, skipped
     for cmd in COMMANDS:
         words = shlex.split(cmd.text)  # every command is valid shell words
-        if "pollen.app.launch" in words and "--run-config" in words:
+        if is_launch(words) and "--run-config" in words:
             parse_run_config(words[words.index("--run-config") + 1])
 
 
 def test_smoke_rewriting_keeps_the_documented_keys_and_makes_the_run_tiny(tmp_path):
-    text = ("python -m pollen.app.launch --num-supernodes 20 --run-config \"method='fedproto' task='mnist-shot' "
+    text = ("pollen run --num-supernodes 20 --run-config \"method='fedproto' task='mnist-shot' "
             "shot-ways=3 num-server-rounds=100\"")
     words = shlex.split(smoke_command(text, tmp_path))
     assert "--num-supernodes" not in words and words[words.index("--out-dir") + 1] == str(tmp_path)
@@ -259,7 +264,9 @@ def test_smoke_rewriting_keeps_the_documented_keys_and_makes_the_run_tiny(tmp_pa
     assert split_comment("make run   # FedAvg, 5 clients") == ("make run", "# FedAvg, 5 clients")
     assert split_comment("x --run-config \"a='#b'\" # needs: gpu") == ("x --run-config \"a='#b'\"", "# needs: gpu")
     assert split_comment('echo "$#"') == ('echo "$#"', "")
-    resumed = smoke_command('python -m pollen.app.launch --resume "$RUN" --run-config "num-server-rounds=3"', tmp_path)
+    old_spelling = smoke_command("python -m pollen.app.launch --run-config \"method='fedavg'\"", tmp_path)
+    assert f"--out-dir {tmp_path}" in old_spelling and "num-server-rounds=1" in old_spelling
+    resumed = smoke_command('pollen run --resume "$RUN" --run-config "num-server-rounds=3"', tmp_path)
     assert '--resume "$RUN"' in resumed and resumed.endswith('--run-config "num-server-rounds=3"')
 
 

@@ -110,7 +110,7 @@ def test_cli_writes_csv_and_the_console_script_is_declared(uci_runs, tmp_path):
     import tomllib
 
     scripts = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["pollen-predict"] == "pollen.predict:main"
+    assert scripts["pollen"] == "pollen.cli:main" and scripts["pollen-predict"] == "pollen.predict:main"
     run_dir = uci_runs["fedavg"]
     out_csv = tmp_path / "preds.csv"
     done = _cli("--run", run_dir, "--partition", 1, "--num-partitions", PARTITIONS, "--out", out_csv)
@@ -343,7 +343,7 @@ def test_a_flipped_byte_in_a_saved_model_is_refused_naming_the_file(uci_runs, tm
     model.write_bytes(bytes(data))
     done = _cli("--model", model, "--num-partitions", PARTITIONS)
     assert done.returncode == 2, done.stdout
-    assert f"pollen-predict: error: {model}: content does not match its recorded SHA-256" in done.stderr
+    assert f"pollen predict: error: {model}: content does not match its recorded SHA-256" in done.stderr
     glob = run_dir.parent / "fedavg"
     shutil.copytree(uci_runs["fedavg"], glob)
     meta = glob / "final" / "global.json"

@@ -11,7 +11,7 @@ watchdog, :class:`~pollen.app.processes.Watchdog`). From the command line a Poll
 locked folder (``YYYYMMDD-HHMMSS-<method>-<task>``, ``latest``; :mod:`pollen.app.runs`), and
 ``summary.json`` on every exit path. Used by ``make run``, the tests and the benchmarks::
 
-    python -m pollen.app.launch --num-supernodes 5 --run-config "method='fedprox' num-server-rounds=3"
+    pollen run --num-supernodes 5 --run-config "method='fedprox' num-server-rounds=3"
 
 Exit codes: 0 only for ``finished:completed``; 1 the run failed, was stopped or its status is unknown;
 2 bad options or run config, an out-dir that cannot be written, a run folder another launcher holds or
@@ -984,7 +984,7 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
               "(nothing started); 3 SuperLink died; 124 timeout; 130/143 interrupted (Ctrl-C/SIGTERM)")
     if catalog:
         epilog = _catalog() + "\n\n" + epilog
-    parser = argparse.ArgumentParser(prog="python -m pollen.app.launch", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="pollen run", description=__doc__.split("\n\n")[0],
                                      epilog=epilog, formatter_class=_HelpFormatter)
     parser.add_argument("--app", type=Path, default=None,
                         help="Flower app directory (default: the current directory if its pyproject.toml has "
@@ -1153,8 +1153,8 @@ def _launch(args: argparse.Namespace, app_dir: Path, values: dict[str, Any], run
             print(f"[pollen] {err}: stopped every process of the run after {time.monotonic() - started:.1f}s",
                   file=sys.stderr, flush=True)
             if run_dir is not None:
-                print(f"[pollen] {run_dir / 'summary.json'} says interrupted; continue with: python -m "
-                      f"pollen.app.launch --resume {run_dir}", file=sys.stderr, flush=True)
+                print(f"[pollen] {run_dir / 'summary.json'} says interrupted; continue with: pollen run "
+                      f"--resume {run_dir}", file=sys.stderr, flush=True)
             return 128 + err.signum
         except TimeoutError as err:
             print(f"[pollen] timeout: {err}", file=sys.stderr, flush=True)
@@ -1213,4 +1213,6 @@ def wait_healthy_tls(port: int, ca_cert: str | Path, proc: subprocess.Popen, tim
 
 
 if __name__ == "__main__":
+    print("note: `python -m pollen.app.launch` is now `pollen run`; this spelling goes in the next release",
+          file=sys.stderr)
     sys.exit(main())

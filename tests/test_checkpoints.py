@@ -288,3 +288,17 @@ def test_resumed_fccl_run_ends_with_the_metrics_of_an_uninterrupted_one(tmp_path
     assert _metrics(resumed) == _metrics(full)
     assert (resumed / "final" / "global.safetensors").exists()
     assert json.loads((tmp_path / "part-nodes" / "p3" / "final-model.json").read_text())["round"] == 3
+
+
+def test_a_key_added_after_a_run_started_counts_as_its_default_on_resume():
+    """A run folder from before a key existed resumes while that key keeps its default; set otherwise,
+    or any other key changed, is refused by name."""
+    from pollen.app.run_keys import all_defaults
+    from pollen.app.server_app import config_differences
+
+    now = {**all_defaults(), "method": "fedavg", "task": "uci-dirichlet"}
+    older = {k: v for k, v in now.items() if not k.startswith("dp-") and k not in ("aggregation", "trim-fraction")}
+    assert config_differences(older, now) == []
+    assert config_differences(older, {**now, "dp-mode": "payload", "aggregation": "median"}) == ["aggregation",
+                                                                                                 "dp-mode"]
+    assert config_differences({**older, "lr": now["lr"] * 2}, now) == ["lr"]

@@ -26,7 +26,14 @@ app = ServerApp()
 
 
 def config_differences(saved: dict, now: dict) -> list[str]:
-    return sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    """Keys whose value changed since the checkpoint. A key the saved config lacks was added to Pollen
+    after the run started: it counts as its declared default (a new key's default keeps the old behaviour),
+    so a run from an older version resumes unless the key is set to something else."""
+    from pollen.app.run_keys import all_defaults
+
+    defaults = all_defaults()
+    return sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES
+                  and saved.get(k, defaults.get(k)) != now.get(k))
 
 
 def _initial_arrays(strategy, arrays: dict) -> ArrayRecord:

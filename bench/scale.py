@@ -269,7 +269,8 @@ def report(out: Path) -> None:
              "confirms it with two `query` messages (below: before that, one query per node). Those two queries "
              "wait for the engine to start, so the engine's start-up falls before round 1; in the floor, and in "
              "`bench/results/scale-before-identify/` (sampled by node id, no queries, a more loaded machine), it "
-             "falls inside round 1's wall. *Round 1 ends* (time to round 1 + round 1's wall) compares them.", "",
+             "falls inside round 1's wall. *Round 1 ends* (time to round 1 + round 1's wall) compares them. Rows "
+             "without a load figure were run before that change, with one query per node.", "",
              "*Busiest actor*: the CPU-seconds of the Ray actor (one per core, each running ClientApps one "
              "after another) that worked most during the round, train and evaluate messages together, read from "
              "`/proc` 8 times a second; round wall / busiest actor near 1 means the round waited for client "
@@ -317,14 +318,19 @@ def report(out: Path) -> None:
         lines += ["", "## Identity: one query per node vs the engine's assignment, interleaved", "",
                   "The same launch at the same N with Pollen before (`queries`: one `query` message per node before "
                   "round 1) and after (`engine`: the engine's assignment, two queries), run in the order shown "
-                  "(old, new, new, old) so that the machine's load hits both alike. *Load*: the machine's 1-minute "
-                  "load average when the launch started (2 cores). Rows: `bench/results/scale-identity/*.json`.", "",
+                  "(old, new, new, old) so that the machine's load hits both alike; at N = 10,000 the launch from "
+                  "before the change (order 0, an earlier launch) and two pairs of the new code and the Flower floor, "
+                  "alternated. *Load*: the machine's 1-minute load average when the launch started (2 cores). Rows: "
+                  "`bench/results/scale-identity/*.json`.", "",
+                  "Every Pollen run of one N has the same accuracy after each round, digit for digit: each way, and "
+                  "in every launch (new node ids each time), the seed sampled the same partitions.", "",
                   "| N | order | identity | load | time to round 1 s | round 1 ends s | round wall s (1 / 2 / 3) | "
-                  "launch wall s |", "|---|---|---|---|---|---|---|---|"]
+                  "launch wall s | accuracy (1 / 2 / 3) |", "|---|---|---|---|---|---|---|---|---|"]
         for r in pairs:
+            accuracy = [None if a is None else round(a, 4) for a in r.get("accuracy") or []]
             lines.append(f"| {r['clients']:,} | {r['order']} | {r['identity']} | {r['load-1min']} | "
                          f"{r.get('time-to-round-1-s', '–')} | {round_one_ends(r)} | "
-                         f"{per_round(r.get('round-wall-s'))} | {r['launch-wall-s']} |")
+                         f"{per_round(r.get('round-wall-s'))} | {r['launch-wall-s']} | {per_round(accuracy)} |")
     with_roles = [r for r in rows if any(r.get("cpu-by-role-s") or [])]
     if with_roles:
         lines += ["", "## Where the CPU went in the last round", "",

@@ -319,11 +319,14 @@ def report(out: Path) -> None:
                   "The same launch at the same N with Pollen before (`queries`: one `query` message per node before "
                   "round 1) and after (`engine`: the engine's assignment, two queries), run in the order shown "
                   "(old, new, new, old) so that the machine's load hits both alike; at N = 10,000 the launch from "
-                  "before the change (order 0, an earlier launch) and two pairs of the new code and the Flower floor, "
-                  "alternated. *Load*: the machine's 1-minute load average when the launch started (2 cores). Rows: "
-                  "`bench/results/scale-identity/*.json`.", "",
+                  "before the change (order 0, an earlier launch) and three pairs of the new code and the Flower "
+                  "floor, alternated. *Load*: the machine's 1-minute load average when the launch started (2 cores). "
+                  "Rows: `bench/results/scale-identity/*.json`.", "",
                   "Every Pollen run of one N has the same accuracy after each round, digit for digit: each way, and "
-                  "in every launch (new node ids each time), the seed sampled the same partitions.", "",
+                  "in every launch (new node ids each time), the seed sampled the same partitions. What Pollen's "
+                  "launch still spends before round 1 beyond the floor's (the launcher, torch in the ServerApp and "
+                  "in each actor, Flower reading Pollen's run-config table once per node, the Dirichlet split of "
+                  "N partitions in each actor) is profiled in `bench/results/scale-profile/README.md`.", "",
                   "| N | order | identity | load | time to round 1 s | round 1 ends s | round wall s (1 / 2 / 3) | "
                   "launch wall s | accuracy (1 / 2 / 3) |", "|---|---|---|---|---|---|---|---|---|"]
         for r in pairs:

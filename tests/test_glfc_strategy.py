@@ -9,10 +9,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from pollen.app.client_app import query as answer_query
 from pollen.app.config import ConfigError, parse_node_config, parse_run_config
 from pollen.app.methods_glfc import (
     GLFC_ADAPTER,
-    answer_query,
     initial_arrays,
     make_client,
     make_strategy,
@@ -45,7 +45,7 @@ def node_id(pid: int) -> int:
 
 
 def identity_grid(n: int, overrides=None) -> InProcessGrid:
-    """Nodes that answer queries like Pollen's ClientApp (:func:`answer_query`); nothing else."""
+    """Nodes that answer queries like Pollen's ClientApp (:func:`pollen.app.client_app.query`); nothing else."""
     def handler(pid):
         ctx = make_context({}, pid, n)
 
@@ -369,7 +369,7 @@ def test_answer_query_replies_with_the_node_partition():
 
 def client_app_grid(run_config: dict, n: int, state_root) -> InProcessGrid:
     """Nodes running Pollen's real ClientApp (train/evaluate) with a real Context each; queries are
-    answered by :func:`answer_query`, the handler the ClientApp registers for them."""
+    answered by :func:`pollen.app.client_app.query`, the handler the ClientApp registers for them."""
     from pollen.app.client_app import app
 
     def handler(pid):

@@ -5,7 +5,7 @@ All share :class:`~pollen.strategies.glfc.IncrementalFedAvg` (Message API) and
 :class:`~pollen.methods.glfc.IncrementalRound`), joined by :data:`GLFC_ADAPTER`, which translates the
 named records of :mod:`pollen.protocol.glfc` to the client's arrays and back; the method name picks the
 objective, the memory, the old model and the proxy. The strategy learns each node's partition from a
-``query`` message: the ClientApp answers it with :func:`answer_query`. They run on the class-incremental
+``query`` message, answered by the ClientApp's ``query`` handler. They run on the class-incremental
 tasks of :mod:`pollen.datasets.incremental` (``mnist-fmnist-cil``, ``cifar100-cil``). Run keys are prefixed
 ``glfc-`` (``docs/usage.md``), declared once by :class:`~pollen.methods.glfc.GlfcOptions`.
 Start the simulation with ``glfc-initial-clients + (glfc-tasks - 1) · glfc-new-clients`` SuperNodes and
@@ -19,10 +19,10 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, RecordDict
 
 from pollen.app.adapters import ClientAdapter, evaluate_reply
-from pollen.app.config import ConfigError, parse_node_config
+from pollen.app.config import ConfigError
 from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key, check
 from pollen.clients.glfc import IncrementalClient
@@ -228,12 +228,6 @@ def _glfc_evaluate(client, content: RecordDict) -> RecordDict:
 
 
 GLFC_ADAPTER = ClientAdapter(_glfc_train, _glfc_evaluate)
-
-
-def answer_query(msg: Message, context: Context) -> Message:
-    """ClientApp ``@app.query()`` handler: tell the server which partition this node serves."""
-    node = parse_node_config(context.node_config)
-    return Message(content=protocol.encode_identity_reply(node.partition_id), reply_to=msg)
 
 
 for _name, _desc in DESCRIPTIONS.items():

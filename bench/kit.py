@@ -114,20 +114,11 @@ def emphasis(v: str) -> str:
 # results on disk: atomic writes, a locked shared ledger, one file per finished run
 
 def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` in one step: a study killed mid-write leaves the old file, never half a one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Replace ``path`` by ``text`` in one step: a study killed mid-write leaves the old file, never half a one
+    (the checkpoints' writer)."""
+    from pollen.app.checkpoints import atomic_write
+
+    atomic_write(Path(path), text.encode())
 
 
 def write_json(path: Path, data: Any, *, indent: int = 1, sort_keys: bool = False) -> None:

@@ -9,7 +9,6 @@ mid-run ends the run within a bound while the head stays up. The node-killing te
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from pollen.app import cluster
-from pollen.app.launch import EXIT_USAGE
+from pollen.app.launch import EXIT_USAGE, stop_process
 from tests.conftest import PROJECT_ROOT
 
 HAS_PROC = Path("/proc/self/environ").exists()
@@ -82,16 +81,8 @@ def _alive(pid: int) -> bool:
 
 
 def _stop_group(proc: subprocess.Popen, grace: float = 60.0) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
+    """The launcher's own stop: SIGTERM the process group, SIGKILL what is left after ``grace``."""
+    stop_process(proc, grace=grace)
 
 
 @pytest.fixture(scope="module")

@@ -124,6 +124,3 @@ def _logit_train(client, content: RecordDict) -> RecordDict:
 
 LOGITS = ClientAdapter(_logit_train, lambda client, content: evaluate_reply(client, [], _config(content)))
 
-ADAPTERS: dict[str, ClientAdapter] = {"weights": WEIGHTS, "local": LOCAL, "prototypes": PROTOTYPES,
-                                      "logits": LOGITS}
-

@@ -17,6 +17,7 @@ from pollen.app.adapters import LOCAL, WEIGHTS, ClientAdapter
 from pollen.clients.weights import LocalClient, WeightClient
 from pollen.datasets.tasks import TASK_KINDS, TASKS, get_task, resolve_task
 from pollen.models import build_model
+from pollen.privacy.bounds import dp_bounds
 from pollen.protocol.identity import parse_partition_pins
 from pollen.protocol.screening import PayloadBounds
 from pollen.strategies.base import PollenStrategy
@@ -99,14 +100,15 @@ def check_task_kind(spec: MethodSpec, task: str) -> None:
 
 
 def strategy_options(cfg: RunConfig) -> dict[str, Any]:
-    """The sampling and failure options every method's strategy takes from the run config."""
+    """The sampling, failure and screening options every method's strategy takes from the run config."""
     return {"fraction_train": cfg.fraction_fit, "fraction_evaluate": cfg.fraction_evaluate,
             "min_available_nodes": cfg.min_available_clients, "num_rounds": cfg.num_server_rounds,
             "min_evaluate_nodes": 1 if cfg.fraction_evaluate > 0 else 0, "seed": cfg.seed,
             "max_empty_rounds": cfg.max_empty_rounds,
             "identify_nodes": cfg.sample_by_partition,  # Pollen's ClientApp answers QUERY
             "aggregation": cfg.aggregation, "trim_fraction": cfg.trim_fraction,
-            "bounds": PayloadBounds(cfg.max_update_norm, cfg.max_logit_abs, cfg.max_grad_norm),
+            "bounds": PayloadBounds(cfg.max_update_norm, cfg.max_logit_abs, cfg.max_grad_norm,
+                                    dp_bounds(cfg.privacy, cfg.num_server_rounds)),  # σ as the clients size it
             "partition_pins": parse_partition_pins(cfg.partition_pins)}
 
 

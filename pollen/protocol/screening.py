@@ -12,12 +12,15 @@ the reply with that reason (logged as a WARNING and recorded), and the rest of t
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
+
+from pollen.privacy.bounds import DpBounds
 
 # ``np.save`` writes a small header in front of the raw bytes; anything beyond header + data is padding
 # a client added on purpose.
@@ -213,11 +216,16 @@ class PayloadBounds:
     The defaults leave honest clients orders of magnitude of room (a LeNet gradient set measured at
     norm ≈ 30; an honest round moves a model by well under its own norm) and refuse the absurd: a
     reply of 3e38 is ~1e37 times any broadcast model.
+
+    ``dp``: under differential privacy, the bounds the run's DP keys give
+    (:func:`pollen.privacy.bounds.dp_bounds`). Where they size a kind's noise they replace its declared
+    bound (:meth:`declared`), and the strategy checks them; prototypes get them on top of theirs.
     """
 
     max_update_norm: float = 1e4
     max_logit_abs: float = 1e4
     max_grad_norm: float = 1e4
+    dp: DpBounds | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_update_norm", "max_logit_abs", "max_grad_norm"):
@@ -225,6 +233,16 @@ class PayloadBounds:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+    def declared(self) -> PayloadBounds:
+        """The bounds the protocol decoders apply: these, or under a DP bound that sizes model, logit
+        and gradient noise (``dp-mode = payload``) float64's largest number for those kinds, so the
+        decoders refuse only what is not finite and the DP bound, checked next, decides (logits, which
+        are float32, against float32's largest)."""
+        if self.dp is None or not self.dp.bounds_models:
+            return self
+        top = sys.float_info.max
+        return PayloadBounds(top, float(np.finfo(np.float32).max), top)
 
 
 def _float_norm(arrays: Iterable[np.ndarray]) -> float:

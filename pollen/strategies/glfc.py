@@ -426,7 +426,12 @@ class IncrementalFedAvg(PollenStrategy):
             reason = check_metrics(metrics, bounds)
             if reason is not None:
                 return None, reason
-            return protocol.decode_train_reply(msg.content, specs, self.lenet_shapes, max_sets, broadcast, self.bounds)
+            decoded, reason = protocol.decode_train_reply(msg.content, specs, self.lenet_shapes, max_sets, broadcast,
+                                                          self.bounds.declared())
+            dp = self.bounds.dp
+            if decoded is not None and dp is not None and dp.bounds_models:
+                reason = dp.check_glfc(decoded[0], broadcast, decoded[1], max_sets)
+            return (decoded, None) if reason is None else (None, reason)
 
         accepted = self.screen(server_round, "train", replies, decode)
         pool: list[list[np.ndarray]] = []

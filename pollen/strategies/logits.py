@@ -150,7 +150,10 @@ class LogitAveraging(PollenStrategy):
         if reason is not None:
             return None, reason
         logits, reason = decode_logit_reply(msg.content.get(ARRAYS), self.num_public, self.num_classes,
-                                            self.bounds.max_logit_abs)
+                                            self.bounds.declared().max_logit_abs)
+        dp = self.bounds.dp
+        if logits is not None and dp is not None and dp.bounds_models:
+            reason = dp.check_logits(logits)
         if reason is not None or not self.average_weights:
             return (logits, None), reason
         model = msg.content.get(MODEL)

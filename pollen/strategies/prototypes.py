@@ -15,7 +15,13 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from pollen.protocol.prototypes import decode_prototype_reply, encode_global_prototypes
+from pollen.protocol.prototypes import (
+    COUNT_NOISE_STD,
+    NOISY_COUNTS,
+    PROTO_SUMS,
+    decode_prototype_reply,
+    encode_global_prototypes,
+)
 from pollen.protocol.records import ARRAYS, CONFIG
 from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION, check_aggregation, robust_stack
 from pollen.strategies.base import PollenStrategy
@@ -145,11 +151,22 @@ class PrototypeStrategy(PollenStrategy):
                               CONFIG: self.round_config(config, server_round, monitor=self.evaluates(server_round))})
         return self.build_messages(server_round, nodes, MessageType.TRAIN, lambda _n: content)
 
+    def _check_dp(self, record: ArrayRecord) -> str | None:
+        """Under DP every reply must be a release (noisy sums and counts) within the DP bound."""
+        assert self.bounds.dp is not None
+        if PROTO_SUMS not in record:
+            return f"under {self.bounds.dp.source} a reply must carry the noisy release '{PROTO_SUMS}'"
+        return self.bounds.dp.check_prototypes(record[PROTO_SUMS].numpy(), record[NOISY_COUNTS].numpy(),
+                                               float(record[COUNT_NOISE_STD].numpy()[0]), self.max_examples)
+
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         def decode(msg: Message, _metrics: dict) -> tuple[object, str | None]:
-            return decode_prototype_reply(msg.content.get(ARRAYS), self.num_classes, self.embed_dim,
-                                          self.max_examples)
+            record = msg.content.get(ARRAYS)
+            decoded, reason = decode_prototype_reply(record, self.num_classes, self.embed_dim, self.max_examples)
+            if decoded is not None and self.bounds.dp is not None:
+                reason = self._check_dp(record)
+            return (decoded, None) if reason is None else (None, reason)
 
         accepted = self.screen(server_round, "train", replies, decode)
         if accepted:

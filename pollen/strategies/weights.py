@@ -73,9 +73,14 @@ class WeightAveraging(PollenStrategy):
         assert reference is not None  # configure_train sets it every round
 
         broadcast = {k: a.numpy() for k, a in reference.items()}
+        dp = self.bounds.dp if self.bounds.dp is not None and self.bounds.dp.bounds_models else None
 
         def decode(msg: Message, _metrics: dict) -> tuple[object, str | None]:
-            return decode_weights_reply(msg.content.get(ARRAYS), reference, self.bounds.max_update_norm, broadcast)
+            state, reason = decode_weights_reply(msg.content.get(ARRAYS), reference,
+                                                 self.bounds.declared().max_update_norm, broadcast)
+            if state is not None and dp is not None:
+                reason = dp.check_update(state, broadcast)
+            return (state, None) if reason is None else (None, reason)
 
         accepted = self.screen(server_round, "train", replies, decode)
         metrics = self.train_metrics(server_round, accepted)

@@ -1,0 +1,269 @@
+"""Bounds that follow the DP mechanism (issue 29 item 3): honest private replies, produced by the
+client-side mechanisms of ``pollen.privacy``, pass the bound the server derives from the DP keys over
+many seeds; a reply beyond it is refused with a reason naming the bound and the keys it came from;
+with DP off nothing changes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+
+from pollen.privacy import PayloadPrivacy, PrivacyConfig, calibrate_noise_multiplier
+from pollen.privacy.bounds import coordinate_bound, dp_bounds, norm_bound
+from pollen.privacy.sample import SamplePrivacy
+from pollen.protocol.logits import encode_logit_reply
+from pollen.protocol.prototypes import encode_dp_prototype_reply
+from pollen.protocol.screening import PayloadBounds
+from pollen.protocol.weights import encode_weights_reply
+from pollen.strategies import LogitAveraging, PrototypeStrategy, WeightAveraging
+from tests.inprocess import InProcessGrid, set_task_identity
+from tests.test_message_strategies import DIGEST, _record
+
+SEEDS = 200
+
+
+@pytest.fixture(autouse=True)
+def _identity():
+    set_task_identity()
+
+
+class Store:
+    """An in-memory node state for the client's ledger."""
+
+    def __init__(self):
+        self.values: dict = {}
+
+    def save_values(self, key, values):
+        self.values[key] = dict(values)
+
+    def load_values(self, key, default=None):
+        return dict(self.values.get(key, default or {}))
+
+
+def payload(clip=1.0, sigma=0.0, target=0.0, rounds=100) -> tuple[PrivacyConfig, int]:
+    return PrivacyConfig("payload", clip, sigma, target, 1e-5, 0.0), rounds
+
+
+def client(config: PrivacyConfig, rounds: int) -> PayloadPrivacy:
+    return PayloadPrivacy(config, rounds, Store(), "partition 0")
+
+
+# -- the keys, the tail bounds, DP off ---------------------------------------------------------------------
+def test_dp_off_derives_no_bound_and_the_declared_bounds_stand():
+    off = PrivacyConfig("off", 1.0, 0.0, 0.0, 1e-5, 0.0)
+    assert dp_bounds(off, 100) is None
+    declared = PayloadBounds(5.0, 6.0, 7.0)
+    assert declared.declared() is declared and declared.dp is None
+    # sample mode: the models carry no noise of their own, so their declared bounds stay
+    sample = dp_bounds(PrivacyConfig("sample", 1.0, 1.0, 0.0, 1e-5, 0.0), 100)
+    assert sample is not None and not sample.bounds_models
+    assert PayloadBounds(5.0, 6.0, 7.0, sample).declared().max_update_norm == 5.0
+    # sample mode calibrated to a target: σ depends on each client's record count, unknown to the server
+    assert dp_bounds(PrivacyConfig("sample", 1.0, 0.0, 8.0, 1e-5, 0.0), 100) is None
+
+
+def test_sigma_is_the_one_the_clients_use():
+    config, rounds = payload(target=4.0, rounds=50)
+    bounds = dp_bounds(config, rounds)
+    assert bounds.noise_multiplier == client(config, rounds).noise_multiplier
+    assert bounds.noise_multiplier == calibrate_noise_multiplier(4.0, 1e-5, 50)
+    assert "dp-target-epsilon 4 over 50 releases" in bounds.source and "dp-clip 1" in bounds.source
+    assert "from dp-noise-multiplier" in dp_bounds(*payload(sigma=0.7)).source
+    # under payload the declared model/logit/gradient bounds give way to the DP bound
+    assert PayloadBounds(dp=bounds).declared().max_update_norm > 1e300
+
+
+def test_tail_bounds_against_hand_computed_values():
+    # one coordinate: count·2·exp(−k²/2) = p
+    k = coordinate_bound(1.0, 10, 1e-9)
+    assert math.isclose(10 * 2 * math.exp(-k * k / 2), 1e-9)
+    assert coordinate_bound(3.0, 10, 1e-9) == 3 * k
+    # a vector: std·(√d + t), count·exp(−t²/2) = p
+    t = norm_bound(1.0, 0, 4, 1e-9)
+    assert math.isclose(4 * math.exp(-t * t / 2), 1e-9)
+    assert math.isclose(norm_bound(2.0, 100, 4, 1e-9), 2 * (10 + t))
+    # the bound is a bound: 20,000 draws of a 50-dimensional Gaussian never pass the 1e-3 level's norm
+    draws = np.linalg.norm(np.random.default_rng(0).normal(0.0, 2.0, size=(20_000, 50)), axis=1)
+    assert draws.max() <= norm_bound(2.0, 50, 1, 1e-3)
+
+
+# -- weights -----------------------------------------------------------------------------------------------
+BROADCAST = [np.linspace(-1, 1, 600, dtype=np.float32).reshape(20, 30), np.zeros(40, np.float32),
+             np.array(3, np.int64)]
+
+
+def _trained(rng) -> list[np.ndarray]:
+    return [b + rng.normal(0, 0.5, b.shape).astype(np.float32) if b.dtype.kind == "f" else b + 1 for b in BROADCAST]
+
+
+def _named(state):
+    return {str(i): a for i, a in enumerate(state)}
+
+
+def test_honest_noisy_weight_updates_pass_and_a_scaled_one_is_refused():
+    config, rounds = payload(clip=2.0, sigma=0.05)
+    bounds, privacy = dp_bounds(config, rounds), client(config, rounds)
+    broadcast = _named(BROADCAST)
+    worst = 0.0
+    for seed in range(SEEDS):
+        rng = np.random.default_rng(seed)
+        reply, _ = privacy.update(BROADCAST, _trained(rng), rng)
+        assert bounds.check_update(_named(reply), broadcast) is None
+        worst = max(worst, float(np.linalg.norm(np.concatenate([(reply[i].astype(np.float64) - BROADCAST[i]).ravel()
+                                                                for i in (0, 1)]))))
+    limit = bounds.update_limit(640, float(np.linalg.norm(BROADCAST[0])), 0.05 * 2.0)
+    assert worst > 0.8 * limit  # the bound is near what honest replies reach, not vacuous
+    # the update of an honest reply scaled by 1.3: beyond clip + the noise's norm
+    reply, _ = privacy.update(BROADCAST, _trained(np.random.default_rng(0)), np.random.default_rng(0))
+    scaled = {k: (broadcast[k] + 1.3 * (a - broadcast[k]) if a.dtype.kind == "f" else a)
+              for k, a in _named(reply).items()}
+    reason = bounds.check_update(scaled, broadcast)
+    assert reason is not None and "above the DP bound" in reason
+    assert "dp-clip 2" in reason and "σ 0.05 from dp-noise-multiplier" in reason
+
+
+def _dp_weights_node(pid, config, rounds, scale=1.0):
+    privacy = client(config, rounds)
+
+    def handle(msg):
+        got = [a.numpy() for a in msg.content["arrays"].values()]
+        keys = list(msg.content["arrays"].keys())
+        rng = np.random.default_rng(pid)
+        reply, metrics = privacy.update(got, _trained(rng), rng)
+        reply = [b + scale * (r - b) if b.dtype.kind == "f" else r for b, r in zip(got, reply)]
+        return encode_weights_reply(dict(zip(keys, reply)), 1, {"partition-id": pid, **metrics})
+    return handle
+
+
+def test_the_weight_strategy_refuses_a_reply_beyond_the_dp_bound():
+    config, rounds = payload(clip=2.0, sigma=0.05)
+    state = {"w": BROADCAST[0], "b": BROADCAST[1], "steps": BROADCAST[2]}
+    grid = InProcessGrid({11: _dp_weights_node(0, config, rounds), 12: _dp_weights_node(1, config, rounds),
+                          13: _dp_weights_node(2, config, rounds, scale=1.5)})
+    strategy = WeightAveraging(min_available_nodes=3, weighting="uniform",
+                               bounds=PayloadBounds(dp=dp_bounds(config, rounds)))
+    strategy.start(grid=grid, initial_arrays=_record(state), num_rounds=1)
+    assert strategy.reports[1].accepted == 2
+    (rejected,) = [r for r in strategy.reports[1].rejected if r["stage"] == "train"]
+    assert rejected["client"] == "partition 2" and "above the DP bound" in rejected["reason"]
+    # without DP the declared max-update-norm (relative, 1e4) admits that reply
+    loose = WeightAveraging(min_available_nodes=3, weighting="uniform")
+    loose.start(grid=grid, initial_arrays=_record(state), num_rounds=1)
+    assert loose.reports[1].accepted == 3
+
+
+# -- logits ------------------------------------------------------------------------------------------------
+def test_honest_noisy_logits_pass_and_a_scaled_matrix_is_refused():
+    config, rounds = payload(clip=5.0, target=8.0)
+    bounds, privacy = dp_bounds(config, rounds), client(config, rounds)
+    for seed in range(SEEDS):
+        rng = np.random.default_rng(seed)
+        released, _ = privacy.logits(rng.normal(0, 4.0, size=(64, 10)), rng)
+        assert released.dtype == np.float32 and bounds.check_logits(released) is None
+    released, _ = privacy.logits(np.random.default_rng(0).normal(0, 4.0, size=(64, 10)), np.random.default_rng(0))
+    reason = bounds.check_logits(1.5 * released)
+    assert reason is not None and "logit matrix norm" in reason and "above the DP bound" in reason
+    assert "calibrated for dp-target-epsilon 8 over 100 releases" in reason and "N0 = 64" in reason
+    hot = released.copy()
+    hot[3] = 4000.0 / np.sqrt(10)  # one row of norm 4000 (honest ones ≈ 760): the matrix norm stays inside
+    assert bounds.check_logits(hot).startswith("logit row norm")
+
+
+def test_the_logit_strategy_refuses_logits_beyond_the_dp_bound():
+    config, rounds = payload(clip=1.0, sigma=0.5)
+    privacy = client(config, rounds)
+    honest, _ = privacy.logits(np.random.default_rng(1).normal(size=(5, 3)), np.random.default_rng(1))
+
+    def node(pid, logits):
+        def handle(msg):
+            if msg.metadata.message_type == "evaluate":
+                return RecordDict({"metrics": MetricRecord({"num-examples": 5, "accuracy": 0.4, "partition-id": pid})})
+            return encode_logit_reply(logits, 1, {"partition-id": pid, "public-digest": DIGEST})
+        return handle
+
+    grid = InProcessGrid({11: node(0, honest), 12: node(1, 10.0 * honest)})
+    strategy = LogitAveraging(num_public=5, num_classes=3, min_available_nodes=2,
+                              bounds=PayloadBounds(dp=dp_bounds(config, rounds)))
+    strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=1)
+    assert strategy.reports[1].accepted == 1
+    (rejected,) = [r for r in strategy.reports[1].rejected if r["stage"] == "train"]
+    assert rejected["client"] == "partition 1" and "logit matrix norm" in rejected["reason"]
+
+
+# -- GLFC --------------------------------------------------------------------------------------------------
+def test_honest_noisy_glfc_replies_pass_and_a_scaled_gradient_set_is_refused():
+    config, rounds = payload(clip=1.0, sigma=0.02)
+    bounds, privacy = dp_bounds(config, rounds), client(config, rounds)
+    lenet = [(6, 3, 5, 5), (6,), (12, 6, 5, 5), (12,)]
+    for seed in range(SEEDS // 4):
+        rng = np.random.default_rng(seed)
+        grads = [[rng.normal(0, 1.0, s).astype(np.float32) for s in lenet] for _ in range(3)]
+        state, sets, _ = privacy.glfc(BROADCAST, _trained(rng), grads, 4, rng)
+        named = [{str(j): g for j, g in enumerate(gs)} for gs in sets]
+        assert bounds.check_glfc(_named(state), _named(BROADCAST), named, 4) is None
+    named[1] = {k: 1.5 * g for k, g in named[1].items()}
+    reason = bounds.check_glfc(_named(state), _named(BROADCAST), named, 4)
+    assert reason is not None and reason.startswith("gradient set g1 norm") and "K = 4" in reason
+    assert "dp-noise-multiplier" in reason
+    moved = {k: (a + 0.5 if a.dtype.kind == "f" else a) for k, a in _named(state).items()}  # ‖Δ‖ ≈ 0.5·√640
+    assert "update norm" in bounds.check_glfc(moved, _named(BROADCAST), named[:1], 4)
+
+
+# -- prototypes --------------------------------------------------------------------------------------------
+def _release(privacy, rng, n=100, classes=10, dim=16):
+    labels = rng.integers(0, 3, size=n)
+    released, _ = privacy.prototypes(rng.normal(0, 2.0, size=(n, dim)), labels, classes, rng)
+    return released
+
+
+def test_honest_noisy_prototype_releases_pass_and_beyond_the_bound_is_refused():
+    config, rounds = payload(clip=1.0, target=2.0)
+    bounds, privacy = dp_bounds(config, rounds), client(config, rounds)
+    for seed in range(SEEDS):
+        r = _release(privacy, np.random.default_rng(seed))
+        sums, counts = r.sums.astype(np.float32), r.counts.astype(np.float32)  # as they travel
+        assert bounds.check_prototypes(sums, counts, float(np.float32(r.count_std)), 100) is None
+    std = bounds.count_std
+    reason = bounds.check_prototypes(sums * 0 + 100 + 8 * std, counts, r.count_std, 100)
+    assert "prototype sum magnitude" in reason and "max count 100" in reason and "dp-target-epsilon 2" in reason
+    reason = bounds.check_prototypes(sums, counts - counts + 101 + 9 * std, r.count_std, 100)
+    assert reason.startswith("noisy count") and "outside the DP bound" in reason
+    reason = bounds.check_prototypes(sums, counts, 10 * r.count_std, 100)  # a client that claims more noise
+    assert "'count-noise-std'" in reason
+
+
+def test_sample_mode_bounds_the_prototype_release_it_makes_after_dp_training():
+    config = PrivacyConfig("sample", 1.0, 1.2, 0.0, 1e-5, 0.0)
+    bounds = dp_bounds(config, 20)
+    privacy = SamplePrivacy(config, 20, Store(), "partition 0", num_records=100, batch_size=10, epochs=1,
+                            prototypes=True)
+    for seed in range(SEEDS // 4):
+        rng = np.random.default_rng(seed)
+        r = privacy.prototypes(rng.normal(size=(100, 8)), rng.integers(0, 4, size=100), 4, rng)
+        assert bounds.check_prototypes(r.sums, r.counts, r.count_std, 100) is None
+
+
+def test_the_prototype_strategy_refuses_releases_beyond_the_dp_bound():
+    config, rounds = payload(clip=1.0, sigma=1.0)
+    privacy = client(config, rounds)
+
+    def node(pid, scale=1.0, std_scale=1.0):
+        def handle(msg):
+            if msg.metadata.message_type == "evaluate":
+                return RecordDict({"metrics": MetricRecord({"num-examples": 5, "accuracy": 0.9, "partition-id": pid})})
+            r = _release(privacy, np.random.default_rng(pid), n=50, classes=4, dim=3)
+            return encode_dp_prototype_reply(scale * r.sums, r.counts, std_scale * r.count_std, {"partition-id": pid},
+                                             num_examples=50)
+        return handle
+
+    grid = InProcessGrid({11: node(0), 12: node(1, scale=100.0), 13: node(2, std_scale=2.0)})
+    strategy = PrototypeStrategy(num_classes=4, embed_dim=3, min_available_nodes=3, max_examples=50,
+                                 bounds=PayloadBounds(dp=dp_bounds(config, rounds)))
+    strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=1)
+    assert strategy.reports[1].accepted == 1
+    reasons = {r["client"]: r["reason"] for r in strategy.reports[1].rejected if r["stage"] == "train"}
+    assert "prototype sum magnitude" in reasons["partition 1"] and "count-noise-std" in reasons["partition 2"]
+

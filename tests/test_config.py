@@ -121,3 +121,18 @@ def test_the_recorded_config_holds_the_shared_keys_and_the_methods_own_only():
     fedavg = parse_run_config({"method": "fedavg"}).to_dict()
     assert not [k for k in fedavg if k.startswith(("proto-", "fccl-", "glfc-"))]
     assert parse_run_config(fedavg).to_dict() == fedavg  # what was recorded parses back to itself
+
+
+def test_every_common_key_is_one_run_config_field_and_back():
+    """A common key is declared once (run_keys.COMMON) and read by rule into the field of its name, so a
+    key without a field (or a field without a key) fails here rather than being silently dropped."""
+    import dataclasses
+
+    from pollen.app.config import RunConfig, field_name
+    from pollen.app.run_keys import COMMON
+
+    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"extra", "class_names"}
+    assert {field_name(k) for k in COMMON} == fields
+    cfg = parse_run_config({"lr": 0.25, "run-name": "  named  ", "dp-mode": "off"})
+    assert cfg.lr == 0.25 and cfg.run_name == "named"
+    assert set(COMMON) <= set(cfg.to_dict())  # config.json records every common key

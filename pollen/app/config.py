@@ -225,6 +225,15 @@ def _check_user_task(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
         raise ConfigError(str(err)) from err
 
 
+# Common keys whose text is stripped of spaces around it (paths, names).
+STRIPPED = ("out-dir", "resume-from", "run-name", "partition-pins")
+
+
+def field_name(key: str) -> str:
+    """The :class:`RunConfig` field of a common run key: ``num-server-rounds`` -> ``num_server_rounds``."""
+    return key.replace("-", "_")
+
+
 def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
     """Build a :class:`RunConfig` from a Flower run config, filling gaps from ``DEFAULTS``.
 
@@ -244,52 +253,16 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
     method = _value(merged, "method")
     task = _value(merged, "task")
     data_root = _value(merged, "data-root").strip() or os.environ.get("POLLEN_DATA_ROOT") or None
-    cfg = RunConfig(
-        method=method,
-        task=task,
-        profile=_value(merged, "profile"),
-        num_server_rounds=_value(merged, "num-server-rounds"),
-        seed=_value(merged, "seed"),
-        data_root=str(Path(data_root).expanduser()) if data_root else None,
-        download=_value(merged, "download"),
-        out_dir=_value(merged, "out-dir").strip(),
-        fraction_fit=_value(merged, "fraction-fit"),
-        fraction_evaluate=_value(merged, "fraction-evaluate"),
-        min_available_clients=_value(merged, "min-available-clients"),
-        device=_value(merged, "device"),
-        torch_threads=_value(merged, "torch-threads"),
-        model=_value(merged, "model") or None,
-        model_width=_value(merged, "model-width"),
-        local_epochs=_value(merged, "local-epochs"),
-        batch_size=_value(merged, "batch-size"),
-        lr=_value(merged, "lr"),
-        momentum=_value(merged, "momentum"),
-        weight_decay=_value(merged, "weight-decay"),
-        max_train_samples=_value(merged, "max-train-samples"),
-        dirichlet_alpha=_value(merged, "dirichlet-alpha"),
-        shot_ways=_value(merged, "shot-ways"),
-        shot_shots=_value(merged, "shot-shots"),
-        shot_stdev=_value(merged, "shot-stdev"),
-        shot_test_per_class=_value(merged, "shot-test-per-class"),
-        shot_split=_value(merged, "shot-split"),
-        avg_weighting=_value(merged, "avg-weighting"),
-        fedprox_mu=_value(merged, "fedprox-mu"),
-        max_empty_rounds=_value(merged, "max-empty-rounds"),
-        sample_by_partition=_value(merged, "sample-by-partition"),
-        checkpoint_every=_value(merged, "checkpoint-every"),
-        checkpoint_keep=_value(merged, "checkpoint-keep"),
-        resume_from=_value(merged, "resume-from").strip(),
-        run_name=_value(merged, "run-name").strip(),
-        aggregation=_value(merged, "aggregation"),
-        trim_fraction=_value(merged, "trim-fraction"),
-        max_update_norm=_value(merged, "max-update-norm"),
-        max_logit_abs=_value(merged, "max-logit-abs"),
-        max_grad_norm=_value(merged, "max-grad-norm"),
-        partition_pins=_value(merged, "partition-pins").strip(),
-        **{f"dp_{k[3:].replace('-', '_')}": _value(merged, k) for k in DP_KEYS},
+    shaped = {  # the keys whose value is more than the checked run-config value
+        "method": method, "task": task,
+        "data_root": str(Path(data_root).expanduser()) if data_root else None,
+        "model": _value(merged, "model") or None,
+        **{name: _value(merged, key).strip() for key in STRIPPED for name in [field_name(key)]},
         **_user_data(merged),
-        extra={k: merged[k] for k in _own_keys(method)},  # config.json: shared keys + this method's only
-    )
+    }
+    plain = {field_name(key): _value(merged, key) for key in COMMON if field_name(key) not in shaped}
+    cfg = RunConfig(**plain, **shaped,
+                    extra={k: merged[k] for k in _own_keys(method)})  # config.json: shared keys + this method's only
     if cfg.run_name in (".", "..") or any(c in cfg.run_name for c in "/\\\0"):
         raise ConfigError(f"run config key 'run-name' = {cfg.run_name!r} is invalid: expected a folder name "
                           "(no '/', not '.' or '..')")

@@ -116,9 +116,11 @@ def test_honest_noisy_weight_updates_pass_and_a_scaled_one_is_refused():
                                                                 for i in (0, 1)]))))
     limit = bounds.update_limit(640, float(np.linalg.norm(BROADCAST[0])), 0.05 * 2.0)
     assert worst > 0.8 * limit  # the bound is near what honest replies reach, not vacuous
-    # the update of an honest reply scaled by 1.3: beyond clip + the noise's norm
-    reply, _ = privacy.update(BROADCAST, _trained(np.random.default_rng(0)), np.random.default_rng(0))
-    scaled = {k: (broadcast[k] + 1.3 * (a - broadcast[k]) if a.dtype.kind == "f" else a)
+    # the update of an honest reply scaled by 1.5: beyond the clipped update plus the noise
+    rng = np.random.default_rng(0)
+    reply, _ = privacy.update(BROADCAST, _trained(rng), rng)
+    assert bounds.check_update(_named(reply), broadcast) is None
+    scaled = {k: (broadcast[k] + 1.5 * (a - broadcast[k]) if a.dtype.kind == "f" else a)
               for k, a in _named(reply).items()}
     reason = bounds.check_update(scaled, broadcast)
     assert reason is not None and "above the DP bound" in reason
@@ -163,7 +165,8 @@ def test_honest_noisy_logits_pass_and_a_scaled_matrix_is_refused():
         rng = np.random.default_rng(seed)
         released, _ = privacy.logits(rng.normal(0, 4.0, size=(64, 10)), rng)
         assert released.dtype == np.float32 and bounds.check_logits(released) is None
-    released, _ = privacy.logits(np.random.default_rng(0).normal(0, 4.0, size=(64, 10)), np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    released, _ = privacy.logits(rng.normal(0, 4.0, size=(64, 10)), rng)
     reason = bounds.check_logits(1.5 * released)
     assert reason is not None and "logit matrix norm" in reason and "above the DP bound" in reason
     assert "calibrated for dp-target-epsilon 8 over 100 releases" in reason and "N0 = 64" in reason
@@ -175,7 +178,8 @@ def test_honest_noisy_logits_pass_and_a_scaled_matrix_is_refused():
 def test_the_logit_strategy_refuses_logits_beyond_the_dp_bound():
     config, rounds = payload(clip=1.0, sigma=0.5)
     privacy = client(config, rounds)
-    honest, _ = privacy.logits(np.random.default_rng(1).normal(size=(5, 3)), np.random.default_rng(1))
+    rng = np.random.default_rng(1)
+    honest, _ = privacy.logits(rng.normal(size=(5, 3)), rng)
 
     def node(pid, logits):
         def handle(msg):

@@ -164,7 +164,7 @@ class PrototypeStrategy(PollenStrategy):
         def decode(msg: Message, _metrics: dict) -> tuple[object, str | None]:
             record = msg.content.get(ARRAYS)
             decoded, reason = decode_prototype_reply(record, self.num_classes, self.embed_dim, self.max_examples)
-            if decoded is not None and self.bounds.dp is not None:
+            if decoded is not None and self.bounds.dp is not None and isinstance(record, ArrayRecord):
                 reason = self._check_dp(record)
             return (decoded, None) if reason is None else (None, reason)
 

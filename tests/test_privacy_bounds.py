@@ -271,3 +271,39 @@ def test_the_prototype_strategy_refuses_releases_beyond_the_dp_bound():
     reasons = {r["client"]: r["reason"] for r in strategy.reports[1].rejected if r["stage"] == "train"}
     assert "prototype sum magnitude" in reasons["partition 1"] and "count-noise-std" in reasons["partition 2"]
 
+
+
+# -- the run config to the strategy ------------------------------------------------------------------------
+UCI = {"task": "uci-dirichlet", "max-train-samples": 48, "batch-size": 8}
+
+
+def test_strategy_options_carry_the_dp_bound_of_the_run_keys_and_none_without_dp():
+    from pollen.app.config import parse_run_config
+    from pollen.app.registry import strategy_options
+
+    assert strategy_options(parse_run_config({"method": "fedavg", **UCI}))["bounds"].dp is None
+    rc = {"method": "fedavg", **UCI, "dp-mode": "payload", "avg-weighting": "uniform", "dp-clip": 0.5,
+          "dp-target-epsilon": 4.0, "num-server-rounds": 7}
+    dp = strategy_options(parse_run_config(rc))["bounds"].dp
+    assert dp.clip == 0.5 and dp.noise_multiplier == calibrate_noise_multiplier(4.0, 1e-5, 7)
+
+
+def test_a_payload_fedavg_run_accepts_every_honest_client(tmp_path):
+    """The ServerApp and three real ClientApps in this process: the weights the clients release under
+    dp-mode = payload all pass the bound the server derives; the declared max-update-norm, set here far
+    below the noise's norm, would refuse every one of them, and under DP gives way."""
+    import json
+
+    from flwr.app import Context
+
+    from pollen.app.client_app import app as client_app
+    from pollen.app.server_app import main as server_main
+    from tests.inprocess import clientapp_node
+
+    rc = {"method": "fedavg", **UCI, "dp-mode": "payload", "avg-weighting": "uniform", "dp-clip": 1.0,
+          "dp-noise-multiplier": 3.0, "num-server-rounds": 1, "max-update-norm": 0.01,
+          "out-dir": str(tmp_path / "runs"), "fraction-evaluate": 0.0}
+    nodes = {100 + p: clientapp_node(client_app, rc, p, 3, state_dir=str(tmp_path / f"p{p}")) for p in range(3)}
+    server_main(InProcessGrid(nodes), Context(run_id=9, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
+    records = [json.loads(line) for line in (tmp_path / "runs" / "9" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["accepted"] for r in records] == [3]

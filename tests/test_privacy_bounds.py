@@ -307,3 +307,29 @@ def test_a_payload_fedavg_run_accepts_every_honest_client(tmp_path):
     server_main(InProcessGrid(nodes), Context(run_id=9, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
     records = [json.loads(line) for line in (tmp_path / "runs" / "9" / "metrics.jsonl").read_text().splitlines()]
     assert [r["accepted"] for r in records] == [3]
+
+
+def test_the_glfc_strategy_refuses_a_gradient_set_beyond_the_dp_bound():
+    from tests.test_glfc_strategy import _configure, _grad_set, _reply, _strategy, identity_grid
+
+    config, rounds = payload(clip=1.0, sigma=0.01)
+    privacy = client(config, rounds)
+    strat = _strategy(clients_per_round=10, bounds=PayloadBounds(dp=dp_bounds(config, rounds)))
+    msgs = _configure(strat, 1, identity_grid(5))
+    names = list(strat.lenet_shapes)
+
+    def released(msg, pid, scale=1.0):
+        keys = list(msg.content["arrays"].keys())
+        broadcast = [a.numpy() for a in msg.content["arrays"].values()]
+        rng = np.random.default_rng(pid)
+        trained = [b + rng.normal(0, 0.01, b.shape).astype(b.dtype) if b.dtype.kind == "f" else b for b in broadcast]
+        grads = [[_grad_set(strat)[n] for n in names]]
+        state, sets, _ = privacy.glfc(broadcast, trained, grads, strat.schedule.classes_per_task, rng)
+        grad_sets = [{n: scale * g for n, g in zip(names, gs)} for gs in sets]
+        return _reply(msg, pid, grad_sets, state=dict(zip(keys, state)), transition=1)
+
+    _, metrics = strat.aggregate_train(1, [released(msgs[0], 0), released(msgs[1], 1, scale=2.0)])
+    (rejected,) = strat.take_round_report(1).rejected
+    assert rejected["client"] == "partition 1" and rejected["reason"].startswith("gradient set g0 norm")
+    assert "K = 5" in rejected["reason"] and "dp-noise-multiplier" in rejected["reason"]
+    assert metrics["accepted"] == 1

@@ -31,7 +31,7 @@ import torch
 from pollen.datasets.domains import load_domain, seeded_subset
 from pollen.datasets.public import PUBLIC_FOLDER, load_public, public_digest
 from pollen.datasets.sources import ImageSet, load_source
-from pollen.datasets.tasks import DOMAIN_MODELS, ClientData, TaskError, TaskOptions, TaskSpec, register_task
+from pollen.datasets.spec import DOMAIN_MODELS, ClientData, TaskError, TaskOptions, TaskSpec, register_task
 from pollen.datasets.transforms import DIGITS_FORMAT, ImageFormat, to_model_input
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from pollen.datasets.sources import ImageSet, load_source
-from pollen.datasets.tasks import UCI_FORMAT, TaskError, TaskSpec, register_task
+from pollen.datasets.spec import UCI_FORMAT, TaskError, TaskSpec, register_task
 from pollen.datasets.transforms import CIFAR100_FORMAT, ImageFormat, to_model_input
 
 GROUPS = ("new", "b", "o")  # S_n, S_b, S_o

@@ -10,110 +10,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import numpy as np
-import torch
 
 from pollen.datasets.partition import PartitionError, dirichlet, iid, n_way_k_shot
 from pollen.datasets.sources import ImageSet, load_source
+from pollen.datasets.spec import (  # the task abstraction, also offered from here, the catalog's face
+    TASK_KINDS,
+    TASKS,
+    UCI_FORMAT,
+    ClientData,
+    TaskError,
+    TaskOptions,
+    TaskSpec,
+    cap_indices,
+    register_task,
+)
 from pollen.datasets.transforms import CIFAR10_FORMAT, MNIST_FORMAT, ImageFormat, to_model_input
-
-
-@dataclass(frozen=True)
-class TaskOptions:
-    """The run-config values a task reads (hashable, so built data can be cached)."""
-
-    data_root: str | None = None
-    download: bool = False
-    seed: int = 0
-    dirichlet_alpha: float = 0.5
-    ways: int = 3
-    shots: int = 100
-    stdev: int = 2
-    test_per_class: int = 40
-    shot_split: str = "pollen"  # "official": FedProto's own draw (n_way_k_shot's official_k_high)
-    max_train_samples: int = 0  # 0 = no cap; otherwise cap each client's training set
-    # user-data tasks (image-folder, array): see pollen.datasets.user_data
-    data_dir: str | None = None  # run key data-dir: one folder split across the partitions
-    node_data_dir: str | None = None  # node config data-dir: this node's own folder, used whole
-    classes: tuple[str, ...] = ()  # agreed class names in index order; () = detect from data_dir
-    test_fraction: float = 0.2  # held out of train/ when the folder has no test/
-    image_size: int = 0  # 0 = detect from data_dir
-    image_channels: int = 0  # 0 = detect from data_dir
-    image_mean: tuple[float, ...] = ()  # () = the training images' own statistics
-    image_std: tuple[float, ...] = ()
-    data_split: str = "iid"  # how data_dir is split across partitions: iid | dirichlet
-
-
-@dataclass(frozen=True)
-class ClientData:
-    """One client's data, already converted to normalised float model input."""
-
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    num_classes: int
-    classes: tuple[int, ...]  # labels this client holds (all classes for homogeneous tasks)
-    domain: str | None = None
-    fmt: ImageFormat | None = None
-    # Other test sets the client evaluates on (e.g. other domains), name -> (x, y).
-    extra_tests: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    @property
-    def num_train(self) -> int:
-        return int(self.y_train.shape[0])
-
-
-# What a task is, so that a method can say which tasks it runs on (``MethodSpec.task_kinds``):
-# kind -> (how messages name it, what it means).
-TASK_KINDS = {
-    "partitioned": ("a partitioned task", "one dataset split across any number of clients"),
-    "domains": ("a domain-per-client task", "one domain per client, a fixed number of clients"),
-    "class-incremental": ("a class-incremental stream", "clients and classes arrive task by task"),
-}
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """Static facts about a task: enough to build models and validate sizes without loading data.
-
-    ``build`` makes one client's :class:`ClientData`; a class-incremental stream has none (``None``):
-    its clients read their data per task from the stream plan (:mod:`pollen.datasets.incremental`).
-    """
-
-    name: str
-    description: str
-    num_classes: int
-    fmt: ImageFormat
-    default_model: str
-    needs_data_root: bool
-    build: Callable[[TaskOptions, int, int], ClientData] | None
-    kind: str = "partitioned"
-    # Fixed number of clients the task is defined for (e.g. one per domain); None = any number.
-    fixed_partitions: int | None = None
-    # Default architecture per partition for heterogeneous tasks (cycled when shorter).
-    partition_models: tuple[str, ...] = ()
-    # Tasks whose classes and input format come from the run (user data): options -> the concrete spec.
-    resolve: Callable[[TaskOptions], TaskSpec] | None = None
-    class_names: tuple[str, ...] = ()  # names in index order, when the task knows them
-
-    def model_for(self, partition_id: int) -> str:
-        if self.partition_models:
-            return self.partition_models[partition_id % len(self.partition_models)]
-        return self.default_model
-
-
-class TaskError(ValueError):
-    """The task cannot be built with these options (sizes, partitions)."""
-
-
-def _cap(indices: np.ndarray, cap: int, seed: int) -> np.ndarray:
-    if cap <= 0 or len(indices) <= cap:
-        return indices
-    rng = np.random.default_rng(seed)
-    return np.sort(rng.choice(indices, size=cap, replace=False))
 
 
 def _as_data(train: ImageSet, test: ImageSet, fmt: ImageFormat, classes: tuple[int, ...],
@@ -141,7 +52,7 @@ def _dirichlet_task(source: str, fmt: ImageFormat) -> Callable[[TaskOptions, int
         train = load_source(source, opts.data_root, "train", download=opts.download)
         test = load_source(source, opts.data_root, "test", download=opts.download)
         parts, test_parts = _dirichlet_splits(source, opts, num_partitions)
-        mine = _cap(parts[partition_id], opts.max_train_samples, opts.seed + partition_id)
+        mine = cap_indices(parts[partition_id], opts.max_train_samples, opts.seed + partition_id)
         test_part = test_parts[partition_id]
         classes = tuple(range(train.num_classes))
         return _as_data(train.subset(mine), test.subset(test_part), fmt, classes)
@@ -192,28 +103,6 @@ def _shot_splits(source: str, opts: TaskOptions, num_partitions: int):
 
 # Fashion-MNIST's own statistics (the format declared is the one its data is normalised with).
 FMNIST_FORMAT = ImageFormat(1, 28, (0.2860,), (0.3530,))
-# UCI digits are 8x8; upsampled to 28x28 so the same MNIST CNN serves both.
-UCI_FORMAT = ImageFormat(channels=1, size=28, mean=(0.305,), std=(0.32,))
-# One architecture per domain client, by partition (the FCCL paper's Digits assignment).
-DOMAIN_MODELS = ("resnet10", "resnet12", "efficientnet_b0", "mobilenet_v2")
-
-TASKS: dict[str, TaskSpec] = {}
-
-
-def register_task(spec: TaskSpec) -> TaskSpec:
-    """Add a task to the registry (method modules may register their own tasks); a name is taken once."""
-    if spec.name in TASKS:
-        raise ValueError(f"task {spec.name!r} is already registered")
-    if spec.kind not in TASK_KINDS:
-        raise ValueError(f"task {spec.name!r} has kind {spec.kind!r}; kinds: {', '.join(TASK_KINDS)}")
-    if spec.build is None and spec.kind != "class-incremental":
-        raise ValueError(f"task {spec.name!r}: a {spec.kind} task needs a build function")
-    if spec.build is not None and spec.kind == "class-incremental":
-        raise ValueError(f"task {spec.name!r}: a class-incremental task takes its data from the stream plan, "
-                         "not from a build function")
-    TASKS[spec.name] = spec
-    return spec
-
 
 register_task(TaskSpec(
     name="uci-dirichlet",

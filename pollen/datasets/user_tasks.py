@@ -37,7 +37,7 @@ import torch
 
 from pollen.datasets.partition import PartitionError, dirichlet, iid
 from pollen.datasets.sources import ImageSet
-from pollen.datasets.tasks import DOMAIN_MODELS, ClientData, TaskError, TaskOptions, TaskSpec, _cap, register_task
+from pollen.datasets.spec import DOMAIN_MODELS, ClientData, TaskError, TaskOptions, TaskSpec, cap_indices, register_task
 from pollen.datasets.transforms import ImageFormat, to_model_input
 from pollen.datasets.user_data import (
     UserDataError,
@@ -169,7 +169,7 @@ def _build(name: str) -> Callable[[TaskOptions, int, int], ClientData]:
                 raise TaskError(f"task {name!r} cannot split {path} ({len(train)} training and {len(test)} test "
                                 f"samples) into {num_partitions} partitions: {err}") from err
             mine = parts[partition_id]
-        mine = _cap(mine, opts.max_train_samples, opts.seed + partition_id)
+        mine = cap_indices(mine, opts.max_train_samples, opts.seed + partition_id)
         x_train, x_test = train.subset(mine), test.subset(test_part)
         held = tuple(int(c) for c in np.unique(x_train.labels.numpy()))
         return ClientData(x_train=to_model_input(x_train.images, fmt), y_train=x_train.labels.clone(),
@@ -200,7 +200,7 @@ def _build_domains(opts: TaskOptions, partition_id: int, num_partitions: int) ->
     except UserDataError as err:
         raise TaskError(f"task 'image-domains': {err}") from err
     fmt = _data_format(spec.fmt, train, opts)
-    train = train.subset(_cap(np.arange(len(train)), opts.max_train_samples, opts.seed + partition_id))
+    train = train.subset(cap_indices(np.arange(len(train)), opts.max_train_samples, opts.seed + partition_id))
     return ClientData(x_train=to_model_input(train.images, fmt), y_train=train.labels.clone(),
                       x_test=to_model_input(test.images, fmt), y_test=test.labels.clone(),
                       num_classes=spec.num_classes, classes=tuple(range(spec.num_classes)), domain=Path(own).name,

@@ -15,7 +15,7 @@ from pollen.privacy import PayloadPrivacy, PrivacyConfig, calibrate_noise_multip
 from pollen.privacy.bounds import coordinate_bound, dp_bounds, norm_bound
 from pollen.privacy.sample import SamplePrivacy
 from pollen.protocol.logits import encode_logit_reply
-from pollen.protocol.prototypes import encode_dp_prototype_reply
+from pollen.protocol.prototypes import encode_dp_prototype_reply, encode_prototype_reply
 from pollen.protocol.screening import PayloadBounds
 from pollen.protocol.weights import encode_weights_reply
 from pollen.strategies import LogitAveraging, PrototypeStrategy, WeightAveraging
@@ -61,8 +61,6 @@ def test_dp_off_derives_no_bound_and_the_declared_bounds_stand():
     sample = dp_bounds(PrivacyConfig("sample", 1.0, 1.0, 0.0, 1e-5, 0.0), 100)
     assert sample is not None and not sample.bounds_models
     assert PayloadBounds(5.0, 6.0, 7.0, sample).declared().max_update_norm == 5.0
-    # sample mode calibrated to a target: σ depends on each client's record count, unknown to the server
-    assert dp_bounds(PrivacyConfig("sample", 1.0, 0.0, 8.0, 1e-5, 0.0), 100) is None
 
 
 def test_sigma_is_the_one_the_clients_use():
@@ -250,6 +248,26 @@ def test_sample_mode_bounds_the_prototype_release_it_makes_after_dp_training():
         assert bounds.check_prototypes(r.sums, r.counts, r.count_std, 100) is None
 
 
+def test_sample_mode_with_a_target_epsilon_sizes_the_bound_by_the_declared_std_above_a_floor():
+    """σ then depends on each client's record count: the clients' own σ is at or above the floor, and
+    their honest releases pass; a declared std below the floor is refused."""
+    config = PrivacyConfig("sample", 1.0, 0.0, 4.0, 1e-5, 0.0)
+    bounds = dp_bounds(config, 20)
+    assert bounds.sigma_is_floor and bounds.noise_multiplier == calibrate_noise_multiplier(4.0, 1e-5, 20)
+    assert "σ >= " in bounds.source
+    for n, batch in ((100, 10), (40, 40), (1000, 16)):
+        privacy = SamplePrivacy(config, 20, Store(), "partition 0", num_records=n, batch_size=batch, epochs=2,
+                                prototypes=True)
+        assert privacy.noise_multiplier >= bounds.noise_multiplier
+        for seed in range(10):
+            rng = np.random.default_rng(seed)
+            r = privacy.prototypes(rng.normal(size=(n, 8)), rng.integers(0, 4, size=n), 4, rng)
+            assert bounds.check_prototypes(r.sums, r.counts, r.count_std, n) is None
+    assert "below the DP floor" in bounds.check_prototypes(r.sums, r.counts, 0.5 * bounds.count_std, n)
+    beyond = np.full_like(r.sums, n + 20 * r.count_std)  # clip·n plus 20 stds of the declared noise
+    assert "prototype sum magnitude" in bounds.check_prototypes(beyond, r.counts, r.count_std, n)
+
+
 def test_the_prototype_strategy_refuses_releases_beyond_the_dp_bound():
     config, rounds = payload(clip=1.0, sigma=1.0)
     privacy = client(config, rounds)
@@ -263,13 +281,21 @@ def test_the_prototype_strategy_refuses_releases_beyond_the_dp_bound():
                                              num_examples=50)
         return handle
 
-    grid = InProcessGrid({11: node(0), 12: node(1, scale=100.0), 13: node(2, std_scale=2.0)})
-    strategy = PrototypeStrategy(num_classes=4, embed_dim=3, min_available_nodes=3, max_examples=50,
+    def plain(pid):  # exact prototypes and counts: no release at all
+        def handle(msg):
+            if msg.metadata.message_type == "evaluate":
+                return RecordDict({"metrics": MetricRecord({"num-examples": 5, "accuracy": 0.9, "partition-id": pid})})
+            return encode_prototype_reply(np.ones((4, 3), np.float32), np.array([5, 0, 0, 1]), {"partition-id": pid})
+        return handle
+
+    grid = InProcessGrid({11: node(0), 12: node(1, scale=100.0), 13: node(2, std_scale=2.0), 14: plain(3)})
+    strategy = PrototypeStrategy(num_classes=4, embed_dim=3, min_available_nodes=4, max_examples=50,
                                  bounds=PayloadBounds(dp=dp_bounds(config, rounds)))
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=1)
     assert strategy.reports[1].accepted == 1
     reasons = {r["client"]: r["reason"] for r in strategy.reports[1].rejected if r["stage"] == "train"}
     assert "prototype sum magnitude" in reasons["partition 1"] and "count-noise-std" in reasons["partition 2"]
+    assert "must carry the noisy release 'proto-sums'" in reasons["partition 3"]
 
 
 

@@ -1,5 +1,5 @@
 """Differential privacy on what leaves a node: clipping, Gaussian mechanisms per payload kind, the
-per-client ε ledger and noise calibration (``docs/privacy.md``).
+per-client ε ledger, noise calibration, and the server's bounds that follow them (``docs/privacy.md``).
 
 Noise is added on the client, before a release leaves the node: the adversary is the server.
 Everything here is numpy (and ``dp-accounting``); no torch, so the strategies and the protocol can
@@ -7,6 +7,7 @@ use it without a training stack.
 """
 
 from pollen.privacy.accounting import Ledger, Release, calibrate_noise_multiplier, composed_epsilon, rdp_epsilon
+from pollen.privacy.bounds import DpBounds, dp_bounds
 from pollen.privacy.budget import DELTA, EPSILON, Budget, BudgetExhausted
 from pollen.privacy.clipping import clip_rows, clip_update
 from pollen.privacy.config import MODES, PrivacyConfig
@@ -21,7 +22,7 @@ from pollen.privacy.mechanisms import (
 )
 from pollen.privacy.payload import PayloadPrivacy
 
-__all__ = ["DELTA", "EPSILON", "MODES", "Budget", "BudgetExhausted", "Ledger", "PayloadPrivacy", "PrivacyConfig",
-           "PrototypeRelease", "Release", "calibrate_noise_multiplier", "clip_rows", "clip_update", "composed_epsilon",
-           "gaussian_noise", "rdp_epsilon", "release_glfc", "release_logits", "release_prototypes", "release_update",
-           "secure_rng"]
+__all__ = ["DELTA", "EPSILON", "MODES", "Budget", "BudgetExhausted", "DpBounds", "Ledger", "PayloadPrivacy",
+           "PrivacyConfig", "PrototypeRelease", "Release", "calibrate_noise_multiplier", "clip_rows", "clip_update",
+           "composed_epsilon", "dp_bounds", "gaussian_noise", "rdp_epsilon", "release_glfc", "release_logits",
+           "release_prototypes", "release_update", "secure_rng"]

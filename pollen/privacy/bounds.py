@@ -15,9 +15,9 @@ tail bounds turn that into limits an honest reply exceeds with probability at mo
 
 Replies travel in float32: every limit gets the rounding of the values it is checked on (a relative
 :data:`ROUNDING` of the largest magnitude involved). ``dp-mode = sample`` trains with DP-SGD, whose
-model replies carry no noise of their own: only its prototype release is bounded, and only when σ is
-given (calibrated to a target ε it depends on each client's record count, which the server does not
-know; the declared bounds then apply as without DP).
+model replies carry no noise of their own: only its prototype release is bounded (with a target ε each
+client's σ depends on its record count, unknown to the server: the bound is sized by the count noise
+std a reply declares, which must be at least the floor the keys give).
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ class DpBounds:
     noise_multiplier: float
     source: str
     failure: float = FALSE_REFUSAL
+    # ``sample`` with a target ε: each client calibrates σ with its own record count, which the server
+    # does not know; ``noise_multiplier`` is then the least σ any client can have (below).
+    sigma_is_floor: bool = False
 
     @property
     def bounds_models(self) -> bool:
@@ -157,10 +160,15 @@ class DpBounds:
 
     def check_prototypes(self, sums: np.ndarray, counts: np.ndarray, count_std: float, max_count: int) -> str | None:
         """Noisy per-class sums (C×d) and counts (C): every sum coordinate within clip·``max_count`` +
-        k·σ·√2·clip, every count in [−k·σ·√2, ``max_count`` + k·σ·√2], k over all C·d + C entries; and the
-        declared count std must be the one the keys give."""
+        k·σ·√2·clip, every count in [−k·σ·√2, ``max_count`` + k·σ·√2], k over all C·d + C entries. The
+        declared count std must be the one the keys give; where σ is only a floor (:attr:`sigma_is_floor`)
+        at least that, and the bound is sized by the declared one."""
         std = self.count_std
-        if not abs(count_std - std) <= 1e-6 * std:
+        if self.sigma_is_floor:
+            if not count_std >= std * (1.0 - 1e-6):
+                return (f"'count-noise-std' {count_std:.6g} is below the DP floor σ·√2 = {std:.6g} ({self.source})")
+            std = float(count_std)
+        elif not abs(count_std - std) <= 1e-6 * std:
             return f"'count-noise-std' {count_std:.6g} is not the DP count noise std σ·√2 = {std:.6g} ({self.source})"
         k_std = coordinate_bound(std, int(np.size(sums)) + int(np.size(counts)), self.failure)
         top = float(np.max(np.abs(sums))) if np.size(sums) else 0.0
@@ -180,15 +188,19 @@ class DpBounds:
 
 
 def dp_bounds(config: PrivacyConfig, planned_releases: int, failure: float = FALSE_REFUSAL) -> DpBounds | None:
-    """The run's DP keys as screening bounds: ``None`` when nothing the server receives carries noise
-    it can size (``dp-mode = off``, or ``sample`` with σ calibrated per client). σ is the clients' own:
+    """The run's DP keys as screening bounds (``None`` with ``dp-mode = off``). σ is the clients' own:
     given, or :meth:`~pollen.privacy.config.PrivacyConfig.payload_noise_multiplier` for
-    ``planned_releases`` (computed once, here)."""
-    if not config.private or (config.mode == "sample" and config.noise_multiplier <= 0):
+    ``planned_releases`` (computed once, here). Under ``sample`` with a target ε a client's σ also pays
+    for its DP-SGD steps, which depend on its record count; composing more releases only raises ε, so
+    the σ of the prototype releases alone is a floor every client's σ is at or above."""
+    if not config.private:
         return None
     sigma = config.payload_noise_multiplier(planned_releases)
-    how = ("dp-noise-multiplier" if config.noise_multiplier > 0 else
-           f"calibrated for dp-target-epsilon {config.target_epsilon:g} over {planned_releases} releases at "
-           f"dp-delta {config.delta:g}")
-    source = f"dp-mode {config.mode}, dp-clip {config.clip:g}, σ {sigma:.6g} from {how}"
-    return DpBounds(config.mode, float(config.clip), float(sigma), source, failure)
+    if config.noise_multiplier > 0:
+        how = "dp-noise-multiplier"
+    else:
+        how = (f"calibrated for dp-target-epsilon {config.target_epsilon:g} over {planned_releases} releases at "
+               f"dp-delta {config.delta:g}")
+    floor = config.mode == "sample" and config.noise_multiplier <= 0
+    source = f"dp-mode {config.mode}, dp-clip {config.clip:g}, σ {'>= ' if floor else ''}{sigma:.6g} from {how}"
+    return DpBounds(config.mode, float(config.clip), float(sigma), source, failure, floor)

@@ -359,3 +359,24 @@ def test_the_glfc_strategy_refuses_a_gradient_set_beyond_the_dp_bound():
     assert rejected["client"] == "partition 1" and rejected["reason"].startswith("gradient set g0 norm")
     assert "K = 5" in rejected["reason"] and "dp-noise-multiplier" in rejected["reason"]
     assert metrics["accepted"] == 1
+
+
+def test_a_payload_fedmd_run_accepts_every_honest_client(data_root, tmp_path):
+    """Four real ClientApps release noisy logits (std σ·clip·√N0 ≈ 0.95 per entry); the DP bound the
+    server derives admits them all, where the declared max-logit-abs set here (0.5) would refuse each."""
+    import json
+
+    from flwr.app import Context
+
+    from pollen.app.client_app import app as client_app
+    from pollen.app.server_app import main as server_main
+    from tests.inprocess import clientapp_node
+    from tests.test_privacy_clients import TINY_FCCL
+
+    rc = {**TINY_FCCL, "method": "fedmd", "data-root": data_root, "dp-mode": "payload", "dp-noise-multiplier": 1.5,
+          "dp-clip": 0.1, "max-logit-abs": 0.5, "num-server-rounds": 1, "out-dir": str(tmp_path / "runs"),
+          "fraction-evaluate": 0.0}
+    nodes = {100 + p: clientapp_node(client_app, rc, p, 4, state_dir=str(tmp_path / f"p{p}")) for p in range(4)}
+    server_main(InProcessGrid(nodes), Context(run_id=9, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
+    records = [json.loads(line) for line in (tmp_path / "runs" / "9" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["accepted"] for r in records] == [4]

@@ -15,12 +15,14 @@ import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
 
-from pollen.privacy.bounds import DpBounds
+if TYPE_CHECKING:  # the privacy layer builds it and applies it; the contract only carries it
+    from pollen.privacy.bounds import DpBounds
+
 
 # ``np.save`` writes a small header in front of the raw bytes; anything beyond header + data is padding
 # a client added on purpose.

@@ -125,8 +125,8 @@ def test_cifar100_stream_and_client_on_fixture_files(tmp_path, monkeypatch):
 
     from pollen.app.config import parse_node_config, parse_run_config
     from pollen.app.methods_glfc import make_client
-    from pollen.methods.glfc import build_lenet, build_stream_model
-    from pollen.methods.training import model_arrays
+    from pollen.methods.glfc import build_lenet, build_stream_model, model_state
+    from pollen.protocol.glfc import TrainInstruction
     from tests.conftest import make_context
     from tests.test_sources import write_cifar_batch
 
@@ -148,14 +148,14 @@ def test_cifar100_stream_and_client_on_fixture_files(tmp_path, monkeypatch):
     cfg = parse_run_config(rc)
     ctx = make_context(rc, 0, 3)
     model = build_stream_model("cifar100-cil", "resnet10", 10, 0.125)
-    params = model_arrays(model)
-    config = {"server-round": 1, "task": 0, "round-in-task": 0, "num-classes": 10, "model-arrays": len(params),
+    config = {"server-round": 1, "task": 0, "round-in-task": 0, "num-classes": 10,
               "old1-sent": False, "old2-sent": False}
-    arrays, n, m = make_client(cfg, parse_node_config(ctx.node_config), ctx).fit(params, config)
-    lenet_shapes = [tuple(p.shape) for p in build_lenet("cifar100-cil", 0).parameters()]
-    assert lenet_shapes[-2] == (100, 768)  # the DLG LeNet of the paper: FC 768 -> 100
-    grads = arrays[len(params):]
-    assert m["num-gradients"] == 6 and [tuple(g.shape) for g in grads[:8]] == lenet_shapes
+    ins = TrainInstruction(model_state(model), {}, config)
+    state, grads, n, m = make_client(cfg, parse_node_config(ctx.node_config), ctx).train(ins)
+    lenet_shapes = {name: tuple(p.shape) for name, p in build_lenet("cifar100-cil", 0).named_parameters()}
+    assert lenet_shapes["head.weight"] == (100, 768)  # the DLG LeNet of the paper: FC 768 -> 100
+    assert list(state) == list(model.state_dict())  # the trained state by name
+    assert len(grads) == 6 and all({k: g.shape for k, g in gset.items()} == lenet_shapes for gset in grads)
     plan = plan_stream(StreamConfig(num_tasks=2, classes_per_task=10, initial_clients=2, new_clients=1, seed=0))
     # each of its 6 classes has 6 images, split evenly among the clients that drew it
     assert n == sum(6 // len(plan.holders(c)) for c in plan.client_classes(0, 0))

@@ -2,8 +2,8 @@
 
 All share :class:`~pollen.strategies.glfc.IncrementalFedAvg` (Message API) and
 :class:`~pollen.clients.glfc.IncrementalClient` (an adapter around
-:class:`~pollen.methods.glfc.IncrementalRound`), joined by :data:`GLFC_ADAPTER`, which translates the
-named records of :mod:`pollen.protocol.glfc` to the client's arrays and back; the method name picks the
+:class:`~pollen.methods.glfc.IncrementalRound`), joined by :data:`GLFC_ADAPTER`, which decodes the
+named records of :mod:`pollen.protocol.glfc` for the client and encodes its named answer; the method name picks the
 objective, the memory, the old model and the proxy. The strategy learns each node's partition from a
 ``query`` message, answered by the ClientApp's ``query`` handler. They run on the class-incremental
 tasks of :mod:`pollen.datasets.incremental` (``mnist-fmnist-cil``, ``cifar100-cil``). Run keys are prefixed
@@ -14,14 +14,13 @@ Start the simulation with ``glfc-initial-clients + (glfc-tasks - 1) · glfc-new-
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from pollen.app.adapters import ClientAdapter, evaluate_reply
+from pollen.app.adapters import ClientAdapter
 from pollen.app.config import ConfigError
 from pollen.app.registry import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key, check
@@ -176,55 +175,15 @@ def make_client(cfg: RunConfig, node, context):
     return IncrementalClient(cfg, node, context, settings_for(cfg))
 
 
-# -- records <-> IncrementalClient -----------------------------------------------------------------
-@functools.lru_cache(maxsize=8)
-def lenet_parameter_names(task: str, seed: int) -> tuple[str, ...]:
-    """Names of the shared LeNet's parameters, in the order the client lists its gradients."""
-    return tuple(name for name, _ in build_lenet(task, seed).named_parameters())
-
-
-def _client_arrays(client, ins: protocol.TrainInstruction) -> tuple[list[np.ndarray], dict, list[str]]:
-    """The client's positional input: global state, then the old models sent (slot 1, slot 2), each in
-    the client's own state-dict order (matched by name, not by arrival order), with the counts it slices
-    by (``model-arrays``, ``old{n}-arrays``) added to the config."""
-    keys = client.state_keys()
-    if sorted(keys) != sorted(ins.model):
-        missing = sorted(set(keys) - set(ins.model))[:5]
-        extra = sorted(set(ins.model) - set(keys))[:5]
-        raise ValueError(f"server model state does not match this client's model {client.stream_model_name!r}: "
-                         f"missing {missing}, unexpected {extra}; do server and client use the same model and width?")
-    params = [ins.model[k] for k in keys]
-    config = dict(ins.config)
-    config["model-arrays"] = len(keys)
-    for slot in (1, 2):
-        old = ins.old_models.get(slot)
-        config[f"old{slot}-arrays"] = len(keys) if old is not None else 0
-        if old is not None:
-            params += [old[k] for k in keys]
-    return params, config, keys
-
-
+# -- records <-> IncrementalClient: named arrays in, named arrays out ---------------------------------
 def _glfc_train(client, content: RecordDict) -> RecordDict:
-    ins = protocol.decode_train_content(content)
-    params, config, keys = _client_arrays(client, ins)
-    arrays, n, metrics = client.fit(params, config)
-    if len(arrays) < len(keys):
-        raise ValueError(f"client returned {len(arrays)} arrays for a {len(keys)}-entry model")
-    rest = arrays[len(keys):]
-    grads = []
-    if rest:
-        names = lenet_parameter_names(client.settings.task, client.cfg.seed)
-        if len(rest) % len(names):
-            raise ValueError(f"{len(rest)} gradient arrays are not whole sets of {len(names)}")
-        grads = [dict(zip(names, rest[i:i + len(names)])) for i in range(0, len(rest), len(names))]
-    metrics = {k: v for k, v in metrics.items() if k != "num-gradients"}  # the count travels as keys
-    return protocol.encode_train_reply(dict(zip(keys, arrays[:len(keys)])), n, grads, metrics)
+    state, grads, n, metrics = client.train(protocol.decode_train_content(content))
+    return protocol.encode_train_reply(state, n, grads, metrics)
 
 
 def _glfc_evaluate(client, content: RecordDict) -> RecordDict:
-    ins = protocol.decode_train_content(content)
-    params, config, _ = _client_arrays(client, ins)
-    return evaluate_reply(client, params, config)
+    loss, n, metrics = client.evaluate_received(protocol.decode_train_content(content))
+    return protocol.encode_evaluate_reply(n, {**metrics, "loss": float(loss)})
 
 
 GLFC_ADAPTER = ClientAdapter(_glfc_train, _glfc_evaluate)

@@ -1,22 +1,26 @@
-"""The class-incremental family's NumPyClient: a thin adapter from Flower's ``fit``/``evaluate`` to
-:class:`pollen.methods.glfc.IncrementalRound` (GLFC, its ablations, FedAvg + iCaRL, Finetune).
+"""The class-incremental family's client: :class:`pollen.methods.glfc.IncrementalRound` (GLFC, its
+ablations, FedAvg + iCaRL, Finetune) on this node's data, state and device.
 
-The ClientApp adapter (``pollen.app.methods_glfc.GLFC_ADAPTER``) turns the named records of
-:mod:`pollen.protocol.glfc` into positional arrays in this client's own state-dict order
-(:meth:`IncrementalClient.state_keys`) and back.
+It works on named arrays only: :meth:`IncrementalClient.train` takes the message as
+:func:`pollen.protocol.glfc.decode_train_content` decodes it and answers with what
+:func:`pollen.protocol.glfc.encode_train_reply` encodes (``pollen.app.methods_glfc.GLFC_ADAPTER`` joins
+them), so no positional list or array count exists between the wire and the core.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
-from flwr.common import Context, NDArrays, Scalar
+import numpy as np
+from flwr.common import Context
 
 from pollen.clients.base import PollenClient, _state_keys
 from pollen.datasets.incremental import SOURCES
 from pollen.methods.glfc import IncrementalRound, IncrementalSettings, build_stream_model
 from pollen.methods.training import model_arrays
 from pollen.models import SplitModel
+from pollen.protocol.glfc import TrainInstruction
 
 
 class IncrementalClient(PollenClient):
@@ -50,10 +54,25 @@ class IncrementalClient(PollenClient):
     def get_parameters(self, config):
         return model_arrays(self._model(self.settings.stream.classes_per_task))
 
-    def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        arrays, num, metrics = self.core.fit(list(parameters), dict(config))
-        return arrays, num, {**self.base_metrics(), **metrics}
+    def check_model(self, ins: TrainInstruction) -> None:
+        """Refuse a global state whose names are not this client's model's, naming the model."""
+        keys = self.state_keys()
+        if sorted(keys) != sorted(ins.model):
+            missing = sorted(set(keys) - set(ins.model))[:5]
+            extra = sorted(set(ins.model) - set(keys))[:5]
+            raise ValueError(f"server model state does not match this client's model {self.stream_model_name!r}: "
+                             f"missing {missing}, unexpected {extra}; do server and client use the same model "
+                             "and width?")
 
-    def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
-        loss, num, metrics = self.core.evaluate(list(parameters), dict(config))
+    def train(self, ins: TrainInstruction) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]], int,
+                                                     dict[str, Any]]:
+        """One round: the trained state by name, the gradient sets by LeNet parameter name, examples, metrics."""
+        self.check_model(ins)
+        state, grads, num, metrics = self.core.fit(ins)
+        return state, grads, num, {**self.base_metrics(), **metrics}
+
+    def evaluate_received(self, ins: TrainInstruction) -> tuple[float, int, dict[str, Any]]:
+        """A detect-only (or plain) evaluate message: loss, examples, metrics."""
+        self.check_model(ins)
+        loss, num, metrics = self.core.evaluate(ins)
         return loss, num, {**self.base_metrics(), **metrics}

@@ -17,17 +17,17 @@ prototype gradients with the proxy). Per round it
 5. on a transition (proxy methods), for each current class perturbs the image nearest its feature
    mean and returns the LeNet gradient of ``CE(LeNet(x), c)`` after the model weights.
 
-On the wire everything travels by name (:mod:`pollen.protocol.glfc`); the ClientApp adapter
-(``pollen.app.methods_glfc.GLFC_ADAPTER``) hands the client (and so this core) positional arrays: the global state, then
-the old models sent (``config["model-arrays"]`` / ``config["old{n}-arrays"]`` entries each), and names
-its answer — the model's full state arrays, then one LeNet gradient set (8 arrays, ``parameters()``
-order) per new class. Everything remembered between rounds (learned classes, exemplar indices, last entropy,
-held classes, cached old models) lives in ``context.state``.
+Everything travels by name, end to end: the core takes the decoded message
+(:class:`pollen.protocol.glfc.TrainInstruction`: the global state and the old models sent, each by
+state-dict name) and answers with the trained state by name and one LeNet gradient set per new class
+(``{parameter name: gradient}``), which :func:`pollen.protocol.glfc.encode_train_reply` puts on the
+wire. No array counts travel anywhere. Everything remembered between rounds (learned classes, exemplar
+indices, last entropy, held classes, cached old models by name) lives in ``context.state``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,13 +50,15 @@ from pollen.methods.training import (
     LocalTraining,
     derive_seed,
     load_model_arrays,
-    model_arrays,
     predict_logits,
     seed_everything,
     train_epochs,
 )
 from pollen.models import LeNet, SplitModel, build_model
 from pollen.privacy.payload import PayloadPrivacy
+from pollen.protocol.glfc import TrainInstruction
+
+Named = dict[str, np.ndarray]  # a model state or a gradient set, by name
 
 OLD_MODEL_SOURCES = ("proxy", "previous-task", "none")
 
@@ -168,6 +170,22 @@ def perturb_prototype(model: torch.nn.Module, x: torch.Tensor, label: int, num_c
     return data.detach().squeeze(0)
 
 
+def load_state(model: torch.nn.Module, state: Mapping[str, np.ndarray]) -> None:
+    """Load a state by name; the names must be exactly the model's (a clear error otherwise)."""
+    keys = list(model.state_dict().keys())
+    if set(keys) != set(state):
+        missing = sorted(set(keys) - set(state))[:5]
+        extra = sorted(set(state) - set(keys))[:5]
+        raise ValueError(f"model state does not match this client's model: missing {missing}, unexpected {extra}; "
+                         "do server and client use the same model and width?")
+    load_model_arrays(model, [state[k] for k in keys])
+
+
+def model_state(model: torch.nn.Module) -> Named:
+    """The full state (parameters and buffers) by name, in ``state_dict`` order."""
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
 class IncrementalRound:
     """One client's round of a class-incremental method (see the module docstring), apart from Flower:
     ``store`` keeps what the client remembers, ``new_model(num_classes)`` builds its architecture on its
@@ -196,18 +214,15 @@ class IncrementalRound:
         arrays = self.store.load_arrays(f"old{slot}")
         assert arrays is not None  # _cache_old_models saves the arrays with their meta
         model = self.new_model(int(meta["classes"]))
-        load_model_arrays(model, [arrays[str(i)] for i in range(len(arrays))])
+        load_state(model, arrays)
         model.eval()
         return model
 
-    def _cache_old_models(self, parameters: list[np.ndarray], config: dict, offset: int) -> None:
+    def _cache_old_models(self, old_models: Mapping[int, Mapping[str, np.ndarray]], config: dict) -> None:
         for slot in (1, 2):
-            if not bool(config.get(f"old{slot}-sent", False)):
+            if slot not in old_models:
                 continue
-            n = int(config[f"old{slot}-arrays"])
-            arrays = parameters[offset:offset + n]
-            offset += n
-            self.store.save_arrays(f"old{slot}", {str(i): a for i, a in enumerate(arrays)})
+            self.store.save_arrays(f"old{slot}", old_models[slot])
             self.store.save_values(f"old{slot}-meta", {"version": int(config[f"old{slot}-version"]),
                                                        "classes": int(config[f"old{slot}-classes"])})
 
@@ -256,19 +271,20 @@ class IncrementalRound:
         return transition, st, memory, x_cur, y_cur, classes, entropy
 
     # the round ----------------------------------------------------------------------------
-    def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+    def fit(self, ins: TrainInstruction) -> tuple[Named, list[Named], int, dict[str, Any]]:
+        """The round: ``(trained state by name, gradient sets by LeNet parameter name, examples, metrics)``."""
         s = self.settings
+        config = ins.config
         server_round = int(config.get("server-round", 0))
         task = int(config.get("task", s.task_of_round(server_round)))
         num_classes = int(config["num-classes"])
-        n_model = int(config["model-arrays"])
         if self.privacy is not None:
             self.privacy.check()  # out of budget: stop before training, saying so
         generator = seed_everything(derive_seed(self.seed, self.partition_id, server_round, 0))
 
         model = self.new_model(num_classes)
-        load_model_arrays(model, parameters[:n_model])
-        self._cache_old_models(parameters, config, n_model)
+        load_state(model, ins.model)
+        self._cache_old_models(ins.old_models, config)
 
         transition, st, memory, x_cur, y_cur, classes, entropy = self._detect(model, task)
 
@@ -312,8 +328,10 @@ class IncrementalRound:
                                     optimizer=opt, generator=generator, device=self.device, loss_fn=loss_fn)
 
         grad_sets: list[list[np.ndarray]] = []
+        lenet_names: list[str] = []
         if transition and s.shares_gradients:
             lenet = build_lenet(s.task, self.seed).to(self.device)
+            lenet_names = [name for name, _ in lenet.named_parameters()]  # the order lenet.gradient lists
             feats = normalised_features(model, x_cur, self.device)
             for c in classes:
                 rows = torch.nonzero(y_cur == c).squeeze(1)
@@ -325,29 +343,32 @@ class IncrementalRound:
 
         self.store.save_values(self.STATE, st)
         metrics = {"task": task, "transition": int(transition), "entropy": entropy,
-                   "num-gradients": len(grad_sets), "learned-classes": len(st["learned"]),
+                   "learned-classes": len(st["learned"]),
                    "exemplars": int(sum(len(v) for v in memory.values())), "distilled": int(old is not None),
                    "old1-version": int(self.store.load_values("old1-meta", {"version": 0})["version"]),
                    "old2-version": int(self.store.load_values("old2-meta", {"version": 0})["version"])}
+        trained = model_state(model)
         if self.privacy is not None:  # what the mechanism released; metrics that reveal no data
-            state, grad_sets, dp_metrics = self.privacy.glfc(parameters[:n_model], model_arrays(model), grad_sets,
-                                                             s.stream.classes_per_task)
-            keep = ("task", "num-gradients", "old1-version", "old2-version")
-            return (state + [g for grads in grad_sets for g in grads], 1,
+            keys = list(trained)
+            released, grad_sets, dp_metrics = self.privacy.glfc([ins.model[k] for k in keys], list(trained.values()),
+                                                                grad_sets, s.stream.classes_per_task)
+            keep = ("task", "old1-version", "old2-version")
+            return (dict(zip(keys, released)), [dict(zip(lenet_names, g)) for g in grad_sets], 1,
                     {**{k: metrics[k] for k in keep}, **dp_metrics})
         if history:
             metrics["train-loss"] = history[-1].loss
-        return model_arrays(model) + [g for grads in grad_sets for g in grads], int(len(y_train)), metrics
+        return trained, [dict(zip(lenet_names, g)) for g in grad_sets], int(len(y_train)), metrics
 
-    def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:
+    def evaluate(self, ins: TrainInstruction) -> tuple[float, int, dict[str, Any]]:
         """Accuracy of the global model on this client's current data (the server evaluates globally).
 
         With ``detect-only`` (the code's every-client-every-round detection, ``glfc-detect-all-clients``)
         the client instead runs task-transition detection and its memory update on the received model.
         """
+        config = ins.config
         task = int(config.get("task", 0))
-        model = self.new_model(int(config["num-classes"]))
-        load_model_arrays(model, parameters[:int(config["model-arrays"])])
+        model = self.new_model(ins.num_classes)
+        load_state(model, ins.model)
         if bool(config.get("detect-only", False)):
             transition, st, memory, _, y_cur, _, entropy = self._detect(model, task)
             return 0.0, int(len(y_cur)), {"transition": int(transition), "entropy": entropy,

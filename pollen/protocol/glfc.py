@@ -24,8 +24,9 @@ by version, and the proxy's prototype gradients — every array by name.
 Train messages carry ``arrays``, ``config`` and the old models the node lacks; evaluate messages are
 sent only with ``detect-only`` (the official code's every-client task detection) and carry ``arrays``
 and ``config``; query messages (``MessageType.QUERY``) carry only ``config``. The number of gradient
-sets is read from the ``proto-grads`` keys, never from a metric; ``{param}`` are the names of the shared
-LeNet's ``named_parameters()``. Evaluate and query replies carry only ``metrics``.
+sets is read from the ``proto-grads`` keys, never from a metric or the config: no array count travels
+in either direction; ``{param}`` are the names of the shared LeNet's ``named_parameters()``. Evaluate
+and query replies carry only ``metrics``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from pollen.protocol.records import (
     CONFIG,
     METRICS,
     array_record,
+    metric_record,
     reply_content,
 )
 from pollen.protocol.screening import (
@@ -258,3 +260,8 @@ def encode_train_reply(state: ArrayRecord | Mapping[str, np.ndarray], num_exampl
              for i, gset in enumerate(gradients) for name, g in gset.items()}
     extra = {PROTO_GRADS: array_record(grads)} if grads else {}
     return reply_content(state, num_examples, metrics, **extra)
+
+
+def encode_evaluate_reply(num_examples: int, metrics: Mapping[str, Any] | None = None) -> RecordDict:
+    """Client side: an evaluate (detect-only) reply, metrics only (``transition`` among them)."""
+    return RecordDict({METRICS: metric_record(num_examples, metrics)})

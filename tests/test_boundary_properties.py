@@ -20,14 +20,17 @@ Properties, for every input:
 * the verdict is the one the wire contract (``pollen.protocol``) gives: an independent oracle below
   (:func:`oracle`) re-derives from the documented rules which replies must be accepted, and the
   strategy accepts exactly those;
+* a metric the strategy only reports (anything but ``num-examples`` and ``partition-id``) that breaks
+  its rule is dropped alone: each accepted reply counts with exactly the metrics :func:`kept_metrics`
+  keeps, and each dropped one is a WARNING;
 * rejected replies have no influence: the aggregate equals what a fresh strategy makes of the
   accepted replies alone — in particular, when only the good reply is accepted, exactly what the
   good reply alone gives;
 * what the server sends next is usable: averaged arrays stay within the range of the accepted ones,
   and the next global record decodes with the client-side decoder of the family's protocol.
 
-Hostile replies never claim partition 0 (the good reply's): a reply that does — and passes the
-metric checks — quarantines partition 0 (two claimants, neither trusted) by design of the identity
+Hostile replies never claim partition 0 (the good reply's): a reply that does — with a good count
+and partition id — quarantines partition 0 (two claimants, neither trusted) by design of the identity
 rules, so "the good reply is accepted" would not hold by construction.
 
 Each (strategy, stage) runs ``EXAMPLES`` = 200 examples.
@@ -394,26 +397,36 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _whole(v: Any, low: float, high: float) -> bool:
+    return not isinstance(v, list) and _number(v) and float(v) == int(v) and low <= v <= high
+
+
 def metrics_ok(metrics: Any, stage: str, max_examples: int) -> bool:
+    """The metrics a strategy acts on decide the reply: a whole ``num-examples`` in its range, a whole
+    ``partition-id`` in [0, 2**31 - 1] when sent (no federation has more partitions). Pollen compares
+    them as floats, so an int float64 cannot hold (> 2**53) is refused."""
     if not isinstance(metrics, MetricRecord) or "num-examples" not in metrics:
         return False
-    for key, value in metrics.items():
-        if not all(_number(v) for v in (value if isinstance(value, list) else [value])):
-            return False
-        # sane ranges: |x| <= 1e12 for a key ending in "loss", |x| <= 2**53 for any other
-        if any(abs(v) > (1e12 if key.endswith("loss") else 2**53) for v in (value if isinstance(value, list) else [value])):
-            return False
-        if key.endswith("accuracy") and not isinstance(value, list) and not 0.0 <= value <= 1.0:
-            return False
-    # whole numbers; Pollen compares them as floats, so an int float64 cannot hold (> 2**53) is refused
-    n = metrics["num-examples"]
-    if isinstance(n, list) or float(n) != int(n) or not (0 if stage == "evaluate" else 1) <= n <= max_examples:
+    if not _whole(metrics["num-examples"], 0 if stage == "evaluate" else 1, max_examples):
         return False
-    # a partition id is a whole number in [0, 2**31 - 1]: no federation has more partitions
-    pid = metrics.get("partition-id", 0)
-    if isinstance(pid, list) or float(pid) != int(pid) or not 0 <= pid <= 2**31 - 1:
+    return "partition-id" not in metrics or _whole(metrics["partition-id"], 0, 2**31 - 1)
+
+
+def reported_ok(key: str, value: Any) -> bool:
+    """Any other metric is only reported: it counts when every element is a finite number, |x| <= 1e12 for
+    a key ending in "loss" and <= 2**53 otherwise, "loss"/"train-loss" >= 0, any "*accuracy" in [0, 1];
+    else it is dropped alone (the reply still counts)."""
+    values = value if isinstance(value, list) else [value]
+    if not all(_number(v) and abs(v) <= (1e12 if key.endswith("loss") else 2**53) for v in values):
         return False
-    return not any(k in metrics and (isinstance(metrics[k], list) or metrics[k] < 0) for k in ("loss", "train-loss"))
+    if key in ("loss", "train-loss") and any(v < 0 for v in values):
+        return False
+    return not (key.endswith("accuracy") and any(not 0.0 <= v <= 1.0 for v in values))
+
+
+def kept_metrics(metrics: MetricRecord) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in metrics.items()
+            if k in ("num-examples", "partition-id") or reported_ok(k, v)}
 
 
 def _decoded(array: Any, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
@@ -584,6 +597,21 @@ def check_round(kind: str, stage: str, nodes, replies, with_good: bool, caplog) 
         assert any(f"rejected reply from {rej['client']}: {rej['reason']}" in w for w in warnings), (rej, warnings)
     assert sum("rejected reply from" in w for w in warnings) == len(report.rejected)
 
+    # a bad reported metric of an accepted reply is dropped alone, each with a WARNING naming it
+    first = {}
+    for node, content in replies:
+        if node in got and node not in first and content is not None:
+            first[node] = content
+    kept = [(node, kept_metrics(first[node]["metrics"])) for node in got]
+    clients = report.fit_clients if stage == "train" else report.evaluate_clients
+    assert all(_same(clients[strategy.label(node)], want_kept) for node, want_kept in kept), (clients, kept)
+    dropped = [(node, k) for node, want_kept in kept for k in first[node]["metrics"] if k not in want_kept]
+    assert sorted((d["client"], d["key"]) for d in report.dropped_metrics if d["client"] is not None) \
+        == sorted((strategy.label(node), k) for node, k in dropped)
+    assert sum("dropped metric" in w for w in warnings) == len(dropped)
+    if currently_in_test_context():
+        event(f"metrics dropped: {min(len(dropped), 2)}+")
+
     # no exception but the documented one, and that one only when nobody was accepted
     if with_good:
         assert GOOD_NODE in got
@@ -596,10 +624,6 @@ def check_round(kind: str, stage: str, nodes, replies, with_good: bool, caplog) 
         return
 
     # rejected replies have no influence: same result from the accepted replies alone
-    first = {}
-    for node, content in replies:
-        if node in got and node not in first and content is not None:
-            first[node] = content
     _, alone, alone_failure = aggregate(kind, stage, nodes, [(n, first[n]) for n in got])
     assert alone_failure is None
     if stage == "evaluate":

@@ -1,5 +1,5 @@
 """Hostile nodes against the Message-API strategies (issue 31): absurd values refused by the declared
-bounds before anything is aggregated (or reaches GLFC's proxy), absurd metrics refused, a partition
+bounds before anything is aggregated (or reaches GLFC's proxy), absurd metrics dropped, a partition
 never taken by a claim, and failures named by the node the message was sent to.
 
 Every round runs through a real Flower ``Message`` exchange in process (``tests/inprocess.py``).
@@ -92,7 +92,9 @@ def test_3e38_logits_are_refused():
     assert "'logits': magnitude 3e+38 above the plausible maximum 10000" in reasons["partition 2"]
 
 
-def test_absurd_metrics_are_refused_with_the_usual_reason():
+def test_absurd_metrics_are_dropped_with_the_usual_reason():
+    """An absurd loss is left out of the round's metrics (a WARNING with the usual reason); the reply,
+    which the strategy acts on only through its count and partition, still counts."""
     for loss in (1e308, 1e13, -1e13):
         content = RecordDict({"metrics": MetricRecord({"num-examples": 10, "loss": loss, "partition-id": 1})})
         grid = InProcessGrid({11: _weights_node(0, 10, 1.0),
@@ -101,9 +103,10 @@ def test_absurd_metrics_are_refused_with_the_usual_reason():
         strategy = WeightAveraging(min_available_nodes=2)
         result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
         assert result.evaluate_metrics_clientapp[1]["loss"] == 1.0  # the honest client's only
-        (rejected,) = strategy.reports[1].rejected
-        assert rejected["stage"] == "evaluate" and rejected["client"] == "partition 1"
-        assert rejected["reason"].startswith("metric 'loss' =") and "beyond the sane range ±1e+12" in rejected["reason"]
+        assert not strategy.reports[1].rejected and len(strategy.reports[1].evaluate_clients) == 2
+        (dropped,) = strategy.reports[1].dropped_metrics
+        assert dropped["stage"] == "evaluate" and dropped["client"] == "partition 1"
+        assert dropped["reason"].startswith("metric 'loss' =") and "beyond the sane range ±1e+12" in dropped["reason"]
     assert check_metrics({"train-loss": 1e12, "foo": 2.0**53}, {}) is None
     assert "'foo'" in check_metrics({"foo": [1.0, 2.0**53 + 2]}, {})
     assert "'proxy-matching-loss'" in check_metrics({"proxy-matching-loss": 1e300}, {})

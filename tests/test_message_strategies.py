@@ -20,8 +20,16 @@ from pollen.protocol.logits import decode_consensus, encode_logit_reply
 from pollen.protocol.prototypes import decode_global_prototypes, encode_prototype_reply
 from pollen.protocol.records import reply_content
 from pollen.protocol.weights import encode_weights_reply
-from pollen.strategies import (LocalOnly, LogitAveraging, NoTrainingError, PrototypeStrategy, WeightAveraging,
-                               aggregate_prototypes, mean_logits, prototype_margin)
+from pollen.strategies import (
+    LocalOnly,
+    LogitAveraging,
+    NoTrainingError,
+    PrototypeStrategy,
+    WeightAveraging,
+    aggregate_prototypes,
+    mean_logits,
+    prototype_margin,
+)
 from tests.inprocess import InProcessGrid
 
 STATE = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32),
@@ -132,16 +140,28 @@ def test_a_bad_train_reply_is_rejected_with_its_reason_and_the_round_goes_on(kin
     assert any("node 12" in w and reason in w for w in warnings), warnings
 
 
-@pytest.mark.parametrize("kind, reason", [("nan-loss", "'loss' = nan"), ("accuracy", "'accuracy' = 5.0 is outside"),
-                                          ("negative", "'num-examples' = -3 is below")])
-def test_a_bad_evaluate_reply_is_rejected(kind, reason):
-    grid = InProcessGrid({11: _weights_node(0, 10, 1.0), 12: _hostile(kind)})
+def test_a_bad_evaluate_count_refuses_the_reply():
+    grid = InProcessGrid({11: _weights_node(0, 10, 1.0), 12: _hostile("negative")})
     strategy = WeightAveraging(min_available_nodes=2)
     result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1,
                             evaluate_fn=lambda r, a: None)
     assert result.evaluate_metrics_clientapp[1]["accuracy"] == pytest.approx(0.5)  # only the good client
     rejected = strategy.reports[1].rejected
-    assert [r["stage"] for r in rejected] == ["evaluate"] and reason in rejected[0]["reason"]
+    assert [r["stage"] for r in rejected] == ["evaluate"] and "'num-examples' = -3 is below" in rejected[0]["reason"]
+
+
+@pytest.mark.parametrize("kind, key, reason", [("nan-loss", "loss", "'loss' = nan is not a finite number"),
+                                               ("accuracy", "accuracy", "'accuracy' = 5.0 is above 1")])
+def test_a_bad_reported_evaluate_metric_is_dropped_alone(kind, key, reason):
+    """A loss or accuracy out of range drops that metric (the reply still counts; its loss is kept)."""
+    grid = InProcessGrid({11: _weights_node(0, 10, 1.0), 12: _hostile(kind)})
+    strategy = WeightAveraging(min_available_nodes=2)
+    result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=1)
+    assert not strategy.reports[1].rejected and len(strategy.reports[1].evaluate_clients) == 2
+    assert result.evaluate_metrics_clientapp[1]["accuracy"] == pytest.approx(0.5)  # the hostile value left out
+    assert result.evaluate_metrics_clientapp[1]["loss"] == pytest.approx(1.0)
+    (dropped,) = strategy.reports[1].dropped_metrics
+    assert dropped["key"] == key and reason in dropped["reason"]
 
 
 def test_an_error_reply_is_a_failure_with_its_reason():

@@ -6,7 +6,9 @@ shape or an oversized payload is refused without decoding a single byte. Only re
 decoded, and then values (finiteness, ranges) are checked on the decoded arrays.
 
 Each check returns ``None`` for a good value or a one-line reason that names the key; strategies drop
-the reply with that reason (logged as a WARNING and recorded), and the rest of the round goes on.
+the reply with that reason (logged as a WARNING and recorded), and the rest of the round goes on. A
+metric the strategy only reports (a loss, an accuracy) is the exception: a bad one is dropped alone
+(:func:`screen_metrics`), never the model update it came with.
 """
 
 from __future__ import annotations
@@ -122,12 +124,18 @@ def decode_record(record: Any, specs: Sequence[ArraySpec], *,
 
 @dataclass(frozen=True)
 class MetricBound:
-    """Range of one known metric; ``integer`` demands a whole number."""
+    """Range of one known metric; ``integer`` demands a whole number.
+
+    ``reported``: a value the strategy only reports (a loss, an accuracy). A bad one is dropped from the
+    round's metrics with a WARNING and the reply still counts; a bad value of any other bounded key (the
+    ``num-examples`` weight, the ``partition-id`` claim: values the strategy acts on) refuses the reply.
+    """
 
     low: float | None = None
     high: float | None = None
     integer: bool = False
     required: bool = False
+    reported: bool = False
 
 
 def _finite_number(value: Any) -> bool:
@@ -140,58 +148,109 @@ def _finite_number(value: Any) -> bool:
 MAX_METRIC_ABS = 2.0**53
 MAX_LOSS_ABS = 1e12
 
+# Any metric whose name ends in ``accuracy`` is a fraction.
+ACCURACY = MetricBound(0.0, 1.0, reported=True)
+
+
+def _bound_for(key: str, bounds: Mapping[str, MetricBound]) -> MetricBound | None:
+    if key in bounds:
+        return bounds[key]
+    return ACCURACY if key.endswith("accuracy") else None
+
+
+def check_metric(key: str, value: Any, bound: MetricBound | None) -> str | None:
+    """``None`` for a good value of one metric, else the reason naming the key: a finite number (or list
+    of them) within ``MAX_METRIC_ABS`` (keys ending in ``loss``: ``MAX_LOSS_ABS``), and within ``bound``
+    (a list only where the bound is ``reported``: each element)."""
+    values: list[Any] = value if isinstance(value, list) else [value]
+    for v in values:
+        if not _finite_number(v):
+            return f"metric '{key}' = {v!r} is not a finite number"
+        cap = MAX_LOSS_ABS if key.endswith("loss") else MAX_METRIC_ABS
+        if abs(v) > cap:
+            return f"metric '{key}' = {v!r} is beyond the sane range ±{cap:g}"
+    if bound is None:
+        return None
+    if isinstance(value, list) and not bound.reported:
+        return f"metric '{key}' must be a single number, got a list"
+    for v in values:
+        if bound.integer and not isinstance(v, int) and float(v) != int(v):
+            return f"metric '{key}' = {v!r} is not a whole number"
+        if bound.low is not None and v < bound.low:
+            return f"metric '{key}' = {v!r} is below {bound.low:g}"
+        if bound.high is not None and v > bound.high:
+            return f"metric '{key}' = {v!r} is above {bound.high:g}"
+    return None
+
 
 def check_metrics(metrics: Any, bounds: Mapping[str, MetricBound]) -> str | None:
-    """Every value a finite number (or list of them) within ``MAX_METRIC_ABS`` (keys ending in ``loss``:
-    ``MAX_LOSS_ABS``); known keys within their bounds."""
+    """The strict rule: the first bad metric (:func:`check_metric`) refuses the reply. Keys ending in
+    ``accuracy`` are checked by :func:`check_accuracy_keys`, not here."""
     if not isinstance(metrics, (MetricRecord, dict)):
         return f"metrics: expected a MetricRecord, got {type(metrics).__name__}"
     for key, spec in bounds.items():
         if spec.required and key not in metrics:
             return f"metric '{key}' is missing"
     for key, value in metrics.items():
-        values: Iterable[Any] = value if isinstance(value, list) else [value]
-        for v in values:
-            if not _finite_number(v):
-                return f"metric '{key}' = {v!r} is not a finite number"
-            cap = MAX_LOSS_ABS if key.endswith("loss") else MAX_METRIC_ABS
-            if abs(v) > cap:
-                return f"metric '{key}' = {v!r} is beyond the sane range ±{cap:g}"
-        bound = bounds.get(key)
-        if bound is None:
-            continue
-        if isinstance(value, list):
-            return f"metric '{key}' must be a single number, got a list"
-        if bound.integer and not isinstance(value, int) and float(value) != int(value):
-            return f"metric '{key}' = {value!r} is not a whole number"
-        if bound.low is not None and value < bound.low:
-            return f"metric '{key}' = {value!r} is below {bound.low:g}"
-        if bound.high is not None and value > bound.high:
-            return f"metric '{key}' = {value!r} is above {bound.high:g}"
+        reason = check_metric(key, value, bounds.get(key))
+        if reason is not None:
+            return reason
     return None
 
 
+@dataclass
+class MetricScreen:
+    """What :func:`screen_metrics` made of one reply's metrics."""
+
+    kept: dict[str, Any]  # the metrics that count
+    dropped: list[tuple[str, Any, str]]  # (key, value, reason) of each reported metric left out
+    reason: str | None  # why the whole reply is refused, else None
+
+
+def screen_metrics(metrics: Any, bounds: Mapping[str, MetricBound]) -> MetricScreen:
+    """The Message-API rule: a bad value of a bounded key that is not ``reported`` refuses the reply
+    (``reason``); a bad value of any other key (unknown keys, losses, ``*accuracy``) is dropped, and
+    the rest of the reply — its model update included — still counts."""
+    if not isinstance(metrics, (MetricRecord, dict)):
+        return MetricScreen({}, [], f"metrics: expected a MetricRecord, got {type(metrics).__name__}")
+    for key, spec in bounds.items():
+        if spec.required and key not in metrics:
+            return MetricScreen({}, [], f"metric '{key}' is missing")
+    kept: dict[str, Any] = {}
+    dropped: list[tuple[str, Any, str]] = []
+    for key, value in metrics.items():
+        value = list(value) if isinstance(value, list) else value
+        bound = _bound_for(key, bounds)
+        reason = check_metric(key, value, bound)
+        if reason is None:
+            kept[key] = value
+        elif bound is not None and not bound.reported:
+            return MetricScreen({}, [], reason)
+        else:
+            dropped.append((key, value, reason))
+    return MetricScreen(kept, dropped, None)
+
+
 # Bounds every family shares. ``num-examples`` is capped by the strategy (``max_examples``).
-ACCURACY = MetricBound(0.0, 1.0)
 # No federation has 2**31 partitions; a larger claim is absurd, and one above 2**53 would not even survive
 # the float comparisons the strategies make, so it is refused here rather than half-accepted later.
 MAX_PARTITION_ID = 2**31 - 1
 COMMON_METRICS: dict[str, MetricBound] = {
     "partition-id": MetricBound(0, MAX_PARTITION_ID, integer=True),
-    "loss": MetricBound(0.0, None),
-    "train-loss": MetricBound(0.0, None),
+    "loss": MetricBound(0.0, None, reported=True),
+    "train-loss": MetricBound(0.0, None, reported=True),
 }
 
 
 def metric_bounds(max_examples: int, *, evaluate: bool) -> dict[str, MetricBound]:
-    """Bounds for a train or evaluate reply: counts capped, any ``*accuracy`` key checked by name."""
+    """Bounds for a train or evaluate reply: counts capped (``*accuracy`` keys: :data:`ACCURACY`)."""
     bounds = dict(COMMON_METRICS)
     bounds["num-examples"] = MetricBound(0 if evaluate else 1, max_examples, integer=True, required=True)
     return bounds
 
 
 def check_accuracy_keys(metrics: Mapping[str, Any]) -> str | None:
-    """Any metric whose name ends in ``accuracy`` must lie in [0, 1]."""
+    """The strict rule for keys ending in ``accuracy``: a number outside [0, 1] refuses the reply."""
     for key, value in metrics.items():
         if key.endswith("accuracy") and not isinstance(value, list) and _finite_number(value) \
                 and not 0.0 <= value <= 1.0:

@@ -6,7 +6,10 @@ a reply must hold (``decode_train_reply``) and how accepted replies combine (``a
 this class makes sure no reply reaches that code unchecked:
 
 * error replies are counted as failures with their reason;
-* metrics must be finite numbers, counts within ``max_examples``, accuracies in [0, 1];
+* the metrics the strategy acts on must be good or the reply is refused: ``num-examples`` a whole
+  number within ``max_examples``, ``partition-id`` a whole number; a metric it only reports (a loss, an
+  accuracy, any other key) that is not a finite number in its range is dropped alone, with a WARNING
+  naming the client, key and value — the reply, its model update included, still counts;
 * a node's ``partition-id`` is a claim, never proof: answering first does not make it true. A node
   keeps the partition it first claimed (a changed claim is rejected). When two connected nodes
   claim one partition, neither is trusted: the partition is *quarantined* — every reply claiming it
@@ -31,6 +34,7 @@ that trains nobody never looks like a success.
 
 from __future__ import annotations
 
+import inspect
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -41,6 +45,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
 from pollen.log import LOGGER
 from pollen.protocol.identity import PARTITION_ID, decode_identity_reply, query_content
@@ -48,9 +53,9 @@ from pollen.protocol.records import ARRAYS, CONFIG, METRICS, record_bytes
 from pollen.protocol.screening import (
     COMMON_METRICS,
     PayloadBounds,
-    check_accuracy_keys,
     check_metrics,
     metric_bounds,
+    screen_metrics,
 )
 from pollen.strategies.aggregation import (
     DEFAULT_TRIM_FRACTION,
@@ -58,10 +63,13 @@ from pollen.strategies.aggregation import (
     check_aggregation,
     robust_arrays,
 )
-from pollen.strategies.metrics import mean_std_metrics
+from pollen.strategies.metrics import aggregate_metrics
 
 SIMULATION_NODE_WAIT_S = 5.0
 REASON_CHARS = 2000  # a ClientApp traceback's last lines (long data paths included), bounded for metrics.jsonl
+# Flower's FedAvg options whose only meaningful value is the one Pollen's wire contract fixes.
+FLOWER_FIXED_OPTIONS = {"weighted_by_key": "num-examples", "arrayrecord_key": ARRAYS, "configrecord_key": CONFIG}
+MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 
 
 def engine_partitions(grid: Grid) -> dict[int, int] | None:
@@ -112,6 +120,9 @@ class RoundReport:
     rejected: list[dict] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
     quarantined: list[dict] = field(default_factory=list)  # {"partition", "nodes"}: claimed by several
+    # {"stage", "client", "key", "value", "reason"}: a metric left out (client None: the round could not
+    # average it), the reply it came with counted
+    dropped_metrics: list[dict] = field(default_factory=list)
     fit: dict[str, Any] = field(default_factory=dict)
     evaluate: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
@@ -138,6 +149,13 @@ class PollenStrategy(Strategy):
         bounds: the declared payload bounds (:class:`~pollen.protocol.screening.PayloadBounds`).
         partition_pins: ``{partition: node id}`` the operator vouches for; a pinned partition is
             served by that node only (module docstring).
+        train_metrics_aggr_fn / evaluate_metrics_aggr_fn: Flower's: ``fn(contents, "num-examples") ->
+            MetricRecord`` replaces the clients' mean ± std; ``contents`` holds one
+            ``RecordDict({"metrics": MetricRecord})`` per accepted reply, its metrics as screened.
+        weighted_by_key / arrayrecord_key / configrecord_key: Flower's; only the values of Pollen's
+            wire contract (``FLOWER_FIXED_OPTIONS``) are accepted.
+
+    Any other keyword is refused with a TypeError that lists the supported ones.
     """
 
     family = "base"
@@ -148,7 +166,27 @@ class PollenStrategy(Strategy):
                  max_empty_rounds: int = 0, node_wait_s: float = 120.0, seed: int = 0,
                  identify_nodes: bool = False, query_timeout: float | None = None, aggregation: str = "mean",
                  trim_fraction: float = DEFAULT_TRIM_FRACTION, bounds: PayloadBounds | None = None,
-                 partition_pins: Mapping[int, int] | None = None):
+                 partition_pins: Mapping[int, int] | None = None,
+                 train_metrics_aggr_fn: MetricsAggrFn | None = None,
+                 evaluate_metrics_aggr_fn: MetricsAggrFn | None = None,
+                 weighted_by_key: str = "num-examples", arrayrecord_key: str = ARRAYS, configrecord_key: str = CONFIG,
+                 **unsupported: Any):
+        if unsupported:
+            raise TypeError(f"{type(self).__name__} does not support {', '.join(sorted(unsupported))}; "
+                            f"its options: {', '.join(self.supported_options())} (docs/strategies.md, "
+                            "'Differences from Flower's FedAvg/FedProx')")
+        given = {"weighted_by_key": weighted_by_key, "arrayrecord_key": arrayrecord_key,
+                 "configrecord_key": configrecord_key}
+        for option, chosen in given.items():
+            if chosen != FLOWER_FIXED_OPTIONS[option]:
+                raise ValueError(f"{option} must be {FLOWER_FIXED_OPTIONS[option]!r}, got {chosen!r}: Pollen's "
+                                 "wire contract fixes it (docs/strategies.md)")
+        for option, fn in (("train_metrics_aggr_fn", train_metrics_aggr_fn),
+                           ("evaluate_metrics_aggr_fn", evaluate_metrics_aggr_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{option} must be a callable (contents, weighted_by_key) -> MetricRecord")
+        self.train_metrics_aggr_fn = train_metrics_aggr_fn
+        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
         if not 0.0 <= fraction_evaluate <= 1.0:
@@ -193,6 +231,18 @@ class PollenStrategy(Strategy):
         self._queried: set[int] = set()
         self._settled = False  # the simulation's node registration was seen to have finished
         self.reports: dict[int, RoundReport] = {}
+
+    @classmethod
+    def supported_options(cls) -> list[str]:
+        """The keyword options of this class and the classes it builds on, in name order."""
+        names: set[str] = set()
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None or klass is object or not issubclass(klass, PollenStrategy):
+                continue
+            names.update(p.name for p in inspect.signature(init).parameters.values()
+                         if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        return sorted(names)
 
     # ------------------------------------------------------------------ sampling and messages
     def wait_for_nodes(self, grid: Grid, needed: int) -> list[int]:
@@ -504,9 +554,8 @@ class PollenStrategy(Strategy):
             if not isinstance(rec, MetricRecord):
                 continue
             claim = rec.get(PARTITION_ID)
-            if isinstance(claim, (int, float)) and check_metrics(rec, bounds) is None \
-                    and check_accuracy_keys(rec) is None:  # the metrics pass: a well-formed whole number
-                self._register_claim(node, int(claim))
+            if isinstance(claim, (int, float)) and screen_metrics(rec, bounds).reason is None:
+                self._register_claim(node, int(claim))  # the metrics pass: a well-formed whole number
         self._warn_quarantine(server_round)
         quarantined = self.quarantined()
         accepted: list[Accepted] = []
@@ -524,22 +573,51 @@ class PollenStrategy(Strategy):
             if not isinstance(metrics_rec, MetricRecord):
                 self.reject(server_round, stage, label, f"no MetricRecord under '{METRICS}'")
                 continue
-            reason = check_metrics(metrics_rec, bounds) or check_accuracy_keys(metrics_rec)
-            metrics = _plain(metrics_rec)
+            screened = screen_metrics(metrics_rec, bounds)
+            reason = screened.reason
+            metrics = screened.kept
             if reason is None:
                 reason = self._check_partition(node, metrics, quarantined)
             if reason is None and PARTITION_ID in metrics:  # a consistent claim names the client
                 label = f"partition {int(metrics[PARTITION_ID])}"
-            if reason is None:
-                payload, reason = decode(msg, metrics)
+            if reason is None:  # the family's decoder sees the metrics as sent (its own keys are its rule)
+                payload, reason = decode(msg, _plain(metrics_rec))
             if reason is not None:
                 self.reject(server_round, stage, label, reason)
                 continue
             label = self.label(node)
+            for key, value, why in screened.dropped:
+                self.drop_metric(server_round, stage, label, node, key, value, why)
             accepted.append(Accepted(node, label, payload, metrics, int(metrics["num-examples"])))
             target = rep.fit_clients if stage == "train" else rep.evaluate_clients
             target[label] = metrics
         return accepted
+
+    def drop_metric(self, server_round: int, stage: str, label: str, node: int, key: str, value: Any,
+                    reason: str) -> None:
+        """A WARNING naming the client, the key and the value, kept in the round report; the reply counts."""
+        who = label if label == f"node {node}" else f"{label} (node {node})"
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        LOGGER.warning("round %d %s: dropped metric '%s' = %s from %s, the rest of its reply counts: %s",
+                       server_round, stage, key, shown, who, reason)
+        self.report(server_round).dropped_metrics.append(
+            {"stage": stage, "client": label, "key": key, "value": value, "reason": reason[:REASON_CHARS]})
+
+    def client_metrics(self, server_round: int, stage: str,
+                       reports: Sequence[tuple[float, Accepted]]) -> dict[str, Any]:
+        """The round's client metrics: ``train/evaluate_metrics_aggr_fn`` when given, else the weighted mean
+        plus mean ± std over clients (lists element-wise; a list the round cannot average is a WARNING)."""
+        fn = self.train_metrics_aggr_fn if stage == "train" else self.evaluate_metrics_aggr_fn
+        if fn is not None:
+            contents = [RecordDict({METRICS: MetricRecord(a.metrics)}) for _, a in reports]
+            return dict(fn(contents, FLOWER_FIXED_OPTIONS["weighted_by_key"])) if contents else {}
+        out, refused = aggregate_metrics([(w, a.metrics) for w, a in reports])
+        for key, reason in refused.items():
+            LOGGER.warning("round %d %s: metric '%s' left out of the round's metrics: %s", server_round, stage,
+                           key, reason)
+            self.report(server_round).dropped_metrics.append(
+                {"stage": stage, "client": None, "key": key, "value": None, "reason": reason})
+        return out
 
     def combine(self, client_arrays: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> list[np.ndarray]:
         """The accepted clients' arrays combined by the strategy's ``aggregation``: the family's weighted
@@ -572,7 +650,7 @@ class PollenStrategy(Strategy):
         rep = self.report(server_round)
         out: dict[str, Any] = {"accepted": len(accepted), "rejected": len(rep.rejected),
                                "failures": len([f for f in rep.failures if f["stage"] == "train"])}
-        out.update(mean_std_metrics([(a.num_examples, a.metrics) for a in accepted]))
+        out.update(self.client_metrics(server_round, "train", [(a.num_examples, a) for a in accepted]))
         out.update(extra)
         rep.fit = dict(out)
         return MetricRecord(out)
@@ -598,7 +676,7 @@ class PollenStrategy(Strategy):
         accepted = self.screen(server_round, "evaluate", replies, lambda _m, _x: (None, None))
         if not accepted:
             return None
-        out: dict[str, Any] = mean_std_metrics([(self.evaluate_weight(a), a.metrics) for a in accepted])
+        out = self.client_metrics(server_round, "evaluate", [(self.evaluate_weight(a), a) for a in accepted])
         self.report(server_round).evaluate = dict(out)
         return MetricRecord(out)
 
@@ -626,11 +704,18 @@ class PollenStrategy(Strategy):
               first_round: int = 1) -> Result:
         """Flower's ``Strategy.start`` loop, able to continue from ``first_round`` (a resumed run).
 
-        Same order and ``Result`` as Flower's: ``evaluate_fn(0, initial_arrays)`` (fresh runs only), then
-        per round train → aggregate → evaluate → aggregate → ``evaluate_fn(round, arrays)``.
+        Same order, ``Result`` and INFO lines as Flower's: ``evaluate_fn(0, initial_arrays)`` (fresh runs
+        only), then per round train → aggregate → evaluate → aggregate → ``evaluate_fn(round, arrays)``,
+        each round's aggregated metrics logged as Flower's strategies log them. Flower's closing dump of
+        every round's metrics is left out: ``Result`` holds them.
         """
         if not 1 <= first_round <= num_rounds:
             raise ValueError(f"first_round must be in 1..{num_rounds}, got {first_round}")
+        LOGGER.info("Starting %s strategy:", type(self).__name__)
+        log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
+        self.summary()
+        LOGGER.info("")
+        started = time.time()
         self.timeout = timeout
         result = Result()
         arrays = initial_arrays
@@ -638,9 +723,11 @@ class PollenStrategy(Strategy):
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         if evaluate_fn is not None and first_round == 1:
             res = evaluate_fn(0, arrays)
+            LOGGER.info("Initial global evaluation results: %s", res)
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
         for server_round in range(first_round, num_rounds + 1):
+            LOGGER.info("")
             LOGGER.info("[ROUND %d/%d]", server_round, num_rounds)
             replies = grid.send_and_receive(
                 messages=self.configure_train(server_round, arrays, train_config, grid), timeout=timeout)
@@ -648,14 +735,20 @@ class PollenStrategy(Strategy):
             if new_arrays is not None:
                 result.arrays = arrays = new_arrays
             if train_metrics is not None:
+                LOGGER.info("\t└──> Aggregated MetricRecord: %s", train_metrics)
                 result.train_metrics_clientapp[server_round] = train_metrics
             replies = grid.send_and_receive(
                 messages=self.configure_evaluate(server_round, arrays, evaluate_config, grid), timeout=timeout)
             eval_metrics = self.aggregate_evaluate(server_round, replies)
             if eval_metrics is not None:
+                LOGGER.info("\t└──> Aggregated MetricRecord: %s", eval_metrics)
                 result.evaluate_metrics_clientapp[server_round] = eval_metrics
             if evaluate_fn is not None:
+                LOGGER.info("Global evaluation")
                 res = evaluate_fn(server_round, arrays)
+                LOGGER.info("\t└──> MetricRecord: %s", res)
                 if res is not None:
                     result.evaluate_metrics_serverapp[server_round] = res
+        LOGGER.info("")
+        LOGGER.info("Strategy execution finished in %.2fs", time.time() - started)
         return result

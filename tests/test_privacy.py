@@ -197,6 +197,42 @@ def test_prototype_release_clips_each_embedding_and_the_server_divides():
     assert small_std[2] == 0 and (small_std[:2] > 0).all()
 
 
+class _NoNoise:
+    """A generator whose Gaussian draws are all 0: the release's exact, noiseless value."""
+
+    def normal(self, loc, scale, size):
+        return np.zeros(size)
+
+
+def _distance(a, b, clip):
+    """The distance of two prototype releases in the units the noise is sized in (sums over ``clip``)."""
+    return float(np.sqrt(np.sum(((a.sums - b.sums) / clip) ** 2) + np.sum((a.counts - b.counts) ** 2)))
+
+
+def test_prototype_sensitivity_per_row_and_for_a_whole_dataset():
+    """What docs/privacy.md states: one row added or removed moves the release by at most √2 (the noise
+    is σ·√2), one row replaced by at most 2, the whole dataset (the other families' unit) by up to
+    √2·‖counts‖₂: the guarantee per dataset is only that of σ / ‖counts‖₂."""
+    rng, clip = np.random.default_rng(4), 0.5
+    z, y = rng.normal(0, 3.0, size=(40, 6)), rng.integers(0, 5, size=40)
+
+    def release(z, y):
+        return release_prototypes(z, y, 5, clip, 1.0, _NoNoise())
+    full = release(z, y)
+    removed = [_distance(full, release(np.delete(z, i, 0), np.delete(y, i)), clip) for i in range(40)]
+    assert max(removed) == pytest.approx(np.sqrt(2))  # rows of norm > clip reach it
+    replaced = [_distance(full, release(np.vstack([z[:i], -z[i:i + 1], z[i + 1:]]),
+                                        np.concatenate([y[:i], [(y[i] + 1) % 5], y[i + 1:]])), clip)
+                for i in range(40)]
+    assert max(replaced) == pytest.approx(2.0)  # one row out of class c, its opposite into c + 1
+    empty = release(np.zeros((0, 6)), np.zeros(0, np.int64))
+    counts = np.bincount(y, minlength=5)
+    assert _distance(full, empty, clip) <= np.sqrt(2) * np.linalg.norm(counts) + 1e-12
+    # all rows of one class and one direction, beyond the clip: the bound is reached
+    same = release(np.tile([3.0, 4.0, 0, 0, 0, 0], (40, 1)), np.zeros(40, np.int64))
+    assert _distance(same, empty, clip) == pytest.approx(np.sqrt(2) * 40)
+
+
 def test_update_noise_std_is_sigma_times_clip():
     rng = np.random.default_rng(4)
     broadcast = {"w": np.ones((100, 100)), "b": np.zeros(1000)}

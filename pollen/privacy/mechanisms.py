@@ -7,7 +7,8 @@ neighbouring relation is add/remove of one *unit* of what the release is compute
 Δ of each kind:
 
 * prototypes — per-class sums of embeddings each clipped to ``clip``, and class counts, for all C
-  classes; unit: one embedding row; Δ = √2 in units where sums are divided by ``clip`` (one row moves
+  classes; unit: one embedding row (not the dataset: per dataset the same release is only as private
+  as σ/‖counts‖₂, docs/privacy.md); Δ = √2 in units where sums are divided by ``clip`` (one row moves
   one sum by <= clip and one count by 1), i.e. noise std σ·√2·clip on sums and σ·√2 on counts.
 * weights — the update reply − broadcast, clipped to ``clip`` as one vector; unit: the client's whole
   update (its dataset); Δ = ``clip``.

@@ -15,7 +15,7 @@ from pollen.privacy import PayloadPrivacy, PrivacyConfig, calibrate_noise_multip
 from pollen.privacy.bounds import coordinate_bound, dp_bounds, norm_bound
 from pollen.privacy.sample import SamplePrivacy
 from pollen.protocol.logits import encode_logit_reply
-from pollen.protocol.prototypes import encode_dp_prototype_reply, encode_prototype_reply
+from pollen.protocol.prototypes import divide_release, encode_dp_prototype_reply, encode_prototype_reply
 from pollen.protocol.screening import PayloadBounds
 from pollen.protocol.weights import encode_weights_reply
 from pollen.strategies import LogitAveraging, PrototypeStrategy, WeightAveraging
@@ -125,7 +125,7 @@ def test_honest_noisy_weight_updates_pass_and_a_scaled_one_is_refused():
     assert "dp-clip 2" in reason and "σ 0.05 from dp-noise-multiplier" in reason
 
 
-def _dp_weights_node(pid, config, rounds, scale=1.0):
+def _dp_weights_node(pid, config, rounds, scale=1.0, sent=None):
     privacy = client(config, rounds)
 
     def handle(msg):
@@ -134,6 +134,8 @@ def _dp_weights_node(pid, config, rounds, scale=1.0):
         rng = np.random.default_rng(pid)
         reply, metrics = privacy.update(got, _trained(rng), rng)
         reply = [b + scale * (r - b) if b.dtype.kind == "f" else r for b, r in zip(got, reply)]
+        if sent is not None and msg.metadata.message_type == "train":
+            sent[pid] = dict(zip(keys, reply))
         return encode_weights_reply(dict(zip(keys, reply)), 1, {"partition-id": pid, **metrics})
     return handle
 
@@ -141,14 +143,18 @@ def _dp_weights_node(pid, config, rounds, scale=1.0):
 def test_the_weight_strategy_refuses_a_reply_beyond_the_dp_bound():
     config, rounds = payload(clip=2.0, sigma=0.05)
     state = {"w": BROADCAST[0], "b": BROADCAST[1], "steps": BROADCAST[2]}
-    grid = InProcessGrid({11: _dp_weights_node(0, config, rounds), 12: _dp_weights_node(1, config, rounds),
+    sent: dict = {}
+    grid = InProcessGrid({11: _dp_weights_node(0, config, rounds, sent=sent),
+                          12: _dp_weights_node(1, config, rounds, sent=sent),
                           13: _dp_weights_node(2, config, rounds, scale=1.5)})
     strategy = WeightAveraging(min_available_nodes=3, weighting="uniform",
                                bounds=PayloadBounds(dp=dp_bounds(config, rounds)))
-    strategy.start(grid=grid, initial_arrays=_record(state), num_rounds=1)
+    result = strategy.start(grid=grid, initial_arrays=_record(state), num_rounds=1)
     assert strategy.reports[1].accepted == 2
     (rejected,) = [r for r in strategy.reports[1].rejected if r["stage"] == "train"]
     assert rejected["client"] == "partition 2" and "above the DP bound" in rejected["reason"]
+    for key in ("w", "b"):  # the new global model is the mean of the two honest releases
+        np.testing.assert_allclose(result.arrays[key].numpy(), (sent[0][key] + sent[1][key]) / 2, rtol=1e-6)
     # without DP the declared max-update-norm (relative, 1e4) admits that reply
     loose = WeightAveraging(min_available_nodes=3, weighting="uniform")
     loose.start(grid=grid, initial_arrays=_record(state), num_rounds=1)
@@ -193,6 +199,7 @@ def test_the_logit_strategy_refuses_logits_beyond_the_dp_bound():
     assert strategy.reports[1].accepted == 1
     (rejected,) = [r for r in strategy.reports[1].rejected if r["stage"] == "train"]
     assert rejected["client"] == "partition 1" and "logit matrix norm" in rejected["reason"]
+    np.testing.assert_allclose(strategy.consensus, honest, rtol=1e-6)  # the consensus is the honest release
 
 
 # -- GLFC --------------------------------------------------------------------------------------------------
@@ -296,6 +303,12 @@ def test_the_prototype_strategy_refuses_releases_beyond_the_dp_bound():
     reasons = {r["client"]: r["reason"] for r in strategy.reports[1].rejected if r["stage"] == "train"}
     assert "prototype sum magnitude" in reasons["partition 1"] and "count-noise-std" in reasons["partition 2"]
     assert "must carry the noisy release 'proto-sums'" in reasons["partition 3"]
+    # the global prototypes are partition 0's release, divided: the classes it holds, nothing else
+    r = _release(client(config, rounds), np.random.default_rng(0), n=50, classes=4, dim=3)
+    protos, weights = divide_release(r.sums.astype(np.float32), r.counts.astype(np.float32),
+                                     float(np.float32(r.count_std)))
+    assert strategy.present.tolist() == (weights > 0).tolist() and weights.any()
+    np.testing.assert_allclose(strategy.protos[weights > 0], protos[weights > 0], rtol=1e-5)
 
 
 
@@ -354,11 +367,15 @@ def test_the_glfc_strategy_refuses_a_gradient_set_beyond_the_dp_bound():
         grad_sets = [{n: scale * g for n, g in zip(names, gs)} for gs in sets]
         return _reply(msg, pid, grad_sets, state=dict(zip(keys, state)), transition=1)
 
-    _, metrics = strat.aggregate_train(1, [released(msgs[0], 0), released(msgs[1], 1, scale=2.0)])
+    honest = released(msgs[0], 0)
+    model, metrics = strat.aggregate_train(1, [honest, released(msgs[1], 1, scale=2.0)])
     (rejected,) = strat.take_round_report(1).rejected
     assert rejected["client"] == "partition 1" and rejected["reason"].startswith("gradient set g0 norm")
     assert "K = 5" in rejected["reason"] and "dp-noise-multiplier" in rejected["reason"]
     assert metrics["accepted"] == 1
+    for key, array in honest.content["arrays"].items():  # the new global model is the honest release
+        if array.numpy().dtype.kind == "f":
+            np.testing.assert_allclose(model[key].numpy(), array.numpy(), rtol=1e-6)
 
 
 def test_a_payload_fedmd_run_accepts_every_honest_client(data_root, tmp_path):

@@ -267,7 +267,7 @@ def main(argv=None) -> int:
     if args.render is not None:
         write_outputs(json.loads(args.render.read_text()), args.out, args.stem)
         return 0
-    from pollen.app.launch import simulate
+    from pollen.launch.launcher import simulate
 
     args.data_root = str(Path(args.data_root).resolve())
     work = (args.work or Path(tempfile.mkdtemp(prefix="pollen-fccl-bench-"))).resolve()

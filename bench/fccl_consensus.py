@@ -43,9 +43,9 @@ from bench.fccl import DOMAINS, LABELS, SHORT
 from bench.kit import BENCH, RESULTS, read_json, read_summary, run_folders, write_atomic, write_json
 from pollen.datasets.domain_tasks import domain_client_data, public_set
 from pollen.datasets.tasks import TaskOptions
+from pollen.launch.predict import load_personal_model
 from pollen.methods.logit_losses import cross_correlation_matrix
 from pollen.methods.training import predict_logits
-from pollen.predict import load_personal_model
 
 OUT = RESULTS / "fccl_consensus"
 WORK = BENCH / "work" / "fccl-study"  # bench.fccl_study's --work default

@@ -112,7 +112,7 @@ def backfill_fit(work: Path) -> None:
 
 def run_one(method: str, seed: int, args: argparse.Namespace) -> dict:
     """One ``flwr run``; returns its record (per-round per-domain accuracies, SOLO round 0, wall)."""
-    from pollen.app.launch import simulate
+    from pollen.launch.launcher import simulate
 
     work = args.work.resolve()
     out_dir = work / f"{method}-seed{seed}"

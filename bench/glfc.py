@@ -145,7 +145,7 @@ def run_inprocess(run_config: dict, offline=None, stop_after: int | None = None,
 
 
 def run_flwr(run_config: dict, num_nodes: int) -> list[dict]:
-    from pollen.app.launch import simulate
+    from pollen.launch.launcher import simulate
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "runs"

@@ -6,7 +6,7 @@ Three parts, each written to ``bench/results/gpu.{json,md}`` (``--out`` to chang
    backbones each family trains: FedProto's MNIST CNN, ResNet-18 on CIFAR-sized input (FedProto
    CIFAR-10 and GLFC), and FCCL's heterogeneous backbones (ResNet-10/12, EfficientNet-B0,
    MobileNetV2) — fp32, after warm-up, with ``cuda.synchronize`` around the timed steps.
-2. **A 20-client FedProto run** (``mnist-shot``, a real ``flwr run`` through ``pollen.app.launch``)
+2. **A 20-client FedProto run** (``mnist-shot``, a real ``flwr run`` through ``pollen.launch.launcher``)
    with Ray GPU fractions: ``--gpus-per-client 0.25`` puts four clients on the GPU at once.
    Needs MNIST under ``--data-root``; skipped with a message otherwise.
 3. **GLFC proxy**: gradient inversion of the clients' LeNet gradients, batched vs the official
@@ -89,7 +89,7 @@ def part_throughput(args, device) -> list[dict]:
 
 def part_fedproto_run(args) -> dict:
     """One real 20-client FedProto simulation with Ray GPU fractions."""
-    from pollen.app import launch
+    from pollen.launch import launcher as launch
 
     data_root = Path(args.data_root).expanduser() if args.data_root else None
     if data_root is None or not (data_root / "MNIST" / "raw").is_dir():

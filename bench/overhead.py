@@ -1,7 +1,7 @@
 """What running through Flower costs: FedProto MNIST as a plain loop vs the same work through Pollen.
 
 A = ``bench/fedproto_reference.py``'s plain loop (one process, one thread, 20 clients in turn);
-B = Pollen's Flower app through ``python -m pollen.app.launch`` (20 SuperNodes, one CPU per client,
+B = Pollen's Flower app through ``python -m pollen.launch.launcher`` (20 SuperNodes, one CPU per client,
 evaluation only after the last round, as A does). Same task, split, sizes, optimiser and rounds.
 C = the *Flower floor*: a Flower app with no Pollen and no torch (``FLOOR_APP`` below), launched the
 same way with the same SuperNodes, rounds and messages (every node gets a train message each round,
@@ -154,10 +154,10 @@ def run_config(args) -> dict:
 
 
 def pollen_run(args, env: dict[str, str], log: Path, out_dir: Path) -> dict:
-    from pollen.app.launch import format_run_config
+    from pollen.launch.launcher import format_run_config
 
     config = format_run_config(run_config(args))
-    cmd = [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", str(args.clients),
+    cmd = [sys.executable, "-m", "pollen.launch.launcher", "--num-supernodes", str(args.clients),
            "--data-root", str(args.data_root), "--out-dir", str(out_dir), "--run-config", config]
     row = measured(cmd, env, log)
     runs = run_folders(out_dir)
@@ -262,7 +262,7 @@ def floor_command(folder: Path, nodes: int, rounds: int, sampled: int = 0, evalu
         folder.mkdir(parents=True)
         for name, text in FLOOR_APP.items():
             (folder / name).write_text(text)
-    return [sys.executable, "-m", "pollen.app.launch", "--app", str(folder), "--num-supernodes", str(nodes),
+    return [sys.executable, "-m", "pollen.launch.launcher", "--app", str(folder), "--num-supernodes", str(nodes),
             "--run-config", f"num-server-rounds={rounds} num-nodes={nodes} sampled={sampled} "
             f"evaluate-every-round={str(evaluate_every_round).lower()}", *extra]
 

@@ -2,7 +2,7 @@
 
 Setting (FedProto paper / official code): 20 clients, N-way K-shot with K = 100, stdev 2, batch 4,
 SGD lr 0.01 momentum 0.5, one local epoch per round. Every run is a real ``flwr run`` on a SuperLink
-this script owns (``pollen.app.launch.simulate``, 20 SuperNodes). Accuracies are read from the run's
+this script owns (``pollen.launch.launcher.simulate``, 20 SuperNodes). Accuracies are read from the run's
 ``summary.json`` — mean ± std over clients of each client's test accuracy on its own classes, with
 the local classifier and (prototype methods) with the nearest global prototype.
 
@@ -61,7 +61,7 @@ BD_RECONSTRUCTED = ("CPA's negative loss (hinge on the element-wise MSE distance
 
 def run_config(method: str, ways: int, rounds: int, args: argparse.Namespace, out_dir: Path) -> dict:
     """FedProto's MNIST setting for one method and n; a variant's ``--extra-config`` keys on top."""
-    from pollen.app.launch import parse_run_config
+    from pollen.launch.launcher import parse_run_config
 
     return {"method": method, "task": "mnist-shot", "num-server-rounds": rounds, "seed": args.seed,
             "data-root": str(args.data_root), "out-dir": str(out_dir), "shot-ways": ways, "shot-shots": 100,
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     if args.replot:
         save_results(results)
         return 0
-    from pollen.app.launch import simulate
+    from pollen.launch.launcher import simulate
 
     for ways in args.ways:
         for method in args.methods:

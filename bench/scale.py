@@ -1,6 +1,6 @@
 """How far one machine goes: FedAvg on MNIST (Dirichlet label skew) with N simulated clients.
 
-For each N (default 10, 100, 1,000, 10,000) one real ``python -m pollen.app.launch`` run with N
+For each N (default 10, 100, 1,000, 10,000) one real ``python -m pollen.launch.launcher`` run with N
 SuperNodes, 3 rounds, ``clip(N/10, 2, 100)`` clients sampled per round for training and evaluation.
 Measured from outside the run: wall per round and milliseconds per message (round wall / messages
 sent that round), time from launch to the start of round 1, the whole launch's wall, and the peak
@@ -202,13 +202,13 @@ def run_config(n: int, rounds: int) -> dict:
 
 
 def run_one(n: int, args) -> dict:
-    from pollen.app.launch import format_run_config
+    from pollen.launch.launcher import format_run_config
 
     k = sampled(n)
     config = format_run_config(run_config(n, args.rounds))
     with tempfile.TemporaryDirectory(prefix=f"pollen-scale-{n}-") as tmp:
         out_dir = Path(tmp) / "runs"
-        cmd = [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", str(n), "--out-dir", str(out_dir),
+        cmd = [sys.executable, "-m", "pollen.launch.launcher", "--num-supernodes", str(n), "--out-dir", str(out_dir),
                "--data-root", str(args.data_root), "--run-config", config, "--quiet",
                "--timeout", str(args.timeout)]
         log = Path(tmp) / "launch.log"

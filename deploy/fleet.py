@@ -49,8 +49,9 @@ if __package__ in (None, ""):  # run as `python deploy/fleet.py`: make `deploy` 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deploy import certs, supernodes  # noqa: E402
-from pollen.app import launch, processes  # noqa: E402
 from pollen.app.config import ConfigError, RunConfig, parse_run_config  # noqa: E402
+from pollen.launch import launcher as launch  # noqa: E402
+from pollen.launch import processes
 from pollen.protocol.identity import format_partition_pins  # noqa: E402
 
 # The checkout holding the pollen package (None when Pollen is installed); the app to run is
@@ -79,7 +80,7 @@ class FleetInterrupted(Exception):
 
 def format_config(values: Mapping[str, Any]) -> str:
     """``k=v`` pairs as ``flwr run --run-config`` and ``flower-supernode --node-config`` parse them
-    (:func:`pollen.app.launch.format_run_config`, with this tool's error type)."""
+    (:func:`pollen.launch.launcher.format_run_config`, with this tool's error type)."""
     try:
         return launch.format_run_config(values)
     except launch.LaunchConfigError as err:

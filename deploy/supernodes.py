@@ -1,6 +1,6 @@
 """SuperNodes of a real fleet: the ``flower-supernode`` command line, starting one, registering its
 key with an authenticating SuperLink, and waiting until enough are online. Used by ``fleet.py``; the
-SuperLink, the process tree and ``flwr`` calls are the launcher's (:mod:`pollen.app.launch`)."""
+SuperLink, the process tree and ``flwr`` calls are the launcher's (:mod:`pollen.launch.launcher`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pollen.app import launch, processes
+from pollen.launch import launcher as launch
+from pollen.launch import processes
 
 
 def supernode_args(superlink_address: str, *, port: int, node_config: str = "",

@@ -76,7 +76,7 @@ def render() -> str:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from pollen.app import run_keys
-    from pollen.app.launch import app_run_config
+    from pollen.launch.launcher import app_run_config
     from pollen.app.registry import METHODS
 
     # The code's keys in its order, then any key only pyproject.toml declares.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pollen.app.results import RunRecorder, write_stopped_summary
-from pollen.app.runs import RunLock
+from pollen.launch.runs import RunLock
 from tests.conftest import PROJECT_ROOT
 
 POLLEN = Path(sys.executable).parent / "pollen"
@@ -111,7 +111,7 @@ def test_runs_of_a_missing_folder_is_a_usage_error(tmp_path):
 
 
 def test_listing_runs_loads_neither_torch_nor_flower(tmp_path):
-    code = ("import sys; from pollen.cli import main; main(['runs', '--out-dir', sys.argv[1]]); "
+    code = ("import sys; from pollen.launch.cli import main; main(['runs', '--out-dir', sys.argv[1]]); "
             "sys.exit(sorted(m for m in ('torch', 'flwr') if m in sys.modules) or 0)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                          cwd=PROJECT_ROOT, timeout=60)

@@ -1,6 +1,6 @@
 """The launcher on a real multi-node Ray cluster (two raylets on this machine's loopback).
 
-One cluster per module, started with the command docs/cluster.md gives (``python -m pollen.app.cluster
+One cluster per module, started with the command docs/cluster.md gives (``python -m pollen.launch.cluster
 loopback``) and stopped by its process group at the end: FedAvg and FedProto complete with ClientApp
 actors on both nodes (Ray's own records, read independently here), a cluster too small for one client
 and an unreachable address are refused with exit 2 before anything starts, and a worker node killed
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from pollen.app import cluster
-from pollen.app.launch import EXIT_USAGE, stop_process
+from pollen.launch import cluster
+from pollen.launch.launcher import EXIT_USAGE, stop_process
 from tests.conftest import PROJECT_ROOT
 
 HAS_PROC = Path("/proc/self/environ").exists()
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
 
 TINY = "num-server-rounds=2 local-epochs=1"  # embedded UCI digits, no data files
 # The two commands of docs/cluster.md's loopback recipe (test_the_documented_recipe_is_what_these_tests_run).
-LOOPBACK_ARGS = ["-m", "pollen.app.cluster", "loopback", "--nodes", "2", "--num-cpus", "1"]
+LOOPBACK_ARGS = ["-m", "pollen.launch.cluster", "loopback", "--nodes", "2", "--num-cpus", "1"]
 LAUNCH_ARGS = ["run", "--ray-address", "{address}", "--num-supernodes", "3", "--run-config", TINY]
 POLLEN = str(Path(sys.executable).parent / "pollen")  # the console script `make install` puts beside python
 LOOPBACK_CMD = [sys.executable, *LOOPBACK_ARGS]
@@ -125,7 +125,7 @@ def _summary(out: Path) -> dict:
 
 
 def _nodes_up(address: str) -> list[str]:
-    proc = subprocess.run([sys.executable, "-m", "pollen.app.cluster", "probe", address], env=_env(),
+    proc = subprocess.run([sys.executable, "-m", "pollen.launch.cluster", "probe", address], env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [node["node_id"] for node in json.loads(proc.stdout.strip().splitlines()[-1])["nodes"]]
@@ -243,7 +243,7 @@ def test_an_address_that_is_not_host_port_is_refused_by_name(address):
     (["probe", "auto"], "address 'auto': expected HOST:PORT of the head node's GCS"),
 ])
 def test_the_cluster_command_refuses_bad_input_by_name(args, message):
-    proc = subprocess.run([sys.executable, "-m", "pollen.app.cluster", *args], cwd=PROJECT_ROOT, env=_env(),
+    proc = subprocess.run([sys.executable, "-m", "pollen.launch.cluster", *args], cwd=PROJECT_ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and f"[pollen] error: {message}" in proc.stderr, proc.stderr
 
@@ -265,7 +265,7 @@ def test_the_documented_recipe_is_what_these_tests_run():
     """docs/cluster.md's loopback commands are this module's: the cluster command, and the launch the
     tests make (they add only --out-dir, --timeout and the option under test)."""
     lines = [line.strip() for line in (PROJECT_ROOT / "docs" / "cluster.md").read_text().splitlines()]
-    loop = [shlex.split(line) for line in lines if line.startswith("python -m pollen.app.cluster loopback")]
+    loop = [shlex.split(line) for line in lines if line.startswith("python -m pollen.launch.cluster loopback")]
     launch = [shlex.split(line) for line in lines if "pollen run --ray-address 127.0.0.1:PORT" in line]
     assert [cmd[1:] for cmd in loop] == [LOOPBACK_ARGS]
     assert [cmd[0] for cmd in launch] == [f"{cluster.LOOPBACK_VAR}=0"] and _env()[cluster.LOOPBACK_VAR] == "0"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pollen.app.launch import format_run_config, parse_run_config
+from pollen.launch.launcher import format_run_config, parse_run_config
 from tests.conftest import PROJECT_ROOT
 
 PAGES = sorted([PROJECT_ROOT / "README.md", *(PROJECT_ROOT / "docs").rglob("*.md")])
@@ -158,8 +158,8 @@ RUN_CONFIG_VAR = re.compile(r"RUN_CONFIG=\"([^\"]*)\"")
 
 
 def is_launch(words: list[str]) -> bool:
-    """``pollen run ...``, or the launcher's old spelling ``python -m pollen.app.launch ...``."""
-    return words[:2] == ["pollen", "run"] or "pollen.app.launch" in words
+    """``pollen run ...``, or the launcher's old spelling ``python -m pollen.launch.launcher ...``."""
+    return words[:2] == ["pollen", "run"] or "pollen.launch.launcher" in words
 
 
 def smoke_command(text: str, out_dir: Path) -> str:
@@ -264,7 +264,7 @@ def test_smoke_rewriting_keeps_the_documented_keys_and_makes_the_run_tiny(tmp_pa
     assert split_comment("make run   # FedAvg, 5 clients") == ("make run", "# FedAvg, 5 clients")
     assert split_comment("x --run-config \"a='#b'\" # needs: gpu") == ("x --run-config \"a='#b'\"", "# needs: gpu")
     assert split_comment('echo "$#"') == ('echo "$#"', "")
-    old_spelling = smoke_command("python -m pollen.app.launch --run-config \"method='fedavg'\"", tmp_path)
+    old_spelling = smoke_command("python -m pollen.launch.launcher --run-config \"method='fedavg'\"", tmp_path)
     assert f"--out-dir {tmp_path}" in old_spelling and "num-server-rounds=1" in old_spelling
     resumed = smoke_command('pollen run --resume "$RUN" --run-config "num-server-rounds=3"', tmp_path)
     assert '--resume "$RUN"' in resumed and resumed.endswith('--run-config "num-server-rounds=3"')

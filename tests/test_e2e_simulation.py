@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pollen.app.launch import simulate
+from pollen.launch.launcher import simulate
 from tests.conftest import PROJECT_ROOT
 
 pytestmark = pytest.mark.e2e
@@ -49,7 +49,7 @@ def test_orphaned_server_app_of_a_superlink_is_stopped():
     import sys
     import time
 
-    from pollen.app.launch import free_port, stop_orphaned_apps
+    from pollen.launch.launcher import free_port, stop_orphaned_apps
 
     port, other = free_port(), free_port()
     code = "import time; time.sleep(120)"

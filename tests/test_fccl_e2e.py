@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pollen.app.launch import simulate
+from pollen.launch.launcher import simulate
 from tests.conftest import PROJECT_ROOT
 from tests.faults import faulty_app_dir
 

@@ -1,4 +1,4 @@
-"""The launcher (``python -m pollen.app.launch``): a bad run config is refused before anything starts, a
+"""The launcher (``python -m pollen.launch.launcher``): a bad run config is refused before anything starts, a
 failed run exits non-zero with its reason, the run gets its own local Ray whatever cluster the machine
 has recorded, and no process of the launch outlives it (checked by PID)."""
 
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from pollen.app import launch, processes
-from pollen.app.launch import EXIT_TIMEOUT, EXIT_USAGE
+from pollen.launch import launcher as launch
+from pollen.launch import processes
+from pollen.launch.launcher import EXIT_TIMEOUT, EXIT_USAGE
 from tests.conftest import PROJECT_ROOT
 
 HAS_PROC = Path("/proc/self/environ").exists()
@@ -294,7 +295,7 @@ class TreeWatcher:
 
 
 def _launch_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pollen.app.launch", "--num-supernodes", "2", *args]
+    return [sys.executable, "-m", "pollen.launch.launcher", "--num-supernodes", "2", *args]
 
 
 def _after(watcher: TreeWatcher, grace: float = 15.0) -> str:
@@ -425,7 +426,7 @@ def test_resume_continues_a_finished_run_with_more_rounds(tmp_path):
     first_summary = json.loads((run_dir / "summary.json").read_text())
     assert first_summary["status"] == "completed" and first_summary["last-round"] == 1
     assert f"run {first_summary['flower-run-id']}: finished:completed" in first.stdout
-    again = subprocess.run([sys.executable, "-m", "pollen.app.launch", "--resume", str(run_dir), "--run-config",
+    again = subprocess.run([sys.executable, "-m", "pollen.launch.launcher", "--resume", str(run_dir), "--run-config",
                             "num-server-rounds=2", "--timeout", "300"],
                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
@@ -506,7 +507,7 @@ def test_the_run_dies_with_its_launcher(tmp_path):
 
             def run_left() -> list[int]:
                 return [pid for pid in watcher.alive()
-                        if b"pollen.app.processes" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                        if b"pollen.launch.processes" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
             while run_left() and time.monotonic() - killed < 30:
                 time.sleep(0.1)
@@ -527,7 +528,7 @@ def test_the_run_dies_with_its_launcher(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and f"the launcher (PID {proc.pid}) died" in summary["failure-reason"]
     assert summary["last-round"] >= 1 and summary["flower-run-id"] is not None
-    from pollen.app.runs import RunLock
+    from pollen.launch.runs import RunLock
 
     RunLock(run_dir).acquire().release()  # free again: nobody writes the folder any more
     print(f"run processes gone {stopped_after:.1f}s after the launcher's SIGKILL")

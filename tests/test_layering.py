@@ -14,16 +14,20 @@ from tests.conftest import PROJECT_ROOT
 PACKAGE = PROJECT_ROOT / "pollen"
 
 # package -> the Pollen packages it must never import (at any depth, lazily or not)
-# (``cli`` is the `pollen` command, the top of the house: nothing in a layer imports it.)
+# (``launch`` is the `pollen` command, the top of the house: nothing in a layer imports it.)
 FORBIDDEN = {
-    "protocol": ("cli", "app", "clients", "methods", "strategies", "datasets", "models", "privacy"),
-    "privacy": ("cli", "app", "clients", "methods", "strategies", "datasets", "models"),
-    "strategies": ("cli", "app", "clients", "methods"),
-    "methods": ("cli", "app", "clients", "strategies"),
-    "clients": ("cli", "app", "strategies"),
-    "datasets": ("cli", "app", "clients", "methods", "strategies", "privacy"),
-    "models": ("cli", "app", "clients", "methods", "strategies", "datasets", "privacy"),
+    "app": ("launch",),
+    "protocol": ("launch", "app", "clients", "methods", "strategies", "datasets", "models", "privacy"),
+    "privacy": ("launch", "app", "clients", "methods", "strategies", "datasets", "models"),
+    "strategies": ("launch", "app", "clients", "methods"),
+    "methods": ("launch", "app", "clients", "strategies"),
+    "clients": ("launch", "app", "strategies"),
+    "datasets": ("launch", "app", "clients", "methods", "strategies", "privacy"),
+    "models": ("launch", "app", "clients", "methods", "strategies", "datasets", "privacy"),
 }
+# The old spelling `python -m pollen.app.launch`, kept one release: it imports the launcher only when run
+# as a program, never when the app is imported.
+DEPRECATED_SPELLINGS = {"pollen/app/launch.py"}
 
 
 def _type_only(tree: ast.AST) -> set[int]:
@@ -63,11 +67,60 @@ def pollen_imports(path):
 def test_no_layer_imports_one_above_it(layer):
     bad = []
     for path in sorted((PACKAGE / layer).rglob("*.py")):
+        if str(path.relative_to(PROJECT_ROOT)) in DEPRECATED_SPELLINGS:
+            continue
         for line, module in pollen_imports(path):
             parts = module.split(".")
             if parts[0] == "pollen" and len(parts) > 1 and parts[1] in FORBIDDEN[layer]:
                 bad.append(f"{path.relative_to(PROJECT_ROOT)}:{line} imports {module}")
     assert not bad, "\n".join(sorted(set(bad)))
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Pollen package -> the Pollen packages its modules import at run time (lazy imports included)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PROJECT_ROOT)
+        if str(rel) in DEPRECATED_SPELLINGS or len(rel.parts) < 3:
+            continue
+        for _, module in pollen_imports(path):
+            parts = module.split(".")
+            if parts[0] == "pollen" and len(parts) > 1 and (PACKAGE / parts[1]).is_dir() and parts[1] != rel.parts[1]:
+                graph.setdefault(rel.parts[1], set()).add(parts[1])
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` as a path that returns to its start, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_circle_between_packages():
+    circle = _cycle(_package_graph())
+    assert circle is None, "import circle: " + " -> ".join(circle or [])
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch):

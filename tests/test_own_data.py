@@ -1,6 +1,6 @@
 """Your own data on your own nodes, on a real fleet: a SuperLink and three SuperNodes, each SuperNode given
 only its own folder of real MNIST images (node config ``data-dir``); FedProto and FedAvg run to the end and
-every node's model classifies that node's own test images with ``python -m pollen.predict``.
+every node's model classifies that node's own test images with ``pollen predict``.
 
 That no node read another's folder is checked three ways: the run config carries no path at all (the
 only folder a node can know is the one in its own node config); the folders have different sizes, and
@@ -57,7 +57,7 @@ def _rounds(run_dir: Path) -> list[dict]:
 
 
 def _predict(*argv) -> tuple[float, int]:
-    proc = subprocess.run([sys.executable, "-m", "pollen.predict", *map(str, argv)], cwd=PROJECT_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "pollen.launch.predict", *map(str, argv)], cwd=PROJECT_ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = ACC.search(proc.stdout)

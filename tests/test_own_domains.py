@@ -9,7 +9,7 @@ does not survive. The public set is a folder of real Fashion-MNIST images (no la
   tests on the others (intra- and inter-domain accuracy);
 * fleet: a SuperLink and three SuperNodes, each given only its own domain folder and its own *copy* of
   the public folder (node config ``data-dir``, ``public-dir``); FCCL runs to the end, each node's model
-  classifies its own test images with ``python -m pollen.predict``; a fourth run where one node's public
+  classifies its own test images with ``pollen predict``; a fourth run where one node's public
   copy differs shows the server refusing that node's logits by name while the others train.
 """
 
@@ -160,7 +160,7 @@ def test_domains_config_errors_are_clear(domains, public, tmp_path):
 # ---------------------------------------------------------------------------------- simulation
 @pytest.mark.e2e
 def test_fccl_simulation_on_your_own_domains(domains, public, tmp_path):
-    from pollen.app.launch import simulate
+    from pollen.launch.launcher import simulate
 
     out = tmp_path / "runs"
     keys = " ".join(f"{k}={json.dumps(v)}" for k, v in AGREED.items())
@@ -184,7 +184,7 @@ def test_fccl_simulation_on_your_own_domains(domains, public, tmp_path):
 
 # ---------------------------------------------------------------------------------- fleet
 def _predict(*argv) -> tuple[float, int]:
-    proc = subprocess.run([sys.executable, "-m", "pollen.predict", *map(str, argv)], cwd=PROJECT_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "pollen.launch.predict", *map(str, argv)], cwd=PROJECT_ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = ACC.search(proc.stdout)

@@ -1,4 +1,4 @@
-"""``python -m pollen.predict``: saved models classify what their clients evaluated, with the same result.
+"""``pollen predict``: saved models classify what their clients evaluated, with the same result.
 
 Real runs (Pollen's ServerApp ``main`` + ClientApp on the in-process grid, node state in the simulation
 default layout ``<run>/nodes/partition-<i>``) are made once per module; predict must then reproduce, for
@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 from pollen.app.checkpoints import load_arrays
 from pollen.app.client_app import app as client_app
 from pollen.app.server_app import main as server_main
-from pollen.predict import input_format, main
+from pollen.launch.predict import input_format, main
 from tests.conftest import PROJECT_ROOT, real_data_root, require_real_data
 from tests.inprocess import InProcessGrid, clientapp_node
 
@@ -63,7 +63,7 @@ def _predict(capsys, *argv) -> tuple[int, str, str]:
 
 
 def _cli(*argv, timeout=240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pollen.predict", *map(str, argv)], cwd=PROJECT_ROOT, check=False,
+    return subprocess.run([sys.executable, "-m", "pollen.launch.predict", *map(str, argv)], cwd=PROJECT_ROOT, check=False,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -110,7 +110,7 @@ def test_cli_writes_csv_and_the_console_script_is_declared(uci_runs, tmp_path):
     import tomllib
 
     scripts = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["pollen"] == "pollen.cli:main" and scripts["pollen-predict"] == "pollen.predict:main"
+    assert scripts["pollen"] == "pollen.launch.cli:main" and scripts["pollen-predict"] == "pollen.launch.predict:main"
     run_dir = uci_runs["fedavg"]
     out_csv = tmp_path / "preds.csv"
     done = _cli("--run", run_dir, "--partition", 1, "--num-partitions", PARTITIONS, "--out", out_csv)

@@ -19,9 +19,9 @@ from flwr.app import Context, RecordDict
 
 from pollen.app.client_app import app as client_app
 from pollen.app.config import parse_run_config
-from pollen.app.launch import app_run_config
 from pollen.app.registry import METHODS
 from pollen.app.server_app import main as server_main
+from pollen.launch.launcher import app_run_config
 from tests.conftest import PROJECT_ROOT, require_real_data
 from tests.inprocess import InProcessGrid, clientapp_node
 
@@ -85,7 +85,7 @@ def test_offline_preset_runs_to_completion_at_a_tiny_size(path, tmp_path):
 
 
 def test_the_launcher_starts_the_nodes_a_preset_names_and_refuses_others(capsys):
-    from pollen.app import launch
+    from pollen.launch import launcher as launch
 
     for path in PRESETS:
         assert launch.preset_node_count(str(path)) == _preset(path)[1]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from pollen.app.launch import simulate
+from pollen.launch.launcher import simulate
 from tests.conftest import PROJECT_ROOT, real_data_root
 from tests.faults import faulty_app_dir
 

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from flwr.app import Context, RecordDict
 
-from pollen.app import launch, runs
 from pollen.app.client_app import app as client_app
-from pollen.app.launch import EXIT_USAGE
 from pollen.app.results import write_stopped_summary
 from pollen.app.server_app import main as server_main
+from pollen.launch import launcher as launch
+from pollen.launch import runs
+from pollen.launch.launcher import EXIT_USAGE
 from tests.inprocess import InProcessGrid, clientapp_node
 
 
@@ -39,7 +40,7 @@ def nothing_starts(monkeypatch):
     _refuse_starts(monkeypatch)
 
 
-HOLD = ("import sys, time; from pollen.app.runs import RunLock; "
+HOLD = ("import sys, time; from pollen.launch.runs import RunLock; "
         "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)")
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from pollen.app import run_keys
 from pollen.app.config import ConfigError, parse_run_config
-from pollen.app.launch import app_run_config
 from pollen.app.registry import METHODS
+from pollen.launch.launcher import app_run_config
 from tests.conftest import PROJECT_ROOT
 
 GEN = runpy.run_path(str(PROJECT_ROOT / "docs" / "gen_usage.py"))

@@ -20,7 +20,7 @@ from pollen.app.server_app import main as server_main
 from pollen.datasets.sources import load_source
 from pollen.datasets.tasks import TaskError, build_client_data, resolve_task
 from pollen.datasets.user_data import UserDataError, holdout, parse_classes, read_image_folder
-from pollen.predict import main as predict_main
+from pollen.launch.predict import main as predict_main
 from tests.conftest import require_real_data
 from tests.inprocess import InProcessGrid, clientapp_node
 

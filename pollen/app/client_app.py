@@ -83,7 +83,7 @@ def _server_round(msg: Message) -> int:
 
 
 def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Context, server_round: int) -> None:
-    """The personal model and what is needed to rebuild it (``pollen.predict`` reads both)."""
+    """The personal model and what is needed to rebuild it (``pollen.launch.predict`` reads both)."""
     record = context.state.get(spec.personal_model)
     if not isinstance(record, ArrayRecord):
         return
@@ -96,7 +96,7 @@ def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Contex
         "in-channels": fmt.channels, "image-size": fmt.size, "model-kwargs": kwargs,
         "round": server_round, "partition-id": client.partition_id, "seed": cfg.seed,
         "num-partitions": client.node.num_partitions, "config": cfg.to_dict()}
-    if client.task.class_names:  # user data: what pollen.predict needs to read this node's own files
+    if client.task.class_names:  # user data: what pollen.launch.predict needs to read this node's own files
         data = client.data
         meta.update({"class-names": list(client.task.class_names), "image-mean": list(data.fmt.mean),
                      "image-std": list(data.fmt.std), "data-dir": client.node.data_dir or cfg.data_dir,

@@ -1,7 +1,7 @@
 """The launcher's knowledge of Ray clusters: look before attaching, say where the clients ran.
 
 Flower attaches its simulation to an existing Ray cluster only through ``RAY_ADDRESS`` in the
-environment of ``flwr-simulation`` (``pollen.app.launch --ray-address``). Left alone, an unreachable
+environment of ``flwr-simulation`` (``pollen.launch.launcher --ray-address``). Left alone, an unreachable
 address makes that process retry for minutes and a cluster too small for one client leaves the actor
 pool empty, so before the SuperLink starts :func:`attach` probes the cluster from a short-lived
 subprocess (never this process: ``ray`` stays out of the launcher, a hung connection is killed by
@@ -9,7 +9,7 @@ PID) and refuses with :class:`ClusterUnfit` (exit 2) what cannot run. After the 
 reads Ray's actor and task records of the run's job and tells how many ClientApp actors and calls
 each node ran. Nothing here stops a cluster; ``ray.shutdown()`` in a probe only disconnects it.
 
-``python -m pollen.app.cluster loopback`` starts a cluster of several nodes on this machine's loopback
+``python -m pollen.launch.cluster loopback`` starts a cluster of several nodes on this machine's loopback
 for trying (and testing) all of this; it stops exactly what it started when interrupted.
 """
 
@@ -117,8 +117,8 @@ def _probe_env() -> dict[str, str]:
 
 
 def _run_probe(args: Sequence[str], address: str, source: str, timeout: float) -> dict[str, Any]:
-    """Run ``python -m pollen.app.cluster <args>`` in its own process group; its last stdout line is JSON."""
-    cmd = [sys.executable, "-m", "pollen.app.cluster", *args]
+    """Run ``python -m pollen.launch.cluster <args>`` in its own process group; its last stdout line is JSON."""
+    cmd = [sys.executable, "-m", "pollen.launch.cluster", *args]
     proc = subprocess.Popen(cmd, env=_probe_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, cwd=tempfile.gettempdir())
     try:
@@ -328,7 +328,7 @@ def loopback(nodes: int, num_cpus: int, num_gpus: int, port: int | None, temp_di
             raylet = node.all_processes["raylet"][0].process.pid
             print(f"[pollen]   node {index} ({'head' if index == 0 else 'worker'}): id {node.node_id}, "
                   f"raylet pid {raylet}", flush=True)
-        print(f"[pollen] attach with: {LOOPBACK_VAR}=0 python -m pollen.app.launch --ray-address {cluster.address} "
+        print(f"[pollen] attach with: {LOOPBACK_VAR}=0 pollen run --ray-address {cluster.address} "
               "...", flush=True)
         while not stop:
             time.sleep(0.5)
@@ -345,7 +345,7 @@ def loopback(nodes: int, num_cpus: int, num_gpus: int, port: int | None, temp_di
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pollen.app.cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pollen.launch.cluster", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     probe = sub.add_parser("probe", help="print the cluster's alive nodes and resources as JSON")
     probe.add_argument("address")

@@ -1,6 +1,6 @@
 """The processes one launch started, found by PID and stopped as a whole (Linux reads ``/proc``).
 
-A launch (``pollen.app.launch``) or a fleet (``deploy/fleet.py``) marks the environment of every process
+A launch (``pollen.launch.launcher``) or a fleet (``deploy/fleet.py``) marks the environment of every process
 it starts; :class:`ProcessTree` finds them again — descendants, marked processes that left their
 parent's session, and late Ray agents in a member's process group — and stops them on success,
 failure, timeout and Ctrl-C, checking start times so a reused PID is never signalled.
@@ -305,7 +305,7 @@ class Watchdog:
         env = {k: v for k, v in os.environ.items() if k != LAUNCH_MARK}
         spec = {"token": tree.token, "since": tree._since, "home": str(home) if home else None,
                 "run_dir": str(run_dir) if run_dir else None, "launcher": os.getpid(), "started": started}
-        self.proc = subprocess.Popen([sys.executable, "-m", "pollen.app.processes", json.dumps(spec)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pollen.launch.processes", json.dumps(spec)],
                                      stdin=subprocess.PIPE, env=env, start_new_session=True,
                                      pass_fds=(lock_fd,) if lock_fd is not None else ())
         self.pid = self.proc.pid

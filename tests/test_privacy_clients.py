@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import dp_accounting
 import numpy as np
@@ -327,10 +331,20 @@ def clientapp_partition_labels(rc: dict, partition: int) -> np.ndarray:
     return build_client_data(cfg.task, cfg.task_options(), partition, 3).y_train.numpy()
 
 
-def test_sample_mode_refuses_batchnorm_before_anything_starts():
-    with pytest.raises(ConfigError, match=r"model 'resnet10' has layer 'bn1' \(BatchNorm2d\).*GroupNorm.*"
-                                          r"'payload'.*without BatchNorm: cnn_mnist, lenet"):
-        parse_run_config({**SAMPLE, "method": "fedavg", "avg-weighting": "uniform", "model": "resnet10"})
+def test_pollen_run_refuses_a_batchnorm_model_in_sample_mode_before_start(tmp_path):
+    """As a user meets it: `pollen run` exits 2 naming the layer and the fix; no run folder appears."""
+    pollen = Path(sys.executable).parent / "pollen"
+    if not pollen.exists():
+        pytest.skip("the `pollen` console script is not installed (make install)")
+    out = tmp_path / "runs"
+    env = {k: v for k, v in os.environ.items() if k != "POLLEN_OUT_DIR"}
+    done = subprocess.run([str(pollen), "run", "--out-dir", str(out), "--run-config",
+                           "method='fedavg' avg-weighting='uniform' dp-mode='sample' dp-noise-multiplier=1.0 "
+                           "model='resnet10'"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "model 'resnet10' has layer 'bn1' (BatchNorm2d)" in done.stderr
+    assert "replaced by GroupNorm), or dp-mode = 'payload'" in done.stderr and "cnn_mnist, lenet" in done.stderr
+    assert not out.exists()
 
 
 def test_a_run_whose_clients_all_stop_releasing_fails_with_that_reason(tmp_path):

@@ -44,6 +44,7 @@ from typing import Any
 
 from pollen.app.results import write_stopped_summary
 from pollen.launch.processes import ProcessTree, Watchdog, signals_held
+from pollen.launch.progress import RunProgress
 from pollen.launch.runs import (
     RunFolderError,
     RunLock,
@@ -720,6 +721,7 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     queue: Queue[str | None] = Queue()
     reader = threading.Thread(target=_pump_lines, args=(stream, queue), daemon=True)
     reader.start()
+    progress = RunProgress(live=None if echo else False).__enter__()  # left in the finally below
     try:
         while True:
             if watch is not None:
@@ -737,8 +739,7 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
                 break
             lines.append(line)
             if echo:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+                progress.line(line)
         # The stream can end a moment before the status is final; poll briefly.
         for _ in range(60):
             if watch is not None:
@@ -748,6 +749,7 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
                 break
             time.sleep(1.0)
     finally:
+        progress.__exit__()
         stop_process(stream, grace=2.0)
     log = "".join(lines)
     results_dir = Path(run_dir) if run_dir is not None else (Path(out_dir) / str(run_id) if out_dir else None)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from pollen.datasets.domain_tasks import DomainTask
+from pollen.datasets.public import PUBLIC_CHOICES
 from pollen.datasets.tasks import ClientData
 from pollen.datasets.transforms import augment, batches
 from pollen.methods.logit_losses import (
@@ -73,7 +74,7 @@ PAPER_PUBLIC_EPOCHS = {"digits": 1, "digits-offline": 1, "office-home": 2}
 USER_LOCAL_EPOCHS, USER_PUBLIC_EPOCHS = 2, 1
 
 # Purposes for derive_seed, so each random stream is independent of the others.
-_PUBLIC_ORDER, _PUBLIC_VIEW, _LOCAL, _SOLO = 11, 12, 13, 14
+_PUBLIC_ORDER, _PUBLIC_VIEW, _LOCAL, _SOLO, _COLLAB = 11, 12, 13, 14, 15
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ class LogitOptions:
     """The logit family's run keys (``fccl-…``) as given, each declared once: default, range, help.
     0 / "" mean "the profile's value" (``QUICK`` / ``PAPER``); :func:`resolve_settings` fills them in."""
 
-    public: str = setting("fccl-public", "", "choice", "unlabeled public set; empty = the task's default")
+    public: str = setting("fccl-public", "", "choice", "unlabeled public set; empty = the task's default",
+                          choices=("", *PUBLIC_CHOICES))
     public_dir: str = setting("fccl-public-dir", "", "path",
                               "public set `folder`: the folder of unlabeled images, the same on every node "
                               "(node config `public-dir` overrides it)")
@@ -128,7 +130,8 @@ class LogitOptions:
     lambda_loc: float = setting("fccl-lambda-loc", 1.0, "float >= 0", "weight of the local dual-domain distillation")
     eps: float = setting("fccl-eps", 1e-06, "float >= 0", "added to the standard deviation when standardising logits")
     target: str = setting("fccl-target", "mean", "choice",
-                          "consensus each client aligns to: the mean, or the mean without its own logits")
+                          "consensus each client aligns to: the mean, or the mean without its own logits",
+                          choices=TARGETS)
     average_weights: bool = setting("fccl-average-weights", False, "bool",
                                     "homogeneous mode (paper Table 3): also average model weights")
     solo_cache: str = setting("fccl-solo-cache", "", "path",
@@ -353,6 +356,10 @@ class LogitRound:
             raise ValueError(f"consensus logits have shape {target.shape}, expected {(len(x), self.num_classes)}")
         z_bar = torch.from_numpy(np.asarray(target, dtype=np.float32))
         order = torch.Generator().manual_seed(derive_seed(self.seed, server_round, _PUBLIC_ORDER))
+        # Dropout (EfficientNet's head, cnn_mnist) draws from the global RNG: seeded from (seed, partition,
+        # round), else it holds whatever the process ran before (another node's round under Ray), so two
+        # runs differ and a resumed one cannot repeat the round.
+        self.generator(server_round, _COLLAB)
         net.train()
         losses = []
         for _ in range(s.public_epochs):

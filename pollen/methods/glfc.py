@@ -226,6 +226,15 @@ class IncrementalRound:
             self.store.save_values(f"old{slot}-meta", {"version": int(config[f"old{slot}-version"]),
                                                        "classes": int(config[f"old{slot}-classes"])})
 
+    def _load_memory(self, st: dict) -> dict[int, np.ndarray]:
+        """The exemplar sets in the order they were made: the training set is built in that order, and a
+        state read back from disk (a resumed run) returns its arrays in no fixed order."""
+        memory = memory_from_arrays(self.store.load_arrays(self.MEMORY))
+        order = [int(c) for c in st.get("memory-order", sorted(memory))]
+        if sorted(order) != sorted(memory):
+            raise ValueError(f"exemplar memory holds classes {sorted(memory)} but its recorded order is {order}")
+        return {c: memory[c] for c in order}
+
     def _detect(self, model: SplitModel, task: int):
         """Task-transition detection and, on a transition, learned classes + exemplar memory update.
 
@@ -235,7 +244,7 @@ class IncrementalRound:
         s = self.settings
         st = self.store.load_values(self.STATE, {"learned": [], "held": [], "pending": [], "last-entropy": 0.0,
                                                  "last-task": -1})
-        memory = memory_from_arrays(self.store.load_arrays(self.MEMORY))
+        memory = self._load_memory(st)
         classes = list(self.plan.client_classes(self.partition_id, task))
         if not classes:
             raise RuntimeError(f"partition {self.partition_id} was contacted at task {task} but joins later "
@@ -267,6 +276,7 @@ class IncrementalRound:
                     new_sets[c] = (idx, normalised_features(model, xc, self.device))
                 memory = update_memory(memory, new_sets, s.memory_size, s.herding_distinct)
                 self.store.save_arrays(self.MEMORY, memory_to_arrays(memory))
+                st["memory-order"] = [int(c) for c in memory]
         self.store.save_values(self.STATE, st)
         return transition, st, memory, x_cur, y_cur, classes, entropy
 

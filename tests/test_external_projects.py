@@ -289,7 +289,8 @@ def test_weights_project_matches_an_independent_fedavg(tmp_path):
     assert report["evaluate"]["2"]["accuracy"] > 0.7
 
 
-# --- hostile clients (issues 19, 31): the run completes, every bad reply is rejected with its reason ------------
+# --- hostile clients (issues 19, 31): the run completes, every bad reply is rejected with its reason, a bad
+# reported metric is dropped alone (issue 32) -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def hostile_run(tmp_path_factory):
@@ -338,14 +339,20 @@ def test_hostile_clients_are_rejected_with_reasons_and_the_run_completes(hostile
         assert reps[rnd]["failures"] == []
         assert reps[rnd]["accepted"] == 1
         assert sorted(reps[rnd]["fit_clients"]) == [fit]
-        assert sorted(reps[rnd]["evaluate_clients"]) == evaluated
         train = report["train"][rnd]
         assert (train["accepted"], train["rejected"], train["failures"]) == (1, 2, 0)
         assert np.isfinite(report["evaluate"][rnd]["loss"])
-        # evaluate: partition 1's NaN loss every round; in round 3 the honest node is quarantined too
-        want = ["metric 'loss' = nan is not a finite number"]
-        got = reasons(rnd, "evaluate")
-        assert got == want if rnd != "3" else (len(got) == 2 and want[0] in got), got
+        # evaluate: partition 1's NaN loss (it names no partition) is dropped, its reply counts; in round 3
+        # its node is the impostor, so it and the honest node are refused as quarantined
+        clients = sorted(reps[rnd]["evaluate_clients"])
+        dropped = [(d["key"], d["client"]) for d in reps[rnd]["dropped_metrics"]]
+        if rnd != "3":
+            assert clients[1:] == evaluated and clients[0].startswith("node "), clients
+            assert dropped == [("loss", clients[0])] and reasons(rnd, "evaluate") == [], (dropped, reps[rnd])
+        else:
+            assert clients == evaluated and dropped == [], (clients, dropped)
+            assert len(reasons(rnd, "evaluate")) == 2 and all(r.startswith("partition 0 is quarantined")
+                                                               for r in reasons(rnd, "evaluate"))
 
     # the honest client alone was aggregated in rounds 1-2, partition 2 alone in round 3
     model = _load("hostile_project", "model")
@@ -362,6 +369,7 @@ def test_hostile_clients_are_rejected_with_reasons_and_the_run_completes(hostile
         for reason in reasons(rnd, stage):
             assert f"round {rnd} {stage}: rejected reply from" in log and reason in log, reason
     assert f"round 3: partition 0 is claimed by nodes {quarantine['nodes']}: quarantined" in log
+    assert "round 1 evaluate: dropped metric 'loss' = nan from node " in log
 
 
 @pytest.mark.e2e

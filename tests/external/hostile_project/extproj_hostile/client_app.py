@@ -7,7 +7,9 @@
 | 2 | ``partition-id`` = NaN | ``w`` right dtype/shape, ~50 MB of bytes | honest | honest |
 
 Round 3's impostor makes partition 0 claimed by two nodes: neither is trusted, so the honest node's
-replies are refused too (quarantine) and round 3 aggregates partition 2 alone.
+replies are refused too (quarantine) and round 3 aggregates partition 2 alone. Partition 1's NaN loss
+costs only that metric (its evaluate reply counts); it names no partition there, so its first valid
+claim is the impostor's.
 
 Scenario ``all-bad``: every client sends its trained state as float64 (the contract says float32).
 """
@@ -18,9 +20,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from pollen.protocol import encode_weights_reply
-
 from extproj_hostile.model import WEIGHT, evaluate_state, local_train, partition
+from pollen.protocol import encode_weights_reply
 
 app = ClientApp()
 
@@ -62,7 +63,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     _cfg, pid, state, x, y = _inputs(msg, context, 1)
     loss, acc = evaluate_state(state, x, y)
-    if pid == 1:
-        loss = float("nan")
     metrics = MetricRecord({"num-examples": len(y), "loss": loss, "accuracy": acc, "partition-id": pid})
+    if pid == 1:
+        metrics = MetricRecord({"num-examples": len(y), "loss": float("nan"), "accuracy": acc})
     return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)

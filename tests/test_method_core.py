@@ -40,7 +40,7 @@ torch.set_num_threads(1)
 def test_settings_fields_are_the_run_keys_with_their_defaults():
     keys = declared_keys(ProtoSettings)
     assert keys["proto-lambda"][:2] == (1.0, "float > 0") and keys["proto-negative"][0] == "hinge"
-    values = {key: default for key, (default, _, _) in keys.items()}
+    values = {key: default for key, (default, *_) in keys.items()}
     values["proto-beta"] = 0.25
     s = from_values(ProtoSettings, values)
     assert s.beta == 0.25 and s.lam == 1.0 and s.cpa is True and s.local_protos == "post-pass"
@@ -57,6 +57,14 @@ def test_a_settings_field_without_a_run_key_is_refused():
 
     with pytest.raises(TypeError, match="Broken.bare"):
         declared_keys(Broken)
+
+
+def test_a_choice_key_names_its_values_where_it_is_declared():
+    assert declared_keys(ProtoSettings)["proto-negative"][3] == ("hinge", "infonce")
+    with pytest.raises(TypeError, match="'x-form': a 'choice' range needs choices="):
+        setting("x-form", "a", "choice", "no values named")
+    with pytest.raises(TypeError, match="only a choice key takes them"):
+        setting("x-n", 1, "int >= 1", "a number", choices=("1",))
 
 
 # loss terms -----------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def test_every_run_key_is_declared_once_in_the_code_and_in_pyproject():
 
 
 def test_every_run_key_has_help_and_a_range():
-    for key, (_default, kind, help_text) in run_keys.keys().items():
+    for key, (_default, kind, help_text, _choices) in run_keys.keys().items():
         assert help_text.strip() and "\n" not in help_text, key
         if kind == "choice":
             assert run_keys.choices(key), key
@@ -100,7 +100,7 @@ def _outside(spec) -> list:
     return [int(v) if kind == "int" and float(v).is_integer() else v for v in bad]
 
 
-CASES = [(key, value) for key, (_d, kind, _h) in run_keys.keys().items() if kind != "choice"
+CASES = [(key, value) for key, (_d, kind, _h, _c) in run_keys.keys().items() if kind != "choice"
          for value in _outside(_parse_range(kind) or ("string",))]
 
 
@@ -110,7 +110,7 @@ def test_a_value_outside_the_documented_range_is_refused_naming_the_key(key, val
         parse_run_config({**_context(key), key: value})
 
 
-@pytest.mark.parametrize("key", [k for k, (_d, kind, _h) in run_keys.keys().items() if kind == "choice"])
+@pytest.mark.parametrize("key", [k for k, spec in run_keys.keys().items() if spec.range == "choice"])
 def test_choice_keys_refuse_other_values_and_accept_the_documented_ones(key):
     with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
         parse_run_config({**_context(key), key: "no-such-value"})

@@ -24,11 +24,6 @@ from pollen.protocol.identity import parse_partition_pins
 from pollen.protocol.screening import PayloadBounds
 from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION
 
-PROFILES = ("quick", "paper")
-DEVICES = ("auto", "cpu", "cuda")
-WEIGHTINGS = ("samples", "uniform")
-SHOT_SPLITS = ("pollen", "official")
-
 # Every common run key with its default (declared in run_keys.COMMON; pyproject.toml repeats them).
 DEFAULTS: dict[str, Any] = {key: spec.default for key, spec in COMMON.items()}
 

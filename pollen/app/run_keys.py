@@ -10,8 +10,8 @@ from them, and
 longer exists, or when a value outside a documented range is accepted.
 
 Range notation: ``int >= 1``, ``int in [1, 256]``, ``float > 0``, ``float >= 0``, ``float in [0, 1]``,
-``float in (0, 1]``, ``float in [0, 1)``, ``bool``, ``string``, ``path``, or ``choice`` (the allowed
-values then come from the code, see :func:`choices`).
+``float in (0, 1]``, ``float in [0, 1)``, ``bool``, ``string``, ``path``, or ``choice`` (the key's
+declaration then names its allowed values, ``choices=``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from pollen.methods.settings import Choices
+from pollen.privacy.config import MODES as DP_MODES
 from pollen.protocol.screening import PayloadBounds
-from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION
+from pollen.strategies.aggregation import AGGREGATIONS, DEFAULT_TRIM_FRACTION
+from pollen.strategies.weights import WEIGHTINGS
 
 _BOUNDS = PayloadBounds()  # the payload bounds' defaults are declared once, there
 
@@ -48,20 +51,50 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 class Key(NamedTuple):
     """One run key, declared once: its default, its range (the notation above; :func:`check` enforces
-    it) and one line of help for ``docs/usage.md``. Method keys are declared by their family module."""
+    it), one line of help for ``docs/usage.md`` and, for a ``choice`` key, its allowed values (a
+    sequence, or a function for a registry that is filled later). Method keys are declared by their
+    family module (:func:`pollen.methods.settings.setting`)."""
 
     default: Any
     range: str
     help: str
+    choices: Choices | None = None
+
+
+def _methods() -> list[str]:
+    from pollen.app.registry import METHODS
+
+    return sorted(METHODS)
+
+
+def _tasks() -> list[str]:
+    from pollen.datasets.tasks import TASKS
+
+    return sorted(TASKS)
+
+
+def _models() -> list[str]:
+    from pollen.models import MODEL_NAMES
+
+    return ["", *MODEL_NAMES]
+
+
+def _data_splits() -> tuple[str, ...]:
+    from pollen.datasets.user_tasks import DATA_SPLITS
+
+    return DATA_SPLITS
 
 
 # Every common run key: default, range, one line of help. pyproject.toml repeats the defaults (a test
 # keeps them equal).
 COMMON: dict[str, Key] = {
-    "method": Key("fedavg", "choice", "federated method (see the methods table of README.md)"),
-    "task": Key("uci-dirichlet", "choice", "dataset, partition and default model (see docs/data.md)"),
+    "method": Key("fedavg", "choice", "federated method (see the methods table of README.md)",
+                  choices=_methods),
+    "task": Key("uci-dirichlet", "choice", "dataset, partition and default model (see docs/data.md)",
+                choices=_tasks),
     "profile": Key("quick", "choice",
-        "`quick` = CPU-sized models (width 0.25 for large backbones), `paper` = the paper's sizes"),
+        "`quick` = CPU-sized models (width 0.25 for large backbones), `paper` = the paper's sizes",
+        choices=("quick", "paper")),
     "num-server-rounds": Key(10, "int in [1, 1000000]", "federated rounds"),
     "seed": Key(0, "int in [0, 4294967295]", "seeds data splits, model init, client sampling and every client's RNG"),
     "data-root": Key("", "path", "dataset root (absolute); empty = `$POLLEN_DATA_ROOT`"),
@@ -70,9 +103,9 @@ COMMON: dict[str, Key] = {
     "fraction-fit": Key(1.0, "float in (0, 1]", "fraction of connected clients trained per round"),
     "fraction-evaluate": Key(1.0, "float in [0, 1]", "fraction of connected clients evaluated per round"),
     "min-available-clients": Key(2, "int in [1, 1000000]", "clients the server waits for before a round"),
-    "device": Key("auto", "choice", "`auto` = CUDA when present, else CPU"),
+    "device": Key("auto", "choice", "`auto` = CUDA when present, else CPU", choices=("auto", "cpu", "cuda")),
     "torch-threads": Key(1, "int in [1, 256]", "torch threads per client (1 is fastest when clients share cores)"),
-    "model": Key("", "choice", "architecture override; empty = the task's default"),
+    "model": Key("", "choice", "architecture override; empty = the task's default", choices=_models),
     "model-width": Key(0.0, "float in [0, 16]", "width multiplier; 0 = the profile's"),
     "local-epochs": Key(1, "int in [1, 10000]", "local epochs per round"),
     "batch-size": Key(32, "int in [1, 1000000]", "local batch size"),
@@ -86,7 +119,8 @@ COMMON: dict[str, Key] = {
     "shot-shots": Key(100, "int in [1, 1000000]", "K: mean training samples per class and client"),
     "shot-stdev": Key(2, "int in [0, 1000000]", "spread of N and K across clients (`shot-shots - shot-stdev >= 1`)"),
     "shot-test-per-class": Key(40, "int in [1, 1000000]", "test samples per own class and client"),
-    "shot-split": Key("pollen", "choice", "`pollen` = Pollen's seeded split, `official` = FedProto's code's own draw"),
+    "shot-split": Key("pollen", "choice", "`pollen` = Pollen's seeded split, `official` = FedProto's code's own draw",
+                      choices=("pollen", "official")),
     "data-dir": Key("", "path",
         "folder with your own data (tasks `image-folder`, `array`); a node's own folder may override it"),
     "classes": Key("", "string", "the agreed class names, comma-separated or a file with one per line"),
@@ -95,8 +129,9 @@ COMMON: dict[str, Key] = {
     "image-channels": Key(0, "int in [0, 3]", "input channels: 0 = detect, 1 = grey, 3 = RGB (2 is refused)"),
     "image-mean": Key("", "string", "normalisation mean, 1 or 3 comma-separated numbers; empty = computed"),
     "image-std": Key("", "string", "normalisation std, 1 or 3 comma-separated numbers > 0; empty = computed"),
-    "data-split": Key("iid", "choice", "how the data is split across clients"),
-    "avg-weighting": Key("samples", "choice", "FedAvg/FedProx weights clients by training samples or equally"),
+    "data-split": Key("iid", "choice", "how the data is split across clients", choices=_data_splits),
+    "avg-weighting": Key("samples", "choice", "FedAvg/FedProx weights clients by training samples or equally",
+                         choices=WEIGHTINGS),
     "fedprox-mu": Key(0.01, "float in [0, 10000]", "FedProx proximal coefficient mu (mu/2·‖w − w_global‖²)"),
     "max-empty-rounds": Key(0, "int in [0, 1000000]",
         "rounds allowed to train nobody (every reply failed or rejected) before the run fails"),
@@ -109,7 +144,8 @@ COMMON: dict[str, Key] = {
     "resume-from": Key("", "path", "a run folder to continue from its last valid checkpoint (same config)"),
     "aggregation": Key("mean", "choice",
         "how accepted client values combine: `mean` (the method's weighted mean), or coordinate-wise and "
-        "unweighted `median` / `trimmed-mean`, which a minority of hostile clients cannot drag far"),
+        "unweighted `median` / `trimmed-mean`, which a minority of hostile clients cannot drag far",
+        choices=AGGREGATIONS),
     "trim-fraction": Key(DEFAULT_TRIM_FRACTION, "float in [0, 0.5)",
         "`trimmed-mean`: share of the smallest and of the largest client values dropped at each coordinate"),
     "max-update-norm": Key(_BOUNDS.max_update_norm, "float in (0, 1000000000000]",
@@ -127,7 +163,7 @@ COMMON: dict[str, Key] = {
         "empty = the run id"),
     "dp-mode": Key("off", "choice",
         "`payload` = clip and noise what each client releases (unit: a row of the release, see docs/privacy.md), "
-        "`sample` = DP-SGD (unit: one record), `off` = no noise"),
+        "`sample` = DP-SGD (unit: one record), `off` = no noise", choices=DP_MODES),
     "dp-clip": Key(1.0, "float in (0, 1000000]", "L2 clip of what a release depends on (an embedding, a model update)"),
     "dp-noise-multiplier": Key(0.0, "float in [0, 1000000]",
         "σ: noise std over the release's L2 sensitivity; 0 = calibrate it from `dp-target-epsilon`"),
@@ -161,55 +197,12 @@ FAMILY_TITLES = {
 
 
 def choices(key: str) -> tuple[str, ...]:
-    """The allowed values of a ``choice`` key, read from the code that validates it."""
-    from pollen.app import config
-    from pollen.privacy.config import MODES as DP_MODES
-
-    if key == "method":
-        from pollen.app.registry import METHODS
-
-        return tuple(sorted(METHODS))
-    if key == "task":
-        from pollen.datasets.tasks import TASKS
-
-        return tuple(sorted(TASKS))
-    if key == "model":
-        from pollen.models import MODEL_NAMES
-
-        return ("",) + tuple(MODEL_NAMES)
-    simple = {"profile": config.PROFILES, "device": config.DEVICES, "avg-weighting": config.WEIGHTINGS,
-              "shot-split": config.SHOT_SPLITS, "dp-mode": DP_MODES}
-    if key == "aggregation":
-        from pollen.strategies.aggregation import AGGREGATIONS
-
-        return AGGREGATIONS
-    if key in simple:
-        return tuple(simple[key])
-    if key.startswith("proto-"):
-        from pollen.methods.prototypes import LOCAL_PROTO_MODES, NEGATIVE_FORMS
-        from pollen.strategies.prototypes import PROTO_WEIGHTINGS
-
-        return {"proto-negative": NEGATIVE_FORMS, "proto-weighting": PROTO_WEIGHTINGS,
-                "proto-local-protos": LOCAL_PROTO_MODES}[key]
-    if key == "fccl-public":
-        from pollen.datasets.public import PUBLIC_CHOICES
-
-        return ("",) + tuple(PUBLIC_CHOICES)
-    if key == "fccl-target":
-        from pollen.methods.logits import TARGETS
-
-        return tuple(TARGETS)
-    if key == "glfc-lr-schedule":
-        from pollen.methods.incremental_losses import LR_SCHEDULES
-
-        return tuple(LR_SCHEDULES)
-    if key == "data-split":
-        from pollen.datasets.user_tasks import DATA_SPLITS
-
-        return tuple(DATA_SPLITS)
-    if key == "glfc-class-order":
-        return ("label", "shuffled")
-    raise KeyError(f"{key!r} is not a choice key")
+    """The allowed values of a ``choice`` key, as its declaration names them."""
+    spec = keys()[key]
+    if spec.choices is None:
+        raise KeyError(f"{key!r} is not a choice key")
+    found = spec.choices() if callable(spec.choices) else spec.choices
+    return tuple(found)
 
 
 def all_defaults() -> dict[str, object]:

@@ -40,6 +40,10 @@ from pollen.datasets.transforms import CIFAR100_FORMAT, ImageFormat, to_model_in
 GROUPS = ("new", "b", "o")  # S_n, S_b, S_o
 
 
+# The orders a stream can give its classes: by label, or shuffled by the run seed.
+CLASS_ORDERS = ("label", "shuffled")
+
+
 class StreamError(ValueError):
     """The stream configuration is impossible (sizes, fractions, class counts)."""
 
@@ -225,9 +229,9 @@ def load_stream_images(name: str, root: str | None, split: str, download: bool =
 
 def class_permutation(num_classes: int, order: str, seed: int) -> np.ndarray:
     """``perm[k]`` = the source label that stream class k stands for (``label`` order or seeded ``shuffled``)."""
-    if order == "label":
+    if order == CLASS_ORDERS[0]:
         return np.arange(num_classes)
-    if order == "shuffled":
+    if order == CLASS_ORDERS[1]:
         return np.random.default_rng([seed, 0x0DE7]).permutation(num_classes)
     raise StreamError(f"class order must be 'label' or 'shuffled', got {order!r}")
 

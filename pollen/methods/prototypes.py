@@ -44,6 +44,7 @@ from pollen.models import SplitModel
 from pollen.models.pretrained import load_stage_weights
 from pollen.privacy.payload import PayloadPrivacy
 from pollen.privacy.sample import SamplePrivacy
+from pollen.protocol.prototypes import PROTO_WEIGHTINGS
 
 LOCAL_PROTO_MODES = ("post-pass", "training")
 NEGATIVE_FORMS = ("hinge", "infonce")
@@ -66,14 +67,15 @@ class ProtoSettings:
     da_kappa: float = setting("proto-da-kappa", 0.95, "float in (0, 1]", "DA temperature decay κ per round")
     da_tmin: float = setting("proto-da-tmin", 0.05, "float > 0", "DA minimum temperature")
     negative: str = setting("proto-negative", "hinge", "choice",
-                            "form of CPA's negative loss: margin hinge or InfoNCE")
+                            "form of CPA's negative loss: margin hinge or InfoNCE", choices=NEGATIVE_FORMS)
     tau: float = setting("proto-tau", 0.5, "float > 0",
                          "temperature of the InfoNCE negatives and of the MI monitor")
     weighting: str = setting("proto-weighting", "samples", "choice",
-                             "server average per class: by class counts, or `uniform` (the official code)")
+                             "server average per class: by class counts, or `uniform` (the official code)",
+                             choices=PROTO_WEIGHTINGS)
     local_protos: str = setting("proto-local-protos", "post-pass", "choice",
                                 "local prototypes from a pass after training, or training-time features "
-                                "(the official code)")
+                                "(the official code)", choices=LOCAL_PROTO_MODES)
     model_heter: bool = setting("proto-model-heter", False, "bool",
                                 "FedProto's model-heterogeneous CNNs (18/20/22 channels by client)")
     evaluate_every: int = setting("proto-evaluate-every", 1, "int >= 1", "evaluate every N rounds (and in the last)")

@@ -9,25 +9,32 @@ with :func:`from_values` — typed attributes instead of string lookups.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-def setting(key: str, default: Any, range: str, help: str) -> Any:
-    """A settings field: ``default``, and the run ``key`` with its ``range`` notation and ``help``."""
-    return dataclasses.field(default=default, metadata={"key": key, "range": range, "help": help})
+Choices = Sequence[str] | Callable[[], Sequence[str]]
 
 
-def declared_keys(cls: type) -> dict[str, tuple[Any, str, str]]:
-    """``run key -> (default, range, help)`` of every field of the settings class, in field order."""
-    out: dict[str, tuple[Any, str, str]] = {}
+def setting(key: str, default: Any, range: str, help: str, choices: Choices | None = None) -> Any:
+    """A settings field: ``default``, and the run ``key`` with its ``range`` notation and ``help``; a
+    ``choice`` key also names its allowed values (a sequence, or a function for a registry filled later)."""
+    if (range == "choice") != (choices is not None):
+        raise TypeError(f"run key {key!r}: a 'choice' range needs choices=, and only a choice key takes them")
+    return dataclasses.field(default=default, metadata={"key": key, "range": range, "help": help,
+                                                        "choices": choices})
+
+
+def declared_keys(cls: type) -> dict[str, tuple[Any, str, str, Choices | None]]:
+    """``run key -> (default, range, help, choices)`` of every field of the settings class, in field order."""
+    out: dict[str, tuple[Any, str, str, Choices | None]] = {}
     for f in dataclasses.fields(cls):
         meta = f.metadata
         if "key" not in meta:
             raise TypeError(f"{cls.__name__}.{f.name} is not declared with setting(key, default, range, help)")
-        out[meta["key"]] = (f.default, meta["range"], meta["help"])
+        out[meta["key"]] = (f.default, meta["range"], meta["help"], meta["choices"])
     return out
 
 

@@ -41,6 +41,8 @@ COUNT_NOISE_STD = "count-noise-std"
 # A noisy count below this many stds of its noise is indistinguishable from an absent class (one false
 # positive in ~740 absent classes); dividing by it would blow the sum's noise up.
 DP_HELD_STDS = 3.0
+# How a server weighs each client's prototype of a class: by the class counts the reply carries, or equally.
+PROTO_WEIGHTINGS = ("samples", "uniform")
 
 
 def encode_global_prototypes(protos: np.ndarray, present: np.ndarray, margin: float) -> ArrayRecord:

@@ -19,14 +19,13 @@ from pollen.protocol.prototypes import (
     COUNT_NOISE_STD,
     NOISY_COUNTS,
     PROTO_SUMS,
+    PROTO_WEIGHTINGS,
     decode_prototype_reply,
     encode_global_prototypes,
 )
 from pollen.protocol.records import ARRAYS, CONFIG
 from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION, check_aggregation, robust_stack
 from pollen.strategies.base import PollenStrategy
-
-PROTO_WEIGHTINGS = ("samples", "uniform")
 
 
 def aggregate_prototypes(protos: Sequence[np.ndarray], counts: Sequence[np.ndarray],

@@ -35,9 +35,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pollen.datasets.incremental import SOURCES, StreamConfig, client_task_data, plan_stream, shard_indices, stream_data
+from pollen.datasets.incremental import (
+    CLASS_ORDERS,
+    SOURCES,
+    StreamConfig,
+    client_task_data,
+    plan_stream,
+    shard_indices,
+    stream_data,
+)
 from pollen.datasets.transforms import augment
-from pollen.methods.incremental_losses import incremental_loss, is_transition, learning_rate, mean_entropy
+from pollen.methods.incremental_losses import (
+    LR_SCHEDULES,
+    incremental_loss,
+    is_transition,
+    learning_rate,
+    mean_entropy,
+)
 from pollen.methods.memory import (
     memory_from_arrays,
     memory_to_arrays,
@@ -85,7 +99,7 @@ class GlfcOptions:
     max_per_class: int = setting("glfc-max-per-class", 200, "int >= 0",
                                  "cap on a client's images per class; 0 = no cap")
     class_order: str = setting("glfc-class-order", "label", "choice",
-                               "classes in label order or shuffled by the seed")
+                               "classes in label order or shuffled by the seed", choices=CLASS_ORDERS)
     memory_size: int = setting("glfc-memory-size", 100, "int >= 0", "exemplar memory per client (iCaRL herding)")
     tau: float = setting("glfc-tau", 1.2, "float > 0", "entropy threshold of the task-transition detector (nats)")
     oracle_boundary: bool = setting("glfc-oracle-boundary", False, "bool",
@@ -94,7 +108,8 @@ class GlfcOptions:
                                        "every client runs detection every round (the official code); "
                                        "false = sampled clients only")
     lr_schedule: str = setting("glfc-lr-schedule", "cosine", "choice",
-                               "learning rate within a task: cosine, the official code's steps, or constant")
+                               "learning rate within a task: cosine, the official code's steps, or constant",
+                               choices=LR_SCHEDULES)
     herding_distinct: bool = setting("glfc-herding-distinct", True, "bool", "herding never picks an image twice")
     perturb_steps: int = setting("glfc-perturb-steps", 50, "int >= 0",
                                  "steps perturbing a client's class prototypes before sending gradients")

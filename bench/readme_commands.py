@@ -77,7 +77,8 @@ def run_command(family: str, command: str) -> dict[str, Any]:
     """Run one command as written; return its record (raises with the output's tail when it fails)."""
     venv_bin = Path(sys.executable).parent
     with tempfile.TemporaryDirectory(prefix=f"pollen-readme-{family}-") as tmp:
-        env = {**os.environ, "POLLEN_OUT_DIR": tmp, "POLLEN_DATA_ROOT": default_data_root(),
+        # PYTHONPATH: the `pollen` of this checkout, also when the venv's editable install points at another
+        env = {**os.environ, "POLLEN_OUT_DIR": tmp, "POLLEN_DATA_ROOT": default_data_root(), "PYTHONPATH": str(ROOT),
                "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"}
         load, at_commit = os.getloadavg()[0], commit()
         started = time.time()

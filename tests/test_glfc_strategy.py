@@ -6,7 +6,7 @@ whole run in process through the real ClientApp handlers."""
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from pollen.app.client_app import query as answer_query
@@ -58,7 +58,8 @@ def identity_grid(n: int, overrides=None) -> InProcessGrid:
 
 
 def _strategy(old_model="proxy", clients_per_round=3, schedule=None, **kwargs):
-    make = lambda n: build_stream_model("mnist-fmnist-cil", "cnn_mnist", n, 1.0)
+    def make(n):
+        return build_stream_model("mnist-fmnist-cil", "cnn_mnist", n, 1.0)
     test_x = torch.randn(20, 1, 28, 28)
     test_y = torch.arange(20) % 10
     if schedule is None:
@@ -82,7 +83,8 @@ def _grad_set(strat, label=2, nan=False, bad_shape=False, drop=None, dtype=np.fl
     out = lenet(torch.randn(1, 1, 28, 28))
     loss = torch.nn.functional.cross_entropy(out, torch.tensor([label]))
     names = [n for n, _ in lenet.named_parameters()]
-    g = {n: t.detach().numpy().astype(dtype) for n, t in zip(names, torch.autograd.grad(loss, list(lenet.parameters())))}
+    grads = torch.autograd.grad(loss, list(lenet.parameters()))
+    g = {n: t.detach().numpy().astype(dtype) for n, t in zip(names, grads)}
     if nan:
         g[names[3]][0] = np.nan
     if bad_shape:
@@ -150,7 +152,8 @@ def test_a_node_that_cannot_say_its_partition_is_never_sampled_and_a_duplicate_c
     assert strat.take_round_report(2).quarantined == [{"partition": 0, "nodes": [node_id(0), node_id(2)]}]
     # nobody identified at all: the round trains nobody and the run fails loudly
     lost = _strategy()
-    assert list(lost.configure_train(1, ArrayRecord(), ConfigRecord(), identity_grid(3, {p: broken for p in range(3)}))) == []
+    nobody = identity_grid(3, {p: broken for p in range(3)})
+    assert list(lost.configure_train(1, ArrayRecord(), ConfigRecord(), nobody)) == []
     with pytest.raises(NoTrainingError, match="no node was sampled"):
         lost.aggregate_train(1, [])
 
@@ -164,8 +167,9 @@ def test_replies_are_screened_before_decoding_and_averaged_unweighted():
     fake_big = _reply(msgs[11], 11, [_grad_set(strat)])
     fake_big.content[protocol.PROTO_GRADS]["g0.head.weight"].shape = (10_000_000,)  # metadata lies: never decoded
     wrong_dtype = _reply(msgs[8], 8)
-    wrong_dtype.content[ARRAYS] = array_record({k: (a.numpy().astype(np.float64) if a.numpy().dtype.kind == "f"
-                                                             else a.numpy()) for k, a in msgs[8].content[ARRAYS].items()})
+    wrong_dtype.content[ARRAYS] = array_record(
+        {k: (a.numpy().astype(np.float64) if a.numpy().dtype.kind == "f" else a.numpy())
+         for k, a in msgs[8].content[ARRAYS].items()})
     f64_grads = _reply(msgs[7], 7, [_grad_set(strat)])  # the encoder casts to float32: bypass it
     f64_grads.content[protocol.PROTO_GRADS] = array_record(
         {k: a.numpy().astype(np.float64) for k, a in f64_grads.content[protocol.PROTO_GRADS].items()})
@@ -234,6 +238,26 @@ def test_old_model_is_sent_only_when_its_version_changed():
     # a claimed version the server never issued is rejected
     strat.aggregate_train(4, [_reply(msgs[1], 1, **{"old1-version": version + 100}), _reply(msgs[2], 2)])
     assert "old1-version" in strat.take_round_report(4).rejected[0]["reason"]
+
+
+def test_cached_old_model_versions_survive_a_restore_and_a_node_that_failed_is_sent_them_again():
+    strat = _strategy(old_model="previous-task", clients_per_round=5)
+    grid = identity_grid(5)
+    _configure(strat, 1, grid)
+    msgs = _configure(strat, 3, grid)
+    version = strat.proxy.slot1.version
+    strat.aggregate_train(3, [_reply(msgs[p], p, **{"old1-version": version}) for p in (0, 1)])
+    arrays, values = strat.state()
+    assert values["old-models-cached"] == {"0": [version, 0], "1": [version, 0]}
+    resumed = _strategy(old_model="previous-task", clients_per_round=5)
+    resumed.restore(arrays, values)  # new node ids after a restart: the versions follow the partitions
+    msgs = _configure(resumed, 4, identity_grid(5))
+    assert [p for p, m in sorted(msgs.items()) if m.content[CONFIG]["old1-sent"]] == [2, 3, 4]
+    assert resumed.state()[1]["old-models-cached"] == values["old-models-cached"]
+    error = Message(Error(code=2, reason="ValueError: the server did not send old model 1"), reply_to=msgs[0])
+    resumed.aggregate_train(4, [error, _reply(msgs[1], 1, **{"old1-version": version})])
+    msgs = _configure(resumed, 4, identity_grid(5))
+    assert [p for p, m in sorted(msgs.items()) if m.content[CONFIG]["old1-sent"]] == [0, 2, 3, 4]
 
 
 def test_evaluate_global_reports_seen_classes_and_per_task_accuracy():
@@ -356,6 +380,14 @@ def test_client_caches_old_models_by_version_from_named_records():
     content[protocol.OLD_MODEL[1]] = model
     out = GLFC_ADAPTER.train(make_client(cfg, node, ctx), content)
     assert out[METRICS]["old1-version"] == 7 and out[METRICS]["old2-version"] == 0
+    # not sent again: the cached one is used; a node that lost its state says so instead of training without it
+    later = _content(model, 4, 1)
+    later[CONFIG]["old1-version"], later[CONFIG]["old1-classes"] = 7, 5
+    assert GLFC_ADAPTER.train(make_client(cfg, node, ctx), later)[METRICS]["old1-version"] == 7
+    fresh = make_context(UCI_RC, 0, 5)
+    with pytest.raises(ValueError, match="old model 1 version 7, believing this node caches it, but it caches version 0"
+                       ):
+        GLFC_ADAPTER.train(make_client(cfg, parse_node_config(fresh.node_config), fresh), later)
 
 
 def test_answer_query_replies_with_the_node_partition():

@@ -84,7 +84,7 @@ def test_batched_lbfgs_equals_torch_lbfgs_row_by_row():
         xb = x0[b].clone().requires_grad_(True)
         ref = torch.optim.LBFGS([xb], lr=0.3, max_iter=7, history_size=3)
 
-        def closure():
+        def closure(ref=ref, xb=xb, b=b):  # bound now: the optimiser calls it within this iteration
             ref.zero_grad()
             loss = f(xb, a[b], c[b])
             loss.backward()

@@ -234,8 +234,15 @@ class IncrementalRound:
         return model
 
     def _cache_old_models(self, old_models: Mapping[int, Mapping[str, np.ndarray]], config: dict) -> None:
+        """Keep the old models sent; one not sent must be the one cached (the server believes it is)."""
         for slot in (1, 2):
             if slot not in old_models:
+                want = int(config.get(f"old{slot}-version", 0))
+                have = int(self.store.load_values(f"old{slot}-meta", {"version": 0})["version"])
+                if want and want != have:
+                    raise ValueError(f"the server did not send old model {slot} version {want}, believing this node "
+                                     f"caches it, but it caches version {have} (its state was lost?); the server "
+                                     "sends it again after this failure")
                 continue
             self.store.save_arrays(f"old{slot}", old_models[slot])
             self.store.save_values(f"old{slot}-meta", {"version": int(config[f"old{slot}-version"]),

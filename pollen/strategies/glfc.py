@@ -18,7 +18,8 @@ runs it from any ``@app.main()`` ServerApp). Its wire contract is :mod:`pollen.p
   gradients (shuffled, so no link to the sender), scoring every new global model on the
   reconstructed set and keeping the best in two slots; baselines/ablations: slot 1 = the previous
   task's final global model;
-* sends an old model to a node only when the version it has cached (reported in its metrics) differs;
+* sends an old model to a node only when the version it has cached (reported in its metrics) differs
+  (a node that failed is sent them again; the versions are kept in checkpoints by partition);
 * evaluates the global model server-side (:meth:`evaluate_global`, which Pollen's ServerApp calls
   after every round and for round 0) on the test images of all seen classes, plus one accuracy per
   seen task, average incremental accuracy and forgetting at each task's end;
@@ -182,6 +183,7 @@ class IncrementalFedAvg(PollenStrategy):
         self._global = model_to_arrays(model)
         self.proxy = ProxyState()
         self.confirmed: dict[int, tuple[int, int]] = {}  # node id -> old-model versions it has cached
+        self._cached_at_restore: dict[int, tuple[int, int]] = {}  # partition -> versions, from a checkpoint
         self._sampled: set[int] = set()  # node ids trained this round
         self.acc_rows: dict[int, dict] = {}  # task -> accuracy on seen classes and per task at its end
         self.lenet_shapes = ({name: tuple(p.shape) for name, p in self.lenet.named_parameters()}
@@ -294,8 +296,9 @@ class IncrementalFedAvg(PollenStrategy):
         """Global model (``model.<name>``), old-model slots (``old{1,2}.<name>``), the proxy's monitor set
         and best score, the task, the accuracy rows and both RNGs.
 
-        Which old-model version each node has cached is not kept: after a restart every node is sent
-        the old models once more.
+        Which old-model versions each partition has cached is kept (``old-models-cached``): a resumed
+        run's nodes roll their state back to the checkpoint's round, so they are not sent again what they
+        hold, and the run's messages (``bytes-down``) are those of the uninterrupted run.
         """
         arrays, values = super().state()
         arrays.update({f"model.{k}": a for k, a in zip(self.keys, self._global)})
@@ -313,8 +316,17 @@ class IncrementalFedAvg(PollenStrategy):
                        "proxy-task": int(self.proxy.task), "proxy-versions": int(self.proxy.versions),
                        "proxy-best-score": best if np.isfinite(best) else None,
                        "acc-rows": {str(t): row for t, row in self.acc_rows.items()},
-                       "proxy-rng": self.proxy_rng.bit_generator.state})
+                       "proxy-rng": self.proxy_rng.bit_generator.state,
+                       "old-models-cached": self._cached_by_partition()})
         return arrays, values
+
+    def _cached_by_partition(self) -> dict[str, list[int]]:
+        cached = dict(self._cached_at_restore)  # partitions not trained since a restore keep what they had
+        for node, versions in self.confirmed.items():
+            pid = self.partition_of.get(node)
+            if pid is not None:
+                cached[pid] = versions
+        return {str(pid): [int(v) for v in versions] for pid, versions in sorted(cached.items())}
 
     def restore(self, arrays: dict[str, np.ndarray], values: dict[str, Any]) -> None:
         import torch
@@ -353,6 +365,9 @@ class IncrementalFedAvg(PollenStrategy):
         self.acc_rows = {int(t): row for t, row in values["acc-rows"].items()}
         self.proxy_rng.bit_generator.state = values["proxy-rng"]
         self.confirmed, self._queried, self._sampled, self._old_records = {}, set(), set(), {}
+        # older checkpoints lack it: then every node is sent the old models once more
+        self._cached_at_restore = {int(pid): (int(v[0]), int(v[1]))
+                                   for pid, v in values.get("old-models-cached", {}).items()}
 
     # node identity --------------------------------------------------------------------------
     def partition_claim_reason(self, pid: int) -> str | None:
@@ -386,6 +401,9 @@ class IncrementalFedAvg(PollenStrategy):
             return []
         chosen = sorted(self.rng.sample(candidates, min(self.clients_per_round, len(candidates))))
         self._sampled = {self.node_of[pid] for pid in chosen}
+        for pid in chosen:  # after a restore: the first node serving a partition holds what it held
+            if pid in self._cached_at_restore and self.node_of[pid] not in self.confirmed:
+                self.confirmed[self.node_of[pid]] = self._cached_at_restore.pop(pid)
         model = self.global_record()
         slots = (self.proxy.slot1, self.proxy.slot2)
 
@@ -414,6 +432,10 @@ class IncrementalFedAvg(PollenStrategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        answered = {int(m.metadata.src_node_id) for m in replies if not m.has_error()}
+        for node in self._sampled - answered:  # it failed or did not answer: what it caches is unknown
+            self.confirmed.pop(node, None)
         specs = self.model_specs()
         bounds = self._train_bounds()
         max_sets = self.schedule.classes_per_task

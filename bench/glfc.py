@@ -80,8 +80,8 @@ def run_inprocess(run_config: dict, offline=None, stop_after: int | None = None,
     from flwr.supercore.task_identity import TaskIdentity
 
     from pollen.app.client_app import app as client_app
+    from pollen.app.client_app import query as answer_query
     from pollen.app.config import parse_run_config
-    from pollen.app.methods_glfc import answer_query
     from pollen.app.registry import METHODS
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # Messages need a run identity

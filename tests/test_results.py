@@ -62,3 +62,22 @@ def test_round_lines_say_elapsed_time_and_eta(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "round 2/5 |" in out and "| elapsed 30s, ETA 1m30s" in out
     assert "round 3/5 |" in out and "| elapsed 1m00s, ETA 1m00s" in out
+
+
+def test_a_dropped_metric_is_kept_in_the_round_line_and_absent_when_none(tmp_path, capsys):
+    """The strategy drops a bad reported metric alone (its reply counts); the run folder says which."""
+    from pollen.strategies.base import RoundReport
+
+    rec = RunRecorder(tmp_path / "run", {"method": "fedavg"}, num_rounds=2)
+    clean, bad = RoundReport(1, sampled=2), RoundReport(2, sampled=2)
+    bad.dropped_metrics.append({"stage": "train", "client": "partition 1", "key": "train-accuracy",
+                                "value": 87.5, "reason": "metric 'train-accuracy' = 87.5 is above 1"})
+    bad.dropped_metrics.append({"stage": "evaluate", "client": "partition 0", "key": "loss",
+                                "value": float("nan"), "reason": "not finite"})
+    for report in (clean, bad):
+        rec.record_report(report)
+    first, second = (json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert "dropped-metrics" not in first  # a clean round's line is what it always was
+    assert [(d["key"], d["value"]) for d in second["dropped-metrics"]] == [("train-accuracy", "87.5"),
+                                                                          ("loss", "nan")]
+    assert "dropped metrics 2" in capsys.readouterr().out

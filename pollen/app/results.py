@@ -149,6 +149,9 @@ class RunRecorder:
         rec["fit"] = _clean(report.fit)
         rec["evaluate"] = _clean(report.evaluate)
         rec["rejected"].extend(report.rejected)
+        if report.dropped_metrics:  # a bad reported metric left out while its reply counted (absent when none)
+            rec.setdefault("dropped-metrics", []).extend(
+                {**d, "value": None if d["value"] is None else repr(d["value"])} for d in report.dropped_metrics)
         rec["failures"] += len(report.failures)
         if report.failures:
             rec.setdefault("failure-reasons", []).extend(
@@ -180,6 +183,8 @@ class RunRecorder:
         parts.append(f"down {_fmt_bytes(rec['bytes-down'])} up {_fmt_bytes(rec['bytes-up'])}")
         if rec["rejected"] or rec["failures"]:
             parts.append(f"rejected {len(rec['rejected'])} failed {rec['failures']}")
+        if rec.get("dropped-metrics"):
+            parts.append(f"dropped metrics {len(rec['dropped-metrics'])}")
         parts.append(f"{rec['wall-time-s']:.1f}s")
         parts.append(self.progress(rec["round"]))
         return " | ".join(parts)

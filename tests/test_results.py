@@ -81,3 +81,17 @@ def test_a_dropped_metric_is_kept_in_the_round_line_and_absent_when_none(tmp_pat
     assert [(d["key"], d["value"]) for d in second["dropped-metrics"]] == [("train-accuracy", "87.5"),
                                                                           ("loss", "nan")]
     assert "dropped metrics 2" in capsys.readouterr().out
+
+
+def test_the_summary_quotes_the_worst_clients_epsilon_not_the_mean(tmp_path):
+    rec = RunRecorder(tmp_path / "run", {"method": "fedproto"}, num_rounds=2, echo=False)
+    spent = {1: {"partition 0": 1.5, "partition 1": 2.5}, 2: {"partition 0": 3.0}}  # partition 1 stopped
+    for rnd, by_client in spent.items():
+        r = rec.round(rnd)
+        r["fit-clients"] = {c: {"dp-epsilon": e, "dp-delta": 1e-5} for c, e in by_client.items()}
+        r["fit"] = {"dp-epsilon": sum(by_client.values()) / len(by_client)}
+        rec.end_round(rnd)
+    summary = rec.finish()
+    assert summary["privacy"] == {"dp-epsilon-max": 3.0, "dp-delta": 1e-5,
+                                  "dp-epsilon-per-client": {"partition 0": 3.0, "partition 1": 2.5}}
+    assert "privacy" not in RunRecorder(tmp_path / "off", {"method": "fedavg"}, num_rounds=1, echo=False).finish()

@@ -224,6 +224,9 @@ class RunRecorder:
         acc = _headline_accuracy(final) if final else None
         if acc is not None:
             summary["final-accuracy"] = {"metric": acc[0], "mean": acc[1], "std": acc[2]}
+        spent = privacy_spent(self.rounds)
+        if spent:
+            summary["privacy"] = spent
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         plot_curves(self.rounds, self.run_dir / "curves.png", title=f"{summary['method']} on {summary['task']}")
         if status == "completed":
@@ -231,6 +234,22 @@ class RunRecorder:
         else:
             self._print(f"[pollen] run {status}: {reason}; summary: {self.run_dir / 'summary.json'}")
         return summary
+
+
+def privacy_spent(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each client's last reported ε (a client's ledger only grows) and the largest of them: a privacy
+    report quotes the worst client, not the mean. Empty when no client reported ``dp-epsilon``."""
+    last: dict[str, float] = {}
+    delta = None
+    for rec in rounds:
+        for client, metrics in rec.get("fit-clients", {}).items():
+            if isinstance(metrics.get("dp-epsilon"), (int, float)):
+                last[client] = float(metrics["dp-epsilon"])
+                delta = metrics.get("dp-delta", delta)
+    if not last:
+        return {}
+    return {"dp-epsilon-max": max(last.values()), "dp-delta": delta,
+            "dp-epsilon-per-client": dict(sorted(last.items()))}
 
 
 def _headline_accuracy(rec: dict[str, Any]) -> tuple[str, float, float | None] | None:

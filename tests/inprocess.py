@@ -9,7 +9,7 @@ are real ``Message`` objects built with ``reply_to``, so metadata (source node) 
 from __future__ import annotations
 
 import tempfile
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity

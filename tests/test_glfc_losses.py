@@ -5,8 +5,16 @@ import math
 import pytest
 import torch
 
-from pollen.methods.incremental_losses import (gc_loss, gc_weights, incremental_loss, is_transition,
-                                               learning_rate, mean_entropy, rd_loss, rd_targets)
+from pollen.methods.incremental_losses import (
+    gc_loss,
+    gc_weights,
+    incremental_loss,
+    is_transition,
+    learning_rate,
+    mean_entropy,
+    rd_loss,
+    rd_targets,
+)
 
 torch.set_num_threads(1)
 L3 = math.log(3.0)

@@ -5,8 +5,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pollen.methods.memory import (herding, memory_from_arrays, memory_to_arrays, nearest_to_mean,
-                                   normalised_features, per_class_quota, shrink, update_memory)
+from pollen.methods.memory import (
+    herding,
+    memory_from_arrays,
+    memory_to_arrays,
+    nearest_to_mean,
+    normalised_features,
+    per_class_quota,
+    shrink,
+    update_memory,
+)
 from pollen.models import build_model
 
 torch.set_num_threads(1)

@@ -5,9 +5,17 @@ import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
-from pollen.methods.logit_losses import (LAMBDA_OFF_DIAGONAL, correlation_target_loss, cross_correlation_loss,
-                                         cross_correlation_matrix, fccl_local_loss, feddf_kl_loss, fedmd_l1_loss,
-                                         kl_to_teacher, standardize_columns)
+from pollen.methods.logit_losses import (
+    LAMBDA_OFF_DIAGONAL,
+    correlation_target_loss,
+    cross_correlation_loss,
+    cross_correlation_matrix,
+    fccl_local_loss,
+    feddf_kl_loss,
+    fedmd_l1_loss,
+    kl_to_teacher,
+    standardize_columns,
+)
 
 torch.set_num_threads(1)
 

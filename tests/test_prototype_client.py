@@ -6,8 +6,8 @@ import torch
 
 from pollen.app.config import ConfigError, parse_node_config, parse_run_config
 from pollen.app.registry import METHODS
-from pollen.methods.prototype_losses import dynamic_lambda
 from pollen.clients.prototypes import heterogeneous_channels
+from pollen.methods.prototype_losses import dynamic_lambda
 from pollen.strategies.legacy import encode_global
 from pollen.strategies.prototypes import aggregate_prototypes, prototype_margin
 from tests.conftest import make_context

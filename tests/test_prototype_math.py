@@ -6,9 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from pollen.methods.prototype_losses import (annealing_temperature, dynamic_lambda, mutual_information,
-                                             negative_hinge_loss, negative_infonce_loss, negative_mask,
-                                             prototype_loss, prototype_probabilities, squared_distances)
+from pollen.methods.prototype_losses import (
+    annealing_temperature,
+    dynamic_lambda,
+    mutual_information,
+    negative_hinge_loss,
+    negative_infonce_loss,
+    negative_mask,
+    prototype_loss,
+    prototype_probabilities,
+    squared_distances,
+)
 from pollen.strategies.prototypes import aggregate_prototypes, prototype_margin
 
 torch.set_num_threads(1)

@@ -161,7 +161,7 @@ def make_strategy(cfg: RunConfig) -> IncrementalFedAvg:
         proxy_keep=o.proxy_keep, proxy_lr=o.proxy_lr, proxy_reset_per_task=o.proxy_reset_per_task,
         proxy_chunk=o.proxy_chunk,
         image_shape=(src.fmt.channels, src.fmt.size, src.fmt.size), device=pick_device(cfg.device),
-        detect_all_clients=o.detect_all_clients, **strategy_options(cfg))
+        detect_all_clients=o.detect_all_clients, torch_threads=cfg.torch_threads, **strategy_options(cfg))
 
 
 def initial_arrays(cfg: RunConfig) -> ArrayRecord:

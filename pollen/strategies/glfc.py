@@ -39,6 +39,7 @@ this module is not imported by ``pollen.strategies``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -125,6 +126,9 @@ class IncrementalFedAvg(PollenStrategy):
         image_shape: C×H×W of the images the LeNet takes.
         device: where the proxy and evaluation run.
         detect_all_clients: also send unsampled active nodes the new model for task detection.
+        torch_threads: torch threads for the proxy and the evaluation (``None``: torch's setting). The
+            inversion's numbers depend on it, so a run repeats only on the same count (the app passes
+            ``torch-threads``, as its clients use: a launched run then equals an in-process one).
         query_timeout: seconds to wait for query replies (default: ``start()``'s ``timeout``).
         **kwargs: :class:`~pollen.strategies.base.PollenStrategy` options (``seed`` seeds sampling,
             the initial model, head growth and the proxy; ``min_available_nodes``, ``max_empty_rounds``,
@@ -140,7 +144,7 @@ class IncrementalFedAvg(PollenStrategy):
                  old_model: str = "proxy", proxy_iterations: int = 250, proxy_keep: int = 20,
                  proxy_lr: float = 0.1, proxy_reset_per_task: bool = True, proxy_chunk: int = 128,
                  image_shape: Sequence[int] = (1, 28, 28), device: Any = "cpu", detect_all_clients: bool = False,
-                 query_timeout: float | None = None, **kwargs):
+                 torch_threads: int | None = None, query_timeout: float | None = None, **kwargs):
         if schedule is None:
             if plan is None or rounds_per_task is None:
                 raise ValueError("give a TaskSchedule as schedule, or plan and rounds_per_task")
@@ -173,6 +177,7 @@ class IncrementalFedAvg(PollenStrategy):
         self.image_shape = tuple(image_shape)
         self.seed = seed
         self.detect_all_clients = detect_all_clients
+        self.torch_threads = torch_threads
         self.proxy_rng = np.random.default_rng([seed, 0x9A0])  # gradient shuffling, dummy seeds
         self.task = 0
         self.num_classes = schedule.classes_per_task
@@ -472,7 +477,25 @@ class IncrementalFedAvg(PollenStrategy):
         self.close_train_round(server_round, accepted)
         return (self.global_record() if accepted else None), metrics
 
+    @contextlib.contextmanager
+    def _threads(self):
+        """torch's thread count set to ``torch_threads`` for the server's own torch work, then restored."""
+        import torch
+
+        before = torch.get_num_threads()
+        if self.torch_threads is not None and self.torch_threads != before:
+            torch.set_num_threads(self.torch_threads)
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
     def _run_proxy(self, server_round: int, pool: list[list[np.ndarray]]) -> dict[str, Any]:
+        with self._threads():
+            return self._proxy_round(server_round, pool)
+
+    def _proxy_round(self, server_round: int, pool: list[list[np.ndarray]]) -> dict[str, Any]:
         from pollen.strategies.proxy import monitor_accuracy, reconstruct_batched
 
         out: dict[str, Any] = {"proxy-gradients": len(pool)}
@@ -534,6 +557,10 @@ class IncrementalFedAvg(PollenStrategy):
         each task, ``aia`` and ``forgetting`` over the tasks so far. ``arrays`` (what Flower passes to
         ``evaluate_fn``) is the same state the strategy holds; the strategy's own copy is evaluated.
         """
+        with self._threads():
+            return self._evaluate_global(server_round)
+
+    def _evaluate_global(self, server_round: int) -> MetricRecord | None:
         if self.test_data is None:
             return None
         import torch

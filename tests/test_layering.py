@@ -118,6 +118,31 @@ def test_no_import_circle_between_packages():
     assert circle is None, "import circle: " + " -> ".join(circle or [])
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Pollen module -> the Pollen modules it imports at run time (lazy imports included; a package's
+    ``__init__`` stands for the package)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PROJECT_ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if str(path.relative_to(PROJECT_ROOT)) in DEPRECATED_SPELLINGS:
+            continue
+        for _, module in pollen_imports(path):
+            while module and module not in modules:  # `from pollen.app.config import X` -> pollen.app.config
+                module = module.rpartition(".")[0]
+            if module and module != name and not name.startswith(module + "."):
+                graph.setdefault(name, set()).add(module)
+    return graph
+
+
+def test_no_import_circle_between_modules():
+    """Not even through a lazy import: a module that needs another at run time must not be needed by it."""
+    circle = _cycle(_module_graph())
+    assert circle is None, "import circle: " + " -> ".join(circle or [])
+
+
 def test_the_circle_finder_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

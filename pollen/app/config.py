@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pollen.app.errors import ConfigError
 from pollen.app.run_keys import COMMON
 from pollen.privacy.config import PrivacyConfig
 from pollen.protocol.identity import parse_partition_pins
@@ -30,10 +31,6 @@ DEFAULTS: dict[str, Any] = {key: spec.default for key, spec in COMMON.items()}
 # Width used when ``model-width = 0`` ("let the profile decide"). The small nets (FedProto's CNN, DLG's
 # LeNet) are already CPU-sized and always keep their paper width unless ``model-width`` says otherwise.
 PROFILE_WIDTH = {"quick": 0.25, "paper": 1.0}
-
-
-class ConfigError(ValueError):
-    """A run-config or node-config value is missing, mistyped or out of range."""
 
 
 def _key_error(key: str, value: Any, expected: str) -> ConfigError:

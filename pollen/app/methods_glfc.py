@@ -21,8 +21,8 @@ import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
 from pollen.app.adapters import ClientAdapter
-from pollen.app.config import ConfigError
-from pollen.app.registry import MethodSpec, register_method, strategy_options
+from pollen.app.errors import ConfigError
+from pollen.app.method_spec import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key, check
 from pollen.clients.glfc import IncrementalClient
 from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, plan_stream, stream_data

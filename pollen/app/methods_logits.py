@@ -8,9 +8,11 @@ and ``solo`` with averaging is FedAvg evaluated per domain.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pollen.app.adapters import LOGITS
-from pollen.app.config import ConfigError, RunConfig
-from pollen.app.registry import MethodSpec, register_method, strategy_options
+from pollen.app.errors import ConfigError
+from pollen.app.method_spec import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key
 from pollen.clients.logits import logit_client
 from pollen.datasets.domain_tasks import get_domain_task
@@ -35,6 +37,9 @@ from pollen.strategies.weights import LocalOnly
 
 # The logit family's run keys, from its typed options (0 / "" = the profile's value, see
 # pollen.methods.logits.QUICK / PAPER); pyproject.toml repeats the defaults.
+if TYPE_CHECKING:
+    from pollen.app.config import RunConfig
+
 LOGIT_KEYS: dict[str, Key] = {key: Key(*declared) for key, declared in declared_keys(LogitOptions).items()}
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pollen.app.adapters import PROTOTYPES
-from pollen.app.config import ConfigError
-from pollen.app.registry import MethodSpec, register_method, strategy_options
+from pollen.app.errors import ConfigError
+from pollen.app.method_spec import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key
 from pollen.clients.prototypes import prototype_client
 from pollen.datasets.tasks import get_task, resolve_task

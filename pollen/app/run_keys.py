@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from pollen.app.errors import ConfigError
 from pollen.methods.settings import Choices
 from pollen.privacy.config import MODES as DP_MODES
 from pollen.protocol.screening import PayloadBounds
@@ -62,7 +63,7 @@ class Key(NamedTuple):
 
 
 def _methods() -> list[str]:
-    from pollen.app.registry import METHODS
+    from pollen.app.method_spec import METHODS
 
     return sorted(METHODS)
 
@@ -182,7 +183,7 @@ RESUMABLE_CHANGES = frozenset({"resume-from", "out-dir", "run-name", "num-server
 
 def keys() -> dict[str, Key]:
     """Every run key: the common ones, then each registered method family's."""
-    from pollen.app.registry import METHODS
+    from pollen.app.method_spec import METHODS
 
     out = dict(COMMON)
     for spec in METHODS.values():
@@ -268,8 +269,6 @@ def parse_range(spec: str) -> Range:
 def check(key: str, value: Any) -> Any:
     """``value`` of run key ``key`` if it is of the key's type and within its range (ints and floats
     come back as such), else a :class:`~pollen.app.config.ConfigError` naming the key and the range."""
-    from pollen.app.config import ConfigError
-
     def bad(expected: str) -> ConfigError:
         return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
 

@@ -1,0 +1,94 @@
+"""What a method is (:class:`MethodSpec`) and the table methods register in (:data:`METHODS`).
+
+The mechanism only: :mod:`pollen.app.registry` fills the table (the weights family there, the other
+families from their ``methods_*`` modules), so a family module imports this and never the registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import ArrayRecord, Context
+
+from pollen.app.adapters import ClientAdapter
+from pollen.app.errors import ConfigError
+from pollen.datasets.tasks import TASK_KINDS, TASKS, get_task, resolve_task
+from pollen.privacy.bounds import dp_bounds
+from pollen.protocol.identity import parse_partition_pins
+from pollen.protocol.screening import PayloadBounds
+from pollen.strategies.base import PollenStrategy
+
+if TYPE_CHECKING:
+    from flwr.client import NumPyClient
+
+    from pollen.app.config import NodeConfig, RunConfig
+    from pollen.app.run_keys import Key
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    family: str
+    description: str
+    make_strategy: Callable[[RunConfig], PollenStrategy]
+    make_client: Callable[[RunConfig, NodeConfig, Context], NumPyClient]
+    adapter: ClientAdapter | None = None
+    # The ServerApp's initial_arrays (weights: the shared starting model); empty by default.
+    initial_arrays: Callable[[RunConfig], ArrayRecord] = lambda cfg: ArrayRecord()
+    # The number of SuperNodes this configuration needs (None: any); the default asks the task.
+    required_nodes: Callable[[RunConfig], int | None] = (
+        lambda cfg: resolve_task(cfg.task, cfg.task_options()).fixed_partitions)
+    # The context.state key of the client's personal model, saved as the node's final-model.safetensors.
+    personal_model: str | None = None
+    # Method run keys (prefixed, e.g. "fccl-..."): default, range, help; defaults also in pyproject.toml.
+    keys: dict[str, Key] = field(default_factory=dict)
+    validate: Callable[[RunConfig], None] | None = None
+    # The kinds of task the method runs on (pollen.datasets.tasks.TASK_KINDS), checked before anything starts.
+    task_kinds: tuple[str, ...] = ("partitioned",)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return {key: spec.default for key, spec in self.keys.items()}
+
+
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    if spec.name in METHODS:
+        raise ValueError(f"method {spec.name!r} is already registered")
+    METHODS[spec.name] = spec
+    return spec
+
+
+def method_defaults() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for spec in METHODS.values():
+        out.update(spec.defaults)
+    return out
+
+
+def check_task_kind(spec: MethodSpec, task: str) -> None:
+    """Refuse a task of a kind the method does not run on, naming the tasks it does run on."""
+    kind = get_task(task).kind
+    if kind in spec.task_kinds:
+        return
+    fitting = sorted(name for name, t in TASKS.items() if t.kind in spec.task_kinds)
+    wanted = " or ".join(TASK_KINDS[k][0] for k in spec.task_kinds)
+    raise ConfigError(f"method {spec.name!r} needs {wanted}: set task to one of {', '.join(fitting)} "
+                      f"(task {task!r} is {TASK_KINDS[kind][0]})")
+
+
+def strategy_options(cfg: RunConfig) -> dict[str, Any]:
+    """The sampling, failure and screening options every method's strategy takes from the run config."""
+    return {"fraction_train": cfg.fraction_fit, "fraction_evaluate": cfg.fraction_evaluate,
+            "min_available_nodes": cfg.min_available_clients, "num_rounds": cfg.num_server_rounds,
+            "min_evaluate_nodes": 1 if cfg.fraction_evaluate > 0 else 0, "seed": cfg.seed,
+            "max_empty_rounds": cfg.max_empty_rounds,
+            "identify_nodes": cfg.sample_by_partition,  # Pollen's ClientApp answers QUERY
+            "aggregation": cfg.aggregation, "trim_fraction": cfg.trim_fraction,
+            "bounds": PayloadBounds(cfg.max_update_norm, cfg.max_logit_abs, cfg.max_grad_norm,
+                                    dp_bounds(cfg.privacy, cfg.num_server_rounds)),  # σ as the clients size it
+            "partition_pins": parse_partition_pins(cfg.partition_pins)}

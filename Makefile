@@ -35,12 +35,16 @@ run: $(STAMP)
 		--run-config "out-dir='$(OUT_DIR)' $(RUN_CONFIG)"
 
 # The full suite (what CI runs), in two passes: the tests that launch nothing, one pytest-xdist worker
-# per core (they share only the read-only datasets); then the `e2e` tests one at a time (each starts a
-# SuperLink, SuperNodes or Ray and wants both cores). Coverage, when asked for, adds up over both passes;
-# each pass lists its slowest tests, so CI's log says where the time goes.
+# per core (they share only the read-only datasets); then the `e2e` tests, E2E_WORKERS at a time (each
+# starts its own SuperLink, SuperNodes and private Ray on free ports with a private FLWR_HOME, so two
+# never meet; much of a launch is waiting on start-up, which overlaps). A test file stays on one worker
+# (its module fixtures are shared). Coverage, when asked for, adds up over both passes; each pass lists
+# its slowest tests, so CI's log says where the time goes.
+E2E_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e" -n auto --durations=15 $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m e2e --durations=25 $(if $(findstring --cov,$(PYTEST_ARGS)),--cov-append) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m e2e -n $(E2E_WORKERS) --dist loadfile --durations=25 \
+		$(if $(findstring --cov,$(PYTEST_ARGS)),--cov-append) $(PYTEST_ARGS)
 
 # Everything but the `e2e` tests (no SuperLink, SuperNode, `flwr run` or Ray launches), one worker
 # process per core (pytest-xdist): these tests share nothing but the read-only datasets.

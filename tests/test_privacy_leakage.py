@@ -3,7 +3,15 @@
 import numpy as np
 import pytest
 
-from pollen.privacy.leakage import histogram_leak, presence_f1, presence_leak, softmax_histogram_leak, total_variation
+from pollen.privacy.leakage import (
+    histogram_leak,
+    presence_f1,
+    presence_leak,
+    psnr,
+    softmax_histogram_leak,
+    ssim,
+    total_variation,
+)
 from pollen.privacy.mechanisms import release_prototypes
 from pollen.protocol.prototypes import DP_HELD_STDS
 
@@ -43,3 +51,44 @@ def test_noise_takes_the_label_histogram_away(sigma, leaks):
         assert np.mean(tvs) < 0.01 and np.mean(f1s) == 1.0
     else:  # no better than guessing: TV at least the uniform guess's minus a margin, F1 no better
         assert np.mean(tvs) > tv_floor - 0.05 and np.mean(f1s) <= f1_floor + 0.05
+
+
+def test_psnr_and_ssim_on_hand_computed_images():
+    rng = np.random.default_rng(1)
+    img = rng.uniform(0.2, 0.8, size=(3, 16, 16))
+    assert psnr(img, img) == float("inf") and ssim(img, img) == pytest.approx(1.0, abs=1e-12)
+    assert psnr(img, img + 0.1) == pytest.approx(20.0)  # MSE 0.01: 10·log10(1 / 0.01)
+    assert psnr(img[0], img[0] + 0.01) == pytest.approx(40.0)
+    # two flat images: σ terms vanish, SSIM = (2ab + C1) / (a² + b² + C1)
+    c1 = 0.01 ** 2
+    assert ssim(np.full((12, 12), 0.3), np.full((12, 12), 0.6)) == pytest.approx((2 * 0.18 + c1) / (0.45 + c1))
+    assert ssim(img, 1.0 - img) < 0  # anti-correlated structure
+    with pytest.raises(ValueError, match="at least 11"):
+        ssim(np.zeros((3, 10, 10)), np.zeros((3, 10, 10)))
+    with pytest.raises(ValueError, match="one shape"):
+        psnr(np.zeros((4, 4)), np.zeros((4, 5)))
+
+
+@pytest.mark.parametrize("shape", [(28, 28), (3, 32, 24)])
+def test_ssim_equals_an_independent_gaussian_filter_implementation(shape):
+    """The same definition through scipy's Gaussian filter (σ 1.5 truncated at radius 5, reflect-padded,
+    then cropped to the windows that fit): the construction scikit-image uses."""
+    from scipy.ndimage import gaussian_filter
+
+    rng = np.random.default_rng(2)
+    a = rng.uniform(size=shape)
+    b = np.clip(a + rng.normal(scale=0.2, size=shape), 0, 1)
+
+    def f(t):
+        return gaussian_filter(t, sigma=1.5, truncate=3.5, mode="reflect")[5:-5, 5:-5]
+
+    def reference(x, y):
+        mx, my = f(x), f(y)
+        vx, vy, cxy = f(x * x) - mx ** 2, f(y * y) - my ** 2, f(x * y) - mx * my
+        c1, c2 = 0.01 ** 2, 0.03 ** 2
+        return ((2 * mx * my + c1) * (2 * cxy + c2) / ((mx ** 2 + my ** 2 + c1) * (vx + vy + c2))).mean()
+
+    channels = [a] if a.ndim == 2 else list(a)
+    expected = np.mean([reference(x, y) for x, y in zip(channels, [b] if b.ndim == 2 else list(b))])
+    assert ssim(a, b) == pytest.approx(expected, rel=1e-9)
+    assert 0.05 < ssim(a, b) < 0.95

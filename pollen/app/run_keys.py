@@ -47,7 +47,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Hostile nodes (docs/strategies.md)", ("aggregation", "trim-fraction", "max-update-norm", "max-logit-abs",
                                             "max-grad-norm", "partition-pins")),
     ("Differential privacy (docs/privacy.md)", ("dp-mode", "dp-clip", "dp-noise-multiplier", "dp-target-epsilon",
-                                                "dp-delta", "dp-max-epsilon")),
+                                                "dp-delta", "dp-max-epsilon", "leak-audit")),
 )
 
 class Key(NamedTuple):
@@ -173,6 +173,9 @@ COMMON: dict[str, Key] = {
     "dp-delta": Key(1e-5, "float in (0, 0.1]", "δ of every client's (ε, δ) guarantee"),
     "dp-max-epsilon": Key(0.0, "float in [0, 1000000]",
         "a client stops releasing before its ε would pass this (its replies become errors); 0 = no cap"),
+    "leak-audit": Key(False, "bool",
+        "simulations: each client also reports what the server could learn from its release, against the "
+        "truth (`leak-*` metrics, docs/privacy.md); the figures themselves reveal the client's data"),
 }
 
 # Keys that may differ between an interrupted run and its resumption: where things are and how fast,

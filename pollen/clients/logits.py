@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 from flwr.common import Context, NDArrays, Scalar
 
 from pollen.clients.base import PollenClient
@@ -15,6 +16,7 @@ from pollen.datasets.public import PUBLIC_FOLDER
 from pollen.datasets.tasks import ClientData, TaskOptions, build_client_data
 from pollen.methods.logits import FCCL, LogitOptions, LogitRound, Recipe, resolve_settings, solo_cache_file
 from pollen.methods.settings import from_values
+from pollen.privacy.leakage import logit_audit
 from pollen.protocol.logits import PUBLIC_DIGEST
 
 
@@ -79,6 +81,9 @@ class LogitClient(PollenClient):
         reply, num, metrics = self.core.fit(list(parameters), server_round, self.contributed(config))
         if reply:  # the server refuses logits on a public set other than the federation's
             metrics[PUBLIC_DIGEST] = self.public.digest
+        if reply and self.cfg.leak_audit:  # the released logits (reply[0]) against the true label counts
+            metrics.update(logit_audit(reply[0], np.bincount(self.data.y_train.numpy(),
+                                                             minlength=self.task.num_classes)))
         return reply, num, {**self.base_metrics(), **metrics}
 
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:

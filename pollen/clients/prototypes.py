@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 from flwr.common import Context, NDArrays, Scalar
 
 from pollen.clients.base import PollenClient
@@ -22,6 +23,8 @@ from pollen.methods.prototypes import (
 )
 from pollen.methods.settings import from_values
 from pollen.methods.training import derive_seed
+from pollen.privacy.leakage import prototype_audit
+from pollen.protocol.prototypes import held_at
 
 
 class PrototypeClient(PollenClient):
@@ -57,7 +60,16 @@ class PrototypeClient(PollenClient):
         server_round = int(config.get("server-round", 0))
         seed = derive_seed(self.cfg.seed, self.partition_id, server_round, 0)
         reply, num, metrics = self.core.fit(list(parameters), server_round, seed, bool(config.get("monitor", True)))
+        if self.cfg.leak_audit:
+            metrics.update(self.leak_audit(reply))
         return reply, num, {**self.base_metrics(), **metrics}
+
+    def leak_audit(self, reply: NDArrays) -> dict[str, float]:
+        """What the server reads off the released counts (``reply[1]``; under DP ``reply[2]`` is their
+        noise std), against this client's true label counts."""
+        count_std = float(reply[2][0]) if len(reply) == 3 else 0.0
+        truth = np.bincount(self.data.y_train.numpy(), minlength=self.task.num_classes)
+        return prototype_audit(truth, reply[1], held_at(count_std))
 
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
         loss, num, metrics = self.core.evaluate(list(parameters))

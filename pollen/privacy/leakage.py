@@ -2,12 +2,16 @@
 
 Each measure comes with its *random-guess floor*: the score of a server that ignores the release and
 guesses (the uniform histogram; every class present). A release leaks what a measure gains over its
-floor; with ``dp-mode = payload`` the gain should shrink as σ grows.
+floor; with ``dp-mode = payload`` the gain should shrink as σ grows. The ``*_audit`` functions name
+the measures as the ``leak-*`` train metrics of ``leak-audit = true``.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 
 def _histogram(counts: np.ndarray, name: str) -> np.ndarray:
@@ -61,3 +65,60 @@ def softmax_histogram_leak(public_logits: np.ndarray, true_counts: np.ndarray) -
     e = np.exp(z - z.max(axis=1, keepdims=True))
     mean_softmax = (e / e.sum(axis=1, keepdims=True)).mean(axis=0)
     return histogram_leak(true_counts, mean_softmax)
+
+
+def prototype_audit(true_counts: np.ndarray, released_counts: np.ndarray, held_at: float) -> dict[str, float]:
+    """The ``leak-*`` metrics of a prototype release: the histogram and the held classes (count >=
+    ``held_at``, the server's rule) read off its counts, each with its floor."""
+    tv, tv_floor = histogram_leak(true_counts, released_counts)
+    f1, f1_floor = presence_leak(true_counts, released_counts, held_at)
+    return {"leak-hist-tv": tv, "leak-hist-tv-floor": tv_floor,
+            "leak-presence-f1": f1, "leak-presence-f1-floor": f1_floor}
+
+
+def logit_audit(public_logits: np.ndarray, true_counts: np.ndarray) -> dict[str, float]:
+    """The ``leak-*`` metrics of a public-logit release: the histogram read off its mean softmax, and its floor."""
+    tv, floor = softmax_histogram_leak(public_logits, true_counts)
+    return {"leak-softmax-tv": tv, "leak-softmax-tv-floor": floor}
+
+
+# --- image reconstructions (GLFC's proxy inverts gradients into images) ------------------------------
+
+SSIM_WINDOW, SSIM_SIGMA, SSIM_K1, SSIM_K2 = 11, 1.5, 0.01, 0.03  # the usual SSIM constants, peak 1
+
+
+def _images(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape or x.ndim < 2 or not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ValueError(f"images must be finite, of one shape, H×W or C×H×W: got {x.shape} and {y.shape}")
+    return x, y
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak signal-to-noise ratio in dB of two images in [0, 1]: 10·log10(1 / MSE); inf when equal."""
+    x, y = _images(a, b)
+    mse = float(np.mean((x - y) ** 2))
+    return math.inf if mse == 0 else 10.0 * math.log10(1.0 / mse)
+
+
+def _gaussian_filter(x: np.ndarray) -> np.ndarray:
+    """Weighted mean over every full 11×11 window of the last two axes (a 'valid' Gaussian filter)."""
+    t = np.arange(SSIM_WINDOW) - (SSIM_WINDOW - 1) / 2
+    g = np.exp(-t ** 2 / (2 * SSIM_SIGMA ** 2))
+    g /= g.sum()
+    rows = sliding_window_view(x, SSIM_WINDOW, axis=-2) @ g  # (..., H-10, W)
+    return sliding_window_view(rows, SSIM_WINDOW, axis=-1) @ g  # (..., H-10, W-10)
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean structural similarity of two images in [0, 1] (H×W, or C×H×W: the mean over the channels'
+    maps): Gaussian window 11, σ 1.5, K1 0.01, K2 0.03, over the windows that fit inside the image."""
+    x, y = _images(a, b)
+    if min(x.shape[-2:]) < SSIM_WINDOW:
+        raise ValueError(f"SSIM needs images of at least {SSIM_WINDOW}×{SSIM_WINDOW}, got {x.shape}")
+    c1, c2 = SSIM_K1 ** 2, SSIM_K2 ** 2
+    mx, my = _gaussian_filter(x), _gaussian_filter(y)
+    vx, vy = _gaussian_filter(x * x) - mx ** 2, _gaussian_filter(y * y) - my ** 2
+    cxy = _gaussian_filter(x * y) - mx * my
+    s = (2 * mx * my + c1) * (2 * cxy + c2) / ((mx ** 2 + my ** 2 + c1) * (vx + vy + c2))
+    return float(s.mean())

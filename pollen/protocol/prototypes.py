@@ -97,11 +97,17 @@ def encode_dp_prototype_reply(sums: np.ndarray, counts: np.ndarray, count_std: f
                           COUNT_NOISE_STD: np.array([count_std], dtype=np.float32)}, num_examples, metrics)
 
 
+def held_at(count_std: float) -> float:
+    """The count from which the server takes a class as held: ``max(1, DP_HELD_STDS × count_std)``
+    (1 for exact counts, ``count_std`` 0)."""
+    return max(1.0, DP_HELD_STDS * float(count_std))
+
+
 def divide_release(sums: np.ndarray, counts: np.ndarray, count_std: float) -> tuple[np.ndarray, np.ndarray]:
     """``(prototypes C×d float32, weights C float64)`` from a DP release: sum / count where the noisy
-    count is at least ``max(1, DP_HELD_STDS × count_std)``, weight = that count; elsewhere 0 and 0."""
+    count is at least :func:`held_at`, weight = that count; elsewhere 0 and 0."""
     counts = np.asarray(counts, dtype=np.float64)
-    held = counts >= max(1.0, DP_HELD_STDS * float(count_std))
+    held = counts >= held_at(count_std)
     protos = np.zeros(np.shape(sums), dtype=np.float64)
     protos[held] = np.asarray(sums, dtype=np.float64)[held] / counts[held, None]
     return protos.astype(np.float32), np.where(held, counts, 0.0)

@@ -8,6 +8,7 @@ from pollen.privacy.leakage import (
     presence_f1,
     presence_leak,
     psnr,
+    reconstruction_audit,
     softmax_histogram_leak,
     ssim,
     total_variation,
@@ -92,3 +93,17 @@ def test_ssim_equals_an_independent_gaussian_filter_implementation(shape):
     expected = np.mean([reference(x, y) for x, y in zip(channels, [b] if b.ndim == 2 else list(b))])
     assert ssim(a, b) == pytest.approx(expected, rel=1e-9)
     assert 0.05 < ssim(a, b) < 0.95
+
+
+def test_reconstruction_audit_against_hand_values():
+    rng = np.random.default_rng(3)
+    truth = rng.uniform(0.0, 0.8, size=(3, 1, 12, 12))
+    audit = reconstruction_audit(truth, truth + 0.1, np.array([4, 7, 1]), np.array([4, 7, 2]), num_classes=10)
+    assert audit["leak-psnr"] == pytest.approx(20.0) and audit["leak-label-acc"] == pytest.approx(2 / 3)
+    assert audit["leak-label-acc-floor"] == 0.1
+    floor = np.mean([10 * np.log10(1 / np.mean((t - 0.5) ** 2)) for t in truth])  # the mid-grey guess
+    assert audit["leak-psnr-floor"] == pytest.approx(floor)
+    assert audit["leak-ssim"] == pytest.approx(np.mean([ssim(t, t + 0.1) for t in truth]))
+    assert audit["leak-ssim-floor"] < 0.05 < audit["leak-ssim"] < 1
+    with pytest.raises(ValueError, match="B labels"):
+        reconstruction_audit(truth, truth, np.array([1, 2]), np.array([1, 2, 3]), 10)

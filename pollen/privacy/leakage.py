@@ -122,3 +122,21 @@ def ssim(a: np.ndarray, b: np.ndarray) -> float:
     cxy = _gaussian_filter(x * y) - mx * my
     s = (2 * mx * my + c1) * (2 * cxy + c2) / ((mx ** 2 + my ** 2 + c1) * (vx + vy + c2))
     return float(s.mean())
+
+
+def reconstruction_audit(true_images: np.ndarray, reconstructions: np.ndarray, true_labels: np.ndarray,
+                         inferred_labels: np.ndarray, num_classes: int) -> dict[str, float]:
+    """The ``leak-*`` metrics of gradient inversion (GLFC's proxy), images B×H×W or B×C×H×W in [0, 1]:
+    mean PSNR and SSIM of each reconstruction against its true image, and the share of labels inferred
+    right. Floors: the mid-grey image (0.5 everywhere, a guess that ignores the gradient) and 1/C."""
+    x, r = _images(true_images, reconstructions)
+    if x.ndim < 3 or len(x) != len(np.asarray(true_labels)) or len(x) != len(np.asarray(inferred_labels)):
+        raise ValueError(f"need B images and B labels of each kind, got {x.shape}, {np.shape(true_labels)}, "
+                         f"{np.shape(inferred_labels)}")
+    grey = np.full_like(x[0], 0.5)
+    return {"leak-psnr": float(np.mean([psnr(a, b) for a, b in zip(x, r)])),
+            "leak-psnr-floor": float(np.mean([psnr(a, grey) for a in x])),
+            "leak-ssim": float(np.mean([ssim(a, b) for a, b in zip(x, r)])),
+            "leak-ssim-floor": float(np.mean([ssim(a, grey) for a in x])),
+            "leak-label-acc": float(np.mean(np.asarray(true_labels) == np.asarray(inferred_labels))),
+            "leak-label-acc-floor": 1.0 / num_classes}

@@ -2,7 +2,7 @@
 as a fraction of the round's wall time.
 
 Two settings, each run for real through Pollen's ServerApp and ClientApp (served in this process by the
-in-process grid of ``tests/inprocess.py``, so timings exclude Ray start-up but include all client work):
+in-process grid of ``pollen.testing``, so timings exclude Ray start-up but include all client work):
 
 * FedProto MNIST (cnn_mnist, n = 3, K = 100, 20 clients, batch 4, lr 0.01): the benchmark's setting;
 * FedAvg with ResNet-18 (width 1.0) on MNIST, 3 clients, 300 training images each.
@@ -39,7 +39,7 @@ def measure(name: str, rounds: int, data_root: str) -> dict:
     import pollen.app.checkpoints as ckpt
     import pollen.app.client_app as client_app_module
     import pollen.app.server_app as server_app_module
-    from tests.inprocess import InProcessGrid, clientapp_node
+    from pollen.testing import InProcessGrid, clientapp_node
 
     torch.set_num_threads(1)
     config, clients = SETTINGS[name]

@@ -25,13 +25,13 @@ import os
 import platform
 import random
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.kit import RESULTS, preset, pyplot, read_metrics, save_figure, write_json
+from pollen.testing import run_inprocess
 
 PRESET = "glfc-mnist-fmnist"
 METHODS = ("glfc", "fedavg-icarl", "finetune", "glfc-wo-gc", "glfc-wo-rd", "glfc-wo-proxy")
@@ -61,87 +61,6 @@ def method_config(method: str, args) -> dict:
             "method": method, "data-root": args.data_root, "seed": args.seed,
             "num-server-rounds": args.tasks * args.rounds_per_task, "glfc-classes-per-task": 20 // args.tasks,
             "glfc-oracle-boundary": args.oracle, "glfc-tau": args.tau}
-
-
-class _StopAfter(Exception):
-    pass
-
-
-def run_inprocess(run_config: dict, offline=None, stop_after: int | None = None, overrides=None) -> list[dict]:
-    """Drive the method's Message-API strategy through ``strategy.start`` in this process, each node a real
-    ClientApp (Pollen's ``train``/``evaluate`` handlers, ``answer_query``) with its own ``Context``, over an
-    in-process grid: the same messages ``flwr run`` carries, without Ray.
-
-    ``offline(server_round, partition_id)`` -> True makes that node miss that round's training message (no
-    reply, as a node that is not connected); ``overrides(server_round, partition_id)`` -> a dict of run-config
-    keys makes that node train that round with them (a node configured differently, e.g. more local
-    epochs); ``stop_after`` ends the run after that round."""
-    from flwr.app import Context, Error, Message, MessageType, RecordDict
-    from flwr.supercore.task_identity import TaskIdentity
-
-    from pollen.app.client_app import app as client_app
-    from pollen.app.client_app import query as answer_query
-    from pollen.app.config import parse_run_config
-    from pollen.app.registry import METHODS
-
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # Messages need a run identity
-    cfg = parse_run_config(run_config)
-    spec = METHODS[cfg.method]
-    strategy = spec.make_strategy(cfg)
-    num_nodes = strategy.schedule.num_clients
-    tmp = tempfile.TemporaryDirectory(prefix="glfc-bench-nodes-")  # the nodes' on-disk state, removed at the end
-    state_root = Path(tmp.name)
-    contexts = {1000 + pid: Context(run_id=1, node_id=1000 + pid, node_config={
-        "partition-id": pid, "num-partitions": num_nodes, "state-dir": str(state_root / f"partition-{pid}")},
-        state=RecordDict(), run_config=dict(run_config)) for pid in range(num_nodes)}
-
-    class InProcessGrid:
-        def get_node_ids(self):
-            return list(contexts)
-
-        def send_and_receive(self, messages, *, timeout=None):
-            replies = []
-            for msg in messages:
-                ctx = contexts[msg.metadata.dst_node_id]
-                if (offline is not None and msg.metadata.message_type == MessageType.TRAIN
-                        and offline(int(msg.content["config"]["server-round"]), msg.metadata.dst_node_id - 1000)):
-                    continue
-                extra = (overrides(int(msg.content["config"]["server-round"]), msg.metadata.dst_node_id - 1000)
-                         if overrides is not None and msg.metadata.message_type == MessageType.TRAIN else None)
-                if extra:
-                    ctx.run_config = {**run_config, **extra}
-                try:
-                    replies.append(answer_query(msg, ctx) if msg.metadata.message_type == MessageType.QUERY
-                                   else client_app(msg, ctx))
-                except Exception as err:  # as Flower does: an error reply, not a crash
-                    replies.append(Message(Error(2, f"{type(err).__name__}: {err}"), reply_to=msg))
-                finally:
-                    ctx.run_config = dict(run_config)
-            return replies
-
-    rounds = []
-    clock = {"t": time.perf_counter()}
-
-    def end_of_round(rnd: int, arrays):
-        ev = strategy.evaluate_global(rnd, arrays)
-        if rnd > 0:
-            rep = strategy.take_round_report(rnd)
-            rounds.append({"round": rnd, "fit": dict(rep.fit), "server-evaluate": dict(ev),
-                           "rejected": rep.rejected, "failures": len(rep.failures),
-                           "wall-time-s": time.perf_counter() - clock["t"]})
-            print(f"  round {rnd}: acc {ev['accuracy']:.4f} ({time.perf_counter() - clock['t']:.1f}s)", flush=True)
-            if stop_after is not None and rnd >= stop_after:
-                raise _StopAfter
-        clock["t"] = time.perf_counter()
-        return ev
-
-    with tmp:
-        try:
-            strategy.start(grid=InProcessGrid(), initial_arrays=spec.initial_arrays(cfg),
-                           num_rounds=cfg.num_server_rounds, evaluate_fn=end_of_round)
-        except _StopAfter:
-            pass
-    return rounds
 
 
 def run_flwr(run_config: dict, num_nodes: int) -> list[dict]:

@@ -57,7 +57,7 @@ from pollen.protocol.prototypes import decode_global_prototypes, encode_prototyp
 from pollen.protocol.records import reply_content
 from pollen.protocol.weights import decode_weights_reply, encode_weights_reply
 from pollen.strategies import LocalOnly, LogitAveraging, NoTrainingError, PrototypeStrategy, WeightAveraging
-from tests.inprocess import InProcessGrid
+from pollen.testing import InProcessGrid
 
 EXAMPLES = 200
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, print_blob=True,

@@ -1,7 +1,7 @@
 """What is kept: atomic checkpoints, refusal of corrupt ones, node state on disk, resume, final models.
 
 Runs use Pollen's real ServerApp ``main`` and real ClientApp, served in this process by the in-process
-grid (``tests/inprocess.py``); the same files are written under ``flwr run`` (see the e2e tests).
+grid (``pollen.testing``); the same files are written under ``flwr run`` (see the e2e tests).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pollen.app.checkpoints import (
 )
 from pollen.app.client_app import app as client_app
 from pollen.app.server_app import main as server_main
-from tests.inprocess import InProcessGrid, clientapp_node
+from pollen.testing import InProcessGrid, clientapp_node
 
 CONFIG = {"method": "fedavg"}
 

@@ -30,7 +30,7 @@ from pollen.protocol.logits import encode_logit_reply
 from pollen.protocol.prototypes import encode_prototype_reply
 from pollen.protocol.weights import encode_weights_reply
 from pollen.strategies import LogitAveraging, PrototypeStrategy, WeightAveraging
-from tests.inprocess import InProcessGrid, clientapp_node
+from pollen.testing import InProcessGrid, clientapp_node
 
 PARTITIONS = 6
 # Two runs' node ids: unrelated to the partitions, in opposite orders (sorted ids = partitions reversed in B).

@@ -2,7 +2,7 @@
 Flower's FedAvg/FedProx.
 
 Every round runs through ``Strategy.start`` on an in-process grid of real ``Message`` replies
-(``tests/inprocess.py``); Flower's own ``FedAvg`` runs on the same grid where the two are compared.
+(``pollen.testing``); Flower's own ``FedAvg`` runs on the same grid where the two are compared.
 Each test asserts what a user sees: the aggregated model, the round's metrics, the WARNING or INFO
 line, the exception message. The differences themselves are listed in docs/strategies.md.
 """
@@ -24,7 +24,7 @@ from pollen.protocol.prototypes import decode_global_prototypes, encode_global_p
 from pollen.protocol.weights import encode_weights_reply
 from pollen.strategies import LogitAveraging, PrototypeStrategy, WeightAveraging
 from tests.conftest import PROJECT_ROOT
-from tests.inprocess import InProcessGrid, clientapp_node
+from pollen.testing import InProcessGrid, clientapp_node
 from tests.test_message_strategies import STATE, _record
 
 DOC = PROJECT_ROOT / "docs" / "strategies.md"

@@ -119,7 +119,7 @@ def test_homogeneous_mode_sends_and_loads_averaged_weights(data_root):
     """``solo`` + ``fccl-average-weights`` is FedAvg: with 0 local epochs, net == the average received."""
     from pollen.app.client_app import app
     from pollen.strategies import LogitAveraging
-    from tests.inprocess import InProcessGrid, clientapp_node
+    from pollen.testing import InProcessGrid, clientapp_node
 
     rc = {**TINY, "method": "solo", "data-root": data_root, "model": "resnet10", "fccl-average-weights": True,
           "fccl-local-epochs": "0"}

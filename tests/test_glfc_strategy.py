@@ -25,7 +25,7 @@ from pollen.protocol.records import ARRAYS, CONFIG, METRICS, array_record, metri
 from pollen.strategies.base import NoTrainingError
 from pollen.strategies.glfc import IncrementalFedAvg, aia, average_forgetting
 from tests.conftest import make_context
-from tests.inprocess import InProcessGrid, clientapp_node
+from pollen.testing import InProcessGrid, clientapp_node
 
 torch.set_num_threads(1)
 HEAD_W, HEAD_B = "head.weight", "head.bias"

@@ -2,7 +2,7 @@
 bounds before anything is aggregated (or reaches GLFC's proxy), absurd metrics dropped, a partition
 never taken by a claim, and failures named by the node the message was sent to.
 
-Every round runs through a real Flower ``Message`` exchange in process (``tests/inprocess.py``).
+Every round runs through a real Flower ``Message`` exchange in process (``pollen.testing``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pollen.protocol.logits import encode_logit_reply
 from pollen.protocol.records import ARRAYS
 from pollen.protocol.screening import PayloadBounds, check_gradient_norm, check_metrics, check_update_norm
 from pollen.strategies import LogitAveraging, PrototypeStrategy, WeightAveraging
-from tests.inprocess import InProcessGrid, set_task_identity
+from pollen.testing import InProcessGrid, set_task_identity
 from tests.test_glfc_strategy import _configure, _grad_set, _reply, _strategy, identity_grid, node_id
 from tests.test_message_strategies import DIGEST, STATE, _logit_node, _proto_node, _record, _weights_node
 

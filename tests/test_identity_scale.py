@@ -24,7 +24,7 @@ from pollen.protocol.identity import PARTITION_ID, encode_identity_reply
 from pollen.protocol.weights import encode_weights_reply
 from pollen.strategies import WeightAveraging
 from pollen.strategies.base import engine_partitions
-from tests.inprocess import InProcessGrid, set_task_identity
+from pollen.testing import InProcessGrid, set_task_identity
 
 STATE = {"w": np.zeros((2, 3), np.float32)}
 

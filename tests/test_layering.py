@@ -14,16 +14,17 @@ from tests.conftest import PROJECT_ROOT
 PACKAGE = PROJECT_ROOT / "pollen"
 
 # package -> the Pollen packages it must never import (at any depth, lazily or not)
-# (``launch`` is the `pollen` command, the top of the house: nothing in a layer imports it.)
+# (``launch`` is the `pollen` command and ``testing`` the in-process runner: the top of the house, nothing in
+# a layer imports them.)
 FORBIDDEN = {
-    "app": ("launch",),
-    "protocol": ("launch", "app", "clients", "methods", "strategies", "datasets", "models", "privacy"),
-    "privacy": ("launch", "app", "clients", "methods", "strategies", "datasets", "models"),
-    "strategies": ("launch", "app", "clients", "methods"),
-    "methods": ("launch", "app", "clients", "strategies"),
-    "clients": ("launch", "app", "strategies"),
-    "datasets": ("launch", "app", "clients", "methods", "strategies", "privacy"),
-    "models": ("launch", "app", "clients", "methods", "strategies", "datasets", "privacy"),
+    "app": ("launch", "testing"),
+    "protocol": ("launch", "testing", "app", "clients", "methods", "strategies", "datasets", "models", "privacy"),
+    "privacy": ("launch", "testing", "app", "clients", "methods", "strategies", "datasets", "models"),
+    "strategies": ("launch", "testing", "app", "clients", "methods"),
+    "methods": ("launch", "testing", "app", "clients", "strategies"),
+    "clients": ("launch", "testing", "app", "strategies"),
+    "datasets": ("launch", "testing", "app", "clients", "methods", "strategies", "privacy"),
+    "models": ("launch", "testing", "app", "clients", "methods", "strategies", "datasets", "privacy"),
 }
 # The old spelling `python -m pollen.app.launch`, kept one release: it imports the launcher only when run
 # as a program, never when the app is imported.

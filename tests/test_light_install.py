@@ -58,12 +58,11 @@ def test_the_strategy_packages_import_without_the_train_libraries():
 
 
 RUN_EXTERNAL = textwrap.dedent("""
-    import importlib.util, json, sys, tomllib
+    import json, sys, tomllib
     from pathlib import Path
-    project, inprocess, report = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    project, report = Path(sys.argv[1]), Path(sys.argv[2])
     sys.path.insert(0, str(project))
-    spec = importlib.util.spec_from_file_location("inprocess", inprocess)
-    grid_mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(grid_mod)
+    import pollen.testing as grid_mod  # the in-process grid ships with the light install
     from flwr.app import Context, RecordDict
     from extproj_weights.client_app import app as client_app
     from extproj_weights.server_app import main
@@ -94,7 +93,7 @@ def test_the_wheel_without_extras_runs_an_external_project_in_a_fresh_venv(tmp_p
     assert not names & {"torch", "torchvision", "ray"}, sorted(names)
     report = tmp_path / "report.json"
     run = subprocess.run([str(python), "-c", RUN_EXTERNAL, str(PROJECT_ROOT / "tests" / "external" / "weights_project"),
-                          str(PROJECT_ROOT / "tests" / "inprocess.py"), str(report)],
+                          str(report)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])

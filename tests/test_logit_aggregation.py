@@ -9,7 +9,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from pollen.methods.logit_losses import leave_one_out_target
 from pollen.protocol.logits import decode_consensus, encode_logit_reply
 from pollen.strategies import LogitAveraging, mean_logits
-from tests.inprocess import InProcessGrid
+from pollen.testing import InProcessGrid
 
 A = np.array([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]], np.float32)
 B = np.array([[3.0, 0.0], [1.0, 4.0], [6.0, -3.0]], np.float32)

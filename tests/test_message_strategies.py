@@ -1,7 +1,7 @@
 """Message-API strategies against the math and against hostile clients.
 
 Each strategy runs through Flower's own ``Strategy.start`` loop on an in-process grid whose nodes are
-plain functions answering with real ``Message`` objects (``tests/inprocess.py``); bad replies must be
+plain functions answering with real ``Message`` objects (``pollen.testing``); bad replies must be
 rejected with a reason naming the key, logged as WARNINGs, and never stop the round.
 """
 
@@ -30,7 +30,7 @@ from pollen.strategies import (
     mean_logits,
     prototype_margin,
 )
-from tests.inprocess import InProcessGrid
+from pollen.testing import InProcessGrid
 
 STATE = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32),
          "steps": np.array(4, dtype=np.int64)}

@@ -31,7 +31,7 @@ from pollen.methods.settings import declared_keys, from_values, setting
 from pollen.methods.terms import CrossEntropy, LossTerm, Proximal, objective
 from pollen.methods.training import LocalTraining
 from pollen.models import build_model
-from tests.inprocess import InProcessGrid, clientapp_node
+from pollen.testing import InProcessGrid, clientapp_node
 
 torch.set_num_threads(1)
 

@@ -27,7 +27,7 @@ from pollen.app.client_app import app as client_app
 from pollen.app.server_app import main as server_main
 from pollen.launch.predict import input_format, main
 from tests.conftest import PROJECT_ROOT, real_data_root, require_real_data
-from tests.inprocess import InProcessGrid, clientapp_node
+from pollen.testing import InProcessGrid, clientapp_node
 
 PARTITIONS = 3
 ACC = re.compile(r"accuracy: ([0-9.]+) \((\d+)/(\d+)\)")

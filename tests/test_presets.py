@@ -4,7 +4,7 @@ Every preset must be a valid run config for Pollen's app (known keys, values the
 the SuperNodes it needs in its ``# pollen: num-supernodes = N`` line (what the task demands, when it
 demands a number) and say what it needs or what to expect. Presets that need only the offline data
 (MNIST, Fashion-MNIST) run to completion here at a tiny size: Pollen's real ServerApp and ClientApps,
-served in this process (``tests/inprocess.py``), with the preset's keys plus the size overrides below.
+served in this process (``pollen.testing``), with the preset's keys plus the size overrides below.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pollen.app.registry import METHODS
 from pollen.app.server_app import main as server_main
 from pollen.launch.launcher import app_run_config
 from tests.conftest import PROJECT_ROOT, require_real_data
-from tests.inprocess import InProcessGrid, clientapp_node
+from pollen.testing import InProcessGrid, clientapp_node
 
 PRESETS = sorted((PROJECT_ROOT / "conf").glob("*.toml"))
 NODES_LINE = re.compile(r"^# pollen: num-supernodes = (\d+)$", re.M)

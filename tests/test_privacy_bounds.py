@@ -19,7 +19,7 @@ from pollen.protocol.prototypes import divide_release, encode_dp_prototype_reply
 from pollen.protocol.screening import PayloadBounds
 from pollen.protocol.weights import encode_weights_reply
 from pollen.strategies import LogitAveraging, PrototypeStrategy, WeightAveraging
-from tests.inprocess import InProcessGrid, set_task_identity
+from pollen.testing import InProcessGrid, set_task_identity
 from tests.test_message_strategies import DIGEST, _record
 
 SEEDS = 200
@@ -337,7 +337,7 @@ def test_a_payload_fedavg_run_accepts_every_honest_client(tmp_path):
 
     from pollen.app.client_app import app as client_app
     from pollen.app.server_app import main as server_main
-    from tests.inprocess import clientapp_node
+    from pollen.testing import clientapp_node
 
     rc = {"method": "fedavg", **UCI, "dp-mode": "payload", "avg-weighting": "uniform", "dp-clip": 1.0,
           "dp-noise-multiplier": 3.0, "num-server-rounds": 1, "max-update-norm": 0.01,
@@ -387,7 +387,7 @@ def test_a_payload_fedmd_run_accepts_every_honest_client(data_root, tmp_path):
 
     from pollen.app.client_app import app as client_app
     from pollen.app.server_app import main as server_main
-    from tests.inprocess import clientapp_node
+    from pollen.testing import clientapp_node
     from tests.test_privacy_clients import TINY_FCCL
 
     rc = {**TINY_FCCL, "method": "fedmd", "data-root": data_root, "dp-mode": "payload", "dp-noise-multiplier": 1.5,

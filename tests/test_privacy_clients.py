@@ -27,7 +27,7 @@ from pollen.clients.state import ClientState
 from pollen.privacy import calibrate_noise_multiplier
 from pollen.protocol import prototypes as proto_protocol
 from pollen.strategies.base import NoTrainingError
-from tests.inprocess import InProcessGrid, clientapp_node, set_task_identity
+from pollen.testing import InProcessGrid, clientapp_node, set_task_identity
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from pollen.protocol.prototypes import decode_global_prototypes, encode_prototype_reply
 from pollen.strategies import PrototypeStrategy
-from tests.inprocess import InProcessGrid
+from pollen.testing import InProcessGrid
 
 C, D = 4, 3
 

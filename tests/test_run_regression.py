@@ -4,7 +4,7 @@ One method of each family — ``fedavg`` (weights, ``uci-dirichlet``), ``fedprot
 ``mnist-shot``) and ``fccl`` (logits, ``digits-offline``) — runs end to end in this process: the
 ServerApp (``pollen.app.server_app.app``: ``METHODS[method].make_strategy`` / ``initial_arrays``, the
 run recorder) drives the strategy through an in-process grid whose nodes are Pollen's real ClientApp
-with a real ``Context`` each (``tests/inprocess.py``). Each run is a few seconds: 2 rounds, a handful
+with a real ``Context`` each (``pollen.testing``). Each run is a few seconds: 2 rounds, a handful
 of clients and samples, CPU, one torch thread.
 
 Two checks per family:
@@ -45,7 +45,7 @@ from typing import Any
 import pytest
 from flwr.app import Context, RecordDict
 
-from tests.inprocess import InProcessGrid, clientapp_node
+from pollen.testing import InProcessGrid, clientapp_node
 
 EXPECTED_DIR = Path(__file__).resolve().parent / "expected"
 UPDATE_ENV = "POLLEN_UPDATE_EXPECTED"

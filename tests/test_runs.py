@@ -23,7 +23,7 @@ from pollen.app.server_app import main as server_main
 from pollen.launch import launcher as launch
 from pollen.launch import runs
 from pollen.launch.launcher import EXIT_USAGE
-from tests.inprocess import InProcessGrid, clientapp_node
+from pollen.testing import InProcessGrid, clientapp_node
 
 
 def _refuse_starts(monkeypatch) -> None:

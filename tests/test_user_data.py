@@ -22,7 +22,7 @@ from pollen.datasets.tasks import TaskError, build_client_data, resolve_task
 from pollen.datasets.user_data import UserDataError, holdout, parse_classes, read_image_folder
 from pollen.launch.predict import main as predict_main
 from tests.conftest import require_real_data
-from tests.inprocess import InProcessGrid, clientapp_node
+from pollen.testing import InProcessGrid, clientapp_node
 
 DIGITS = {"zero": 0, "one": 1, "two": 2}
 

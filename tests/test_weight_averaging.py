@@ -9,7 +9,7 @@ from pollen.protocol.weights import encode_weights_reply
 from pollen.strategies import WeightAveraging
 from pollen.strategies.aggregation import average_arrays
 from pollen.strategies.metrics import mean_std_metrics
-from tests.inprocess import InProcessGrid
+from pollen.testing import InProcessGrid
 
 INIT = {"w": np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32),
         "steps": np.array(7, dtype=np.int64)}

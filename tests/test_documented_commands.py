@@ -62,12 +62,19 @@ class Command:
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced block: its commands run in order in one shell, as a reader would paste them."""
+    """One fenced block: its commands run in order in one shell, as a reader would paste them.
+
+    A block whose first comment says ``(as written)`` runs without the smoke rewriting (only ``runs/``
+    moves to a scratch folder), and the paragraph after it that starts with ``It prints`` quotes, in
+    backticks, lines the block's output must contain: numbers the page promises.
+    """
 
     page: str
     line: int
     commands: tuple[Command, ...]
     needs: str | None
+    as_written: bool = False
+    prints: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -77,16 +84,20 @@ class Block:
 def documented_blocks(pages=PAGES) -> list[Block]:
     out: list[Block] = []
     for page in pages:
-        rel = str(page.relative_to(PROJECT_ROOT))
+        rel = str(page.relative_to(PROJECT_ROOT)) if page.is_relative_to(PROJECT_ROOT) else page.name
         lang, block_needs, pending, start, first, commands, opened = None, None, "", 0, False, [], 0
-        for number, line in enumerate(page.read_text().splitlines(), 1):
+        as_written = False
+        lines = page.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
             fence = FENCE.match(line.strip())
             if fence and lang is None:
                 lang, block_needs, first, commands, opened = fence[1] or "text", None, True, [], number
+                as_written = False
                 continue
             if fence and lang is not None:
                 if lang in ("bash", "sh") and commands:
-                    out.append(Block(rel, opened, tuple(commands), block_needs))
+                    out.append(Block(rel, opened, tuple(commands), block_needs, as_written,
+                                     quoted_output(lines[number:]) if as_written else ()))
                 lang = None
                 continue
             if lang not in ("bash", "sh"):
@@ -95,6 +106,8 @@ def documented_blocks(pages=PAGES) -> list[Block]:
             if stripped.startswith("#"):
                 if first and NEEDS.search(stripped):
                     block_needs = NEEDS.search(stripped)[1]
+                if first and "(as written)" in stripped:
+                    as_written = True
                 first = False
                 continue
             first = False
@@ -111,6 +124,12 @@ def documented_blocks(pages=PAGES) -> list[Block]:
             needs = NEEDS.search(comment)
             commands.append(Command(rel, start, code, needs[1] if needs else None))
     return out
+
+
+def quoted_output(after: list[str]) -> tuple[str, ...]:
+    """The backquoted fragments of the ``It prints`` paragraph right after a block (empty if none)."""
+    text = "\n".join(after).lstrip("\n").split("\n\n", 1)[0]
+    return tuple(re.findall(r"`([^`]+)`", text)) if text.startswith("It prints") else ()
 
 
 def split_comment(text: str) -> tuple[str, str]:
@@ -222,14 +241,15 @@ def skip_reason(cmd: Command) -> str | None:
 
 
 def block_script(block: Block, out_dir: Path) -> tuple[str, list[str]]:
-    """The block as one ``bash -e`` script of smoke commands, and the commands left out with why."""
+    """The block as one ``bash -e`` script of smoke commands (the commands themselves for an ``(as
+    written)`` block), and the commands left out with why."""
     lines, left_out = ["set -euo pipefail"], []
     for cmd in block.commands:
         reason = skip_reason(cmd)
         if reason:
             left_out.append(f"{cmd.id}: {reason}")
         else:
-            lines.append(smoke_command(cmd.text, out_dir))
+            lines.append(RUNS.sub(str(out_dir), cmd.text) if block.as_written else smoke_command(cmd.text, out_dir))
     return "\n".join(lines), left_out
 
 
@@ -247,6 +267,16 @@ def test_the_pages_print_commands_and_keep_the_skip_list_small():
         words = shlex.split(cmd.text)  # every command is valid shell words
         if is_launch(words) and "--run-config" in words:
             parse_run_config(words[words.index("--run-config") + 1])
+
+
+def test_a_block_run_as_written_keeps_its_commands_and_its_quoted_output(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```bash\n# a run (as written)\npollen run --out-dir runs --run-config \"num-server-rounds=2\"\n```\n\n"
+                    "It prints `round 2/2 | accuracy 0.5` and\n`accuracy: 0.25 (1/4)`.\n\nMore text `not this`.\n")
+    (block,) = documented_blocks([page])
+    assert block.as_written and block.prints == ("round 2/2 | accuracy 0.5", "accuracy: 0.25 (1/4)")
+    script, _ = block_script(block, tmp_path / "out")
+    assert script.splitlines()[1] == f'pollen run --out-dir {tmp_path / "out"} --run-config "num-server-rounds=2"'
 
 
 def test_smoke_rewriting_keeps_the_documented_keys_and_makes_the_run_tiny(tmp_path):
@@ -290,6 +320,8 @@ def test_documented_commands_run(block, tmp_path):
                           timeout=1700)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, f"{block.id} exited {proc.returncode}:\n{script}\n---\n{tail}"
+    missing = [line for line in block.prints if line not in proc.stdout]
+    assert not missing, f"{block.id} promises output it did not print: {missing}\n---\n{proc.stdout[-4000:]}"
 
 
 # --- links -----------------------------------------------------------------------------------------------

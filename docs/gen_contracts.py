@@ -7,11 +7,20 @@ while the page and the modules disagree.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import re
 from pathlib import Path
 
 PAGE = Path(__file__).with_name("strategies.md")
-FAMILIES = ("identity", "weights", "prototypes", "logits", "glfc")
+
+
+def families() -> list[str]:
+    """The ``pollen.protocol`` modules whose docstring holds a contract table: one per family (and node
+    identity), found rather than listed, so a new family's table needs no edit here."""
+    import pollen.protocol
+
+    names = [m.name for m in pkgutil.iter_modules(pollen.protocol.__path__)]
+    return [name for name in sorted(names) if contract_table(name)]
 
 
 def contract_table(family: str) -> str:
@@ -21,7 +30,7 @@ def contract_table(family: str) -> str:
 
 
 def render(text: str) -> str:
-    for family in FAMILIES:
+    for family in families():
         start, end = f"<!-- contract:{family} -->", f"<!-- /contract:{family} -->"
         if start in text:
             table = contract_table(family)

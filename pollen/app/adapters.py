@@ -1,4 +1,5 @@
-"""Records ↔ the arrays Pollen's method clients work with, one adapter per family.
+"""Records ↔ the arrays Pollen's method clients work with: the adapter type, its shared helpers, and the
+weights and local families' adapters (each other family keeps its adapter in its ``methods_*`` module).
 
 Pollen's method clients are ``NumPyClient`` subclasses (the local training unit: state, data, losses);
 they take and return plain lists of arrays. An adapter turns a message's named records into that list
@@ -15,21 +16,19 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from pollen.protocol import logits as logit_protocol
-from pollen.protocol import prototypes as proto_protocol
-from pollen.protocol.records import ARRAYS, CONFIG, METRICS, array_record, metric_record, reply_content
+from pollen.protocol.records import ARRAYS, CONFIG, METRICS, metric_record, reply_content
 
 
-def _config(content: RecordDict) -> dict[str, Any]:
+def config_of(content: RecordDict) -> dict[str, Any]:
     return dict(content.get(CONFIG) or {})
 
 
-def _arrays(content: RecordDict, key: str = ARRAYS) -> ArrayRecord:
+def arrays_of(content: RecordDict, key: str = ARRAYS) -> ArrayRecord:
     rec = content.get(key)
     return rec if isinstance(rec, ArrayRecord) else ArrayRecord()
 
 
-def _named(record: ArrayRecord, keys: tuple[str, ...]) -> list[np.ndarray]:
+def named_arrays(record: ArrayRecord, keys: tuple[str, ...]) -> list[np.ndarray]:
     """The arrays under ``keys`` in that order; ``[]`` for an empty record; a clear error otherwise."""
     if len(record) == 0:
         return []
@@ -53,7 +52,7 @@ class ClientAdapter:
 
 
 # -- weights: the state dict by name, in and out ----------------------------------------------------
-def _state_in_client_order(client, record: ArrayRecord) -> tuple[list[str], list[np.ndarray]]:
+def state_in_client_order(client, record: ArrayRecord) -> tuple[list[str], list[np.ndarray]]:
     """The received state as the client's positional list: matched by name, not by arrival order."""
     keys = client.state_keys()
     if sorted(keys) != sorted(record.keys()):
@@ -66,13 +65,13 @@ def _state_in_client_order(client, record: ArrayRecord) -> tuple[list[str], list
 
 
 def _weights_train(client, content: RecordDict) -> RecordDict:
-    keys, params = _state_in_client_order(client, _arrays(content))
-    arrays, n, metrics = client.fit(params, _config(content))
+    keys, params = state_in_client_order(client, arrays_of(content))
+    arrays, n, metrics = client.fit(params, config_of(content))
     return reply_content(dict(zip(keys, arrays)), n, metrics)
 
 
 def _weights_evaluate(client, content: RecordDict) -> RecordDict:
-    return evaluate_reply(client, _state_in_client_order(client, _arrays(content))[1], _config(content))
+    return evaluate_reply(client, state_in_client_order(client, arrays_of(content))[1], config_of(content))
 
 
 WEIGHTS = ClientAdapter(_weights_train, _weights_evaluate)
@@ -80,47 +79,8 @@ WEIGHTS = ClientAdapter(_weights_train, _weights_evaluate)
 
 # -- local: nothing travels but metrics --------------------------------------------------------------
 def _local_train(client, content: RecordDict) -> RecordDict:
-    _, n, metrics = client.fit([], _config(content))
+    _, n, metrics = client.fit([], config_of(content))
     return reply_content(ArrayRecord(), n, metrics)
 
 
-LOCAL = ClientAdapter(_local_train, lambda client, content: evaluate_reply(client, [], _config(content)))
-
-
-# -- prototypes ------------------------------------------------------------------------------------
-_GLOBAL_KEYS = (proto_protocol.PROTOTYPES, proto_protocol.PRESENT, proto_protocol.MARGIN)
-
-
-def _proto_train(client, content: RecordDict) -> RecordDict:
-    arrays, n, metrics = client.fit(_named(_arrays(content), _GLOBAL_KEYS), _config(content))
-    if len(arrays) == 3:  # dp-mode = payload: noisy sums, noisy counts, count noise std
-        sums, noisy_counts, count_std = arrays
-        return proto_protocol.encode_dp_prototype_reply(sums, noisy_counts, float(count_std[0]), metrics, n)
-    protos, counts = arrays
-    return proto_protocol.encode_prototype_reply(protos, counts, metrics, num_examples=n)
-
-
-def _proto_evaluate(client, content: RecordDict) -> RecordDict:
-    return evaluate_reply(client, _named(_arrays(content), _GLOBAL_KEYS), _config(content))
-
-
-PROTOTYPES = ClientAdapter(_proto_train, _proto_evaluate)
-
-
-# -- logits ----------------------------------------------------------------------------------------
-def _logit_train(client, content: RecordDict) -> RecordDict:
-    params = _named(_arrays(content), (logit_protocol.CONSENSUS, logit_protocol.CONTRIBUTORS))
-    model_in = content.get(logit_protocol.MODEL)
-    if isinstance(model_in, ArrayRecord) and len(model_in):
-        params += _state_in_client_order(client, model_in)[1]
-    arrays, n, metrics = client.fit(params, _config(content))
-    if not arrays:  # SOLO: nothing leaves the client
-        return reply_content(ArrayRecord(), n, metrics)
-    model_out = None
-    if len(arrays) > 1:  # homogeneous mode: the state dict by name
-        model_out = array_record(dict(zip(client.state_keys(), arrays[1:])))
-    return logit_protocol.encode_logit_reply(arrays[0], n, metrics, model=model_out)
-
-
-LOGITS = ClientAdapter(_logit_train, lambda client, content: evaluate_reply(client, [], _config(content)))
-
+LOCAL = ClientAdapter(_local_train, lambda client, content: evaluate_reply(client, [], config_of(content)))

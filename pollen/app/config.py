@@ -277,20 +277,18 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
 
 
 DP_KEYS = ("dp-mode", "dp-clip", "dp-noise-multiplier", "dp-target-epsilon", "dp-delta", "dp-max-epsilon")
-# The method families each private mode is wired into (docs/privacy.md); others are refused by name.
-DP_FAMILIES = {"payload": ("prototypes", "weights", "logits", "glfc"), "sample": ("prototypes", "weights")}
-# The method families whose clients measure their release under leak-audit (docs/privacy.md#measured-leakage).
-LEAK_AUDIT_FAMILIES = ("prototypes", "logits")
 
 
 def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
     """The rules between the DP keys, and whether the method supports the mode, before anything starts."""
     from pollen.app.registry import METHODS
 
-    family = METHODS[cfg.method].family
-    if cfg.leak_audit and family not in LEAK_AUDIT_FAMILIES:
+    spec = METHODS[cfg.method]
+    family = spec.family
+    if cfg.leak_audit and not spec.leak_audit:
+        measured = sorted({s.family for s in METHODS.values() if s.leak_audit})
         raise ConfigError(f"run config key 'leak-audit' = true has no measure for method {cfg.method!r} (family "
-                          f"{family!r}); it is for the families {', '.join(LEAK_AUDIT_FAMILIES)}")
+                          f"{family!r}); it is for the families {', '.join(measured)}")
     if cfg.dp_mode == "off":
         stray = sorted(k for k in DP_KEYS if merged[k] != DEFAULTS[k])
         if stray:
@@ -301,8 +299,8 @@ def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
         cfg.privacy  # noqa: B018 - its constructor checks the rules
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if family not in DP_FAMILIES[cfg.dp_mode]:
-        supported = sorted(m for m, spec in METHODS.items() if spec.family in DP_FAMILIES[cfg.dp_mode])
+    if cfg.dp_mode not in spec.dp_modes:
+        supported = sorted(m for m, other in METHODS.items() if cfg.dp_mode in other.dp_modes)
         raise ConfigError(f"run config key 'dp-mode' = {cfg.dp_mode!r} is not available for method {cfg.method!r} "
                           f"(family {family!r}); it is for: {', '.join(supported) or 'no method yet'}")
     if family == "weights" and cfg.avg_weighting != "uniform":

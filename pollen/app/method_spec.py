@@ -47,6 +47,10 @@ class MethodSpec:
     validate: Callable[[RunConfig], None] | None = None
     # The kinds of task the method runs on (pollen.datasets.tasks.TASK_KINDS), checked before anything starts.
     task_kinds: tuple[str, ...] = ("partitioned",)
+    # The dp-mode values its clients implement (docs/privacy.md); any other is refused before start.
+    dp_modes: tuple[str, ...] = ()
+    # Whether its clients measure what their release reveals under leak-audit (docs/privacy.md).
+    leak_audit: bool = False
 
     @property
     def defaults(self) -> dict[str, Any]:

@@ -193,4 +193,5 @@ for _name, _desc in DESCRIPTIONS.items():
     register_method(MethodSpec(name=_name, family="glfc", description=_desc, make_strategy=make_strategy,
                                make_client=make_client, adapter=GLFC_ADAPTER, initial_arrays=initial_arrays,
                                required_nodes=final_population,
-                               keys=GLFC_KEYS, validate=validate_glfc, task_kinds=("class-incremental",)))
+                               keys=GLFC_KEYS, validate=validate_glfc, task_kinds=("class-incremental",),
+                               dp_modes=("payload",)))

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pollen.app.adapters import LOGITS
+from flwr.app import ArrayRecord, RecordDict
+
+from pollen.app.adapters import (
+    ClientAdapter,
+    arrays_of,
+    config_of,
+    evaluate_reply,
+    named_arrays,
+    state_in_client_order,
+)
 from pollen.app.errors import ConfigError
 from pollen.app.method_spec import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key
@@ -31,16 +40,36 @@ from pollen.methods.logits import (
     resolve_settings,
 )
 from pollen.methods.settings import declared_keys, from_values
+from pollen.protocol import logits as logit_protocol
+from pollen.protocol.records import array_record, reply_content
 from pollen.strategies.base import PollenStrategy
 from pollen.strategies.logits import LogitAveraging
 from pollen.strategies.weights import LocalOnly
 
-# The logit family's run keys, from its typed options (0 / "" = the profile's value, see
-# pollen.methods.logits.QUICK / PAPER); pyproject.toml repeats the defaults.
 if TYPE_CHECKING:
     from pollen.app.config import RunConfig
 
+# The logit family's run keys, from its typed options (0 / "" = the profile's value, see
+# pollen.methods.logits.QUICK / PAPER); pyproject.toml repeats the defaults.
 LOGIT_KEYS: dict[str, Key] = {key: Key(*declared) for key, declared in declared_keys(LogitOptions).items()}
+
+
+# How a logit client's messages reach it: the consensus (and in homogeneous mode the model) in, logits out.
+def _logit_train(client, content: RecordDict) -> RecordDict:
+    params = named_arrays(arrays_of(content), (logit_protocol.CONSENSUS, logit_protocol.CONTRIBUTORS))
+    model_in = content.get(logit_protocol.MODEL)
+    if isinstance(model_in, ArrayRecord) and len(model_in):
+        params += state_in_client_order(client, model_in)[1]
+    arrays, n, metrics = client.fit(params, config_of(content))
+    if not arrays:  # SOLO: nothing leaves the client
+        return reply_content(ArrayRecord(), n, metrics)
+    model_out = None
+    if len(arrays) > 1:  # homogeneous mode: the state dict by name
+        model_out = array_record(dict(zip(client.state_keys(), arrays[1:])))
+    return logit_protocol.encode_logit_reply(arrays[0], n, metrics, model=model_out)
+
+
+LOGITS = ClientAdapter(_logit_train, lambda client, content: evaluate_reply(client, [], config_of(content)))
 
 
 def settings(cfg: RunConfig) -> LogitSettings:
@@ -100,4 +129,4 @@ for _name, _recipe, _descr in (
     register_method(MethodSpec(name=_name, family="logits", description=_descr, make_strategy=make_strategy,
                                make_client=logit_client(_recipe), adapter=LOGITS,
                                personal_model=LogitRound.NET, keys=LOGIT_KEYS, validate=validate,
-                               task_kinds=("domains",)))
+                               task_kinds=("domains",), dp_modes=("payload",), leak_audit=True))

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pollen.app.adapters import PROTOTYPES
+from flwr.app import RecordDict
+
+from pollen.app.adapters import ClientAdapter, arrays_of, config_of, evaluate_reply, named_arrays
 from pollen.app.errors import ConfigError
 from pollen.app.method_spec import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key
@@ -26,6 +28,7 @@ from pollen.methods.prototypes import (
 )
 from pollen.methods.settings import declared_keys, from_values
 from pollen.models import build_model
+from pollen.protocol import prototypes as proto_protocol
 from pollen.strategies.prototypes import PrototypeStrategy
 
 if TYPE_CHECKING:
@@ -33,6 +36,26 @@ if TYPE_CHECKING:
 
 # The prototype family's run keys, from its typed settings (pyproject.toml repeats the defaults).
 PROTO_KEYS: dict[str, Key] = {key: Key(*declared) for key, declared in declared_keys(ProtoSettings).items()}
+
+
+# How a prototype client's messages reach it: the global prototypes by name in, its release out.
+_GLOBAL_KEYS = (proto_protocol.PROTOTYPES, proto_protocol.PRESENT, proto_protocol.MARGIN)
+
+
+def _proto_train(client, content: RecordDict) -> RecordDict:
+    arrays, n, metrics = client.fit(named_arrays(arrays_of(content), _GLOBAL_KEYS), config_of(content))
+    if len(arrays) == 3:  # dp-mode = payload: noisy sums, noisy counts, count noise std
+        sums, noisy_counts, count_std = arrays
+        return proto_protocol.encode_dp_prototype_reply(sums, noisy_counts, float(count_std[0]), metrics, n)
+    protos, counts = arrays
+    return proto_protocol.encode_prototype_reply(protos, counts, metrics, num_examples=n)
+
+
+def _proto_evaluate(client, content: RecordDict) -> RecordDict:
+    return evaluate_reply(client, named_arrays(arrays_of(content), _GLOBAL_KEYS), config_of(content))
+
+
+PROTOTYPES = ClientAdapter(_proto_train, _proto_evaluate)
 
 
 PRETRAINED_MODELS = ("resnet18", "resnet34")
@@ -74,7 +97,8 @@ def register_prototype_method(method: PrototypeMethod, description: str) -> None
     register_method(MethodSpec(
         name=method.name, family="prototypes", description=description,
         make_strategy=make_prototype_strategy, make_client=prototype_client(method), adapter=PROTOTYPES,
-        personal_model=PrototypeRound.MODEL_KEY, keys=PROTO_KEYS, validate=validate_proto))
+        personal_model=PrototypeRound.MODEL_KEY, keys=PROTO_KEYS, validate=validate_proto,
+        dp_modes=("payload", "sample"), leak_audit=True))
 
 
 register_prototype_method(

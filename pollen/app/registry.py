@@ -8,7 +8,10 @@ fills the table: the weights family below, the other families from their ``metho
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,20 +75,19 @@ def _local_strategy(cfg: RunConfig) -> PollenStrategy:
 register_method(MethodSpec(
     name="fedavg", family="weights", description="FedAvg (McMahan et al. 2017): average full model state",
     make_strategy=_weight_strategy(proximal=False), make_client=WeightClient, adapter=WEIGHTS,
-    initial_arrays=initial_model_arrays))
+    initial_arrays=initial_model_arrays, dp_modes=("payload", "sample")))
 register_method(MethodSpec(
     name="fedprox", family="weights",
     description="FedProx (Li et al. 2020): FedAvg plus a proximal term mu/2·||w - w_global||² (key fedprox-mu)",
     make_strategy=_weight_strategy(proximal=True), make_client=WeightClient, adapter=WEIGHTS,
-    initial_arrays=initial_model_arrays))
+    initial_arrays=initial_model_arrays, dp_modes=("payload", "sample")))
 register_method(MethodSpec(
     name="local", family="local", description="Local-only training: no communication (lower bound)",
     make_strategy=_local_strategy, make_client=LocalClient, adapter=LOCAL,
     personal_model=LocalClient.STATE_KEY))
 
-# Method families register themselves on import (one line each, below).
-from pollen.app import (
-    methods_glfc,  # noqa: E402,F401
-    methods_logits,  # noqa: E402,F401
-    methods_prototypes,  # noqa: E402,F401
-)
+# Every other family registers itself on import: each ``pollen/app/methods_<family>.py`` module, found rather
+# than listed, so a new family is its own module and nothing here.
+for _family in sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])
+                      if m.name.startswith("methods_")):
+    importlib.import_module(f"pollen.app.{_family}")

@@ -32,6 +32,7 @@ from bench.kit import (
     RESULTS,
     fmt_paired,
     pop_sd,
+    preset,
     pyplot,
     read_json,
     read_metrics,
@@ -60,13 +61,17 @@ BD_RECONSTRUCTED = ("CPA's negative loss (hinge on the element-wise MSE distance
 
 
 def run_config(method: str, ways: int, rounds: int, args: argparse.Namespace, out_dir: Path) -> dict:
-    """FedProto's MNIST setting for one method and n; a variant's ``--extra-config`` keys on top."""
+    """FedProto's MNIST setting for one method and n, from its preset (``conf/<method>-mnist-n<n>.toml``;
+    the baselines share FedProto's, without the ``proto-`` keys): the study overrides only rounds, seed,
+    paths and the evaluation cadence; a variant's ``--extra-config`` keys go on top."""
     from pollen.launch.launcher import parse_run_config
 
-    return {"method": method, "task": "mnist-shot", "num-server-rounds": rounds, "seed": args.seed,
-            "data-root": str(args.data_root), "out-dir": str(out_dir), "shot-ways": ways, "shot-shots": 100,
-            "shot-stdev": 2, "shot-test-per-class": 40, "batch-size": 4, "lr": 0.01, "momentum": 0.5,
-            "local-epochs": 1, "proto-evaluate-every": args.evaluate_every, **parse_run_config(args.extra_config)}
+    base = preset(f"{method if method in PROTO_METHODS else 'fedproto'}-mnist-n{ways}")
+    if method not in PROTO_METHODS:
+        base = {k: v for k, v in base.items() if not k.startswith("proto-")}
+    return {**base, "method": method, "num-server-rounds": rounds, "seed": args.seed,
+            "data-root": str(args.data_root), "out-dir": str(out_dir), "proto-evaluate-every": args.evaluate_every,
+            **parse_run_config(args.extra_config)}
 
 
 def read_run(run_dir: Path) -> dict:

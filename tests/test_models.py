@@ -323,3 +323,21 @@ def test_a_name_is_registered_once():
         register_model("lenet", lambda *a, **k: None)
     with pytest.raises(ValueError, match="task 'uci-dirichlet' is already registered"):
         register_task(TASKS["uci-dirichlet"])
+
+
+def test_a_model_spec_rebuilds_its_model_from_its_json():
+    """What pollen predict relies on: the JSON saved beside a model describes it completely."""
+    import torch
+
+    from pollen.models import ModelSpec
+
+    spec = ModelSpec("cnn_mnist", 10, in_channels=1, image_size=28, width=1.0, options={"channels": 18})
+    assert ModelSpec.from_json(spec.to_json()) == spec
+    torch.manual_seed(0)
+    first = spec.build().state_dict()
+    torch.manual_seed(0)
+    again = ModelSpec.from_json(spec.to_json()).build().state_dict()
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    bad = {k: v for k, v in spec.to_json().items() if k != "num-classes"}
+    with pytest.raises(ValueError, match="lacks 'num-classes'"):
+        ModelSpec.from_json(bad)

@@ -89,11 +89,8 @@ def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Contex
         return
     save_arrays(folder / f"{FINAL_MODEL}.safetensors", {k: a.numpy() for k, a in record.items()})
     kwargs = client.model_kwargs() if hasattr(client, "model_kwargs") else {}
-    fmt = client.task.fmt
     meta = {
-        "method": cfg.method, "task": cfg.task, "model": client.model_name,
-        "width": cfg.width_for(client.model_name), "num-classes": client.task.num_classes,
-        "in-channels": fmt.channels, "image-size": fmt.size, "model-kwargs": kwargs,
+        "method": cfg.method, "task": cfg.task, **cfg.model_spec(client.task, client.model_name, **kwargs).to_json(),
         "round": server_round, "partition-id": client.partition_id, "seed": cfg.seed,
         "num-partitions": client.node.num_partitions, "config": cfg.to_dict()}
     if client.task.class_names:  # user data: what pollen.launch.predict needs to read this node's own files

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pollen.app.errors import ConfigError
 from pollen.app.run_keys import COMMON
@@ -24,6 +24,9 @@ from pollen.privacy.config import PrivacyConfig
 from pollen.protocol.identity import parse_partition_pins
 from pollen.protocol.screening import PayloadBounds
 from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION
+
+if TYPE_CHECKING:
+    from pollen.models import ModelSpec
 
 # Every common run key with its default (declared in run_keys.COMMON; pyproject.toml repeats them).
 DEFAULTS: dict[str, Any] = {key: spec.default for key, spec in COMMON.items()}
@@ -119,6 +122,15 @@ class RunConfig:
         from pollen.models import SMALL_MODELS  # lazily: the launcher reads configs without torch
 
         return 1.0 if model_name in SMALL_MODELS else PROFILE_WIDTH[self.profile]
+
+    def model_spec(self, task, name: str | None = None, **options: Any) -> ModelSpec:
+        """The model a client of ``task`` trains: ``name`` (default: the ``model`` key, else the task's
+        default), the task's classes and input format, this config's width for it."""
+        from pollen.models import ModelSpec  # lazily: the launcher reads configs without torch
+
+        name = name or self.model or task.default_model
+        return ModelSpec(name, task.num_classes, in_channels=task.fmt.channels, image_size=task.fmt.size,
+                         width=self.width_for(name), options=options)
 
     def task_options(self, node: NodeConfig | None = None):
         """The :class:`~pollen.datasets.tasks.TaskOptions` of this run, as seen by ``node`` (its data
@@ -326,15 +338,14 @@ def _refuse_cross_sample_models(cfg: RunConfig) -> None:
     import torch
 
     from pollen.datasets.tasks import resolve_task
-    from pollen.models import MODEL_NAMES, build_model
+    from pollen.models import MODEL_NAMES
     from pollen.privacy.dpsgd import refuse_cross_sample_layers
 
     task = resolve_task(cfg.task, cfg.task_options())
 
     def model(name: str) -> torch.nn.Module:
         with torch.device("meta"):
-            return build_model(name, task.num_classes, in_channels=task.fmt.channels, image_size=task.fmt.size,
-                               width=cfg.width_for(name))
+            return cfg.model_spec(task, name).build()
 
     for name in [cfg.model] if cfg.model else sorted({task.default_model, *task.partition_models}):
         try:

@@ -27,7 +27,6 @@ from pollen.methods.prototypes import (
     heterogeneous_channels,
 )
 from pollen.methods.settings import declared_keys, from_values
-from pollen.models import build_model
 from pollen.protocol import prototypes as proto_protocol
 from pollen.strategies.prototypes import PrototypeStrategy
 
@@ -80,8 +79,7 @@ def embed_dim(cfg: RunConfig) -> int:
     task = resolve_task(cfg.task, cfg.task_options())
     name = cfg.model or task.model_for(0)
     kwargs = {"channels": heterogeneous_channels(0)} if settings(cfg).model_heter and name == "cnn_mnist" else {}
-    model = build_model(name, task.num_classes, in_channels=task.fmt.channels, image_size=task.fmt.size,
-                        width=cfg.width_for(name), **kwargs)
+    model = cfg.model_spec(task, name, **kwargs).build()
     return model.feature_dim
 
 

@@ -29,7 +29,6 @@ from pollen.app.method_spec import (
 from pollen.app.run_keys import check
 from pollen.clients.weights import LocalClient, WeightClient
 from pollen.datasets.tasks import resolve_task
-from pollen.models import build_model
 from pollen.strategies.base import PollenStrategy
 from pollen.strategies.weights import LocalOnly, WeightAveraging
 
@@ -55,9 +54,7 @@ def initial_model_arrays(cfg: RunConfig) -> ArrayRecord:
     """The shared starting model of weight-averaging methods, from the run seed (same as clients')."""
     task = resolve_task(cfg.task, cfg.task_options())
     torch.manual_seed(cfg.seed)
-    name = cfg.model or task.default_model
-    model = build_model(name, task.num_classes, in_channels=task.fmt.channels, image_size=task.fmt.size,
-                        width=cfg.width_for(name))
+    model = cfg.model_spec(task).build()
     return ArrayRecord(model.state_dict())
 
 

@@ -52,8 +52,13 @@ def write_final(run_dir: Path, cfg: RunConfig, strategy, last_round: int) -> dic
         return {}
     folder = run_dir / "final"
     save_arrays(folder / "global.safetensors", arrays)
-    write_json(folder / "global.json", {"method": cfg.method, "task": cfg.task, "family": strategy.family,
-                                        "round": last_round, "model": cfg.model or "", "values": values})
+    meta = {"method": cfg.method, "task": cfg.task, "family": strategy.family, "round": last_round,
+            "model": cfg.model or "", "values": values}
+    if strategy.family == "weights":  # a global model: what rebuilds it travels with it (pollen predict)
+        from pollen.datasets.tasks import resolve_task
+
+        meta["model-spec"] = cfg.model_spec(resolve_task(cfg.task, cfg.task_options())).to_json()
+    write_json(folder / "global.json", meta)
     return {"global": str(folder / "global.safetensors")}
 
 

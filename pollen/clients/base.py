@@ -103,8 +103,5 @@ class PollenClient(NumPyClient):
         """A fresh model on this client's device; ``init_seed`` makes initial weights reproducible."""
         if init_seed is not None:
             torch.manual_seed(init_seed)
-        fmt = self.task.fmt
-        model = build_model(self.model_name, self.task.num_classes, in_channels=fmt.channels,
-                            image_size=fmt.size, width=self.cfg.width_for(self.model_name), **kwargs)
-        model = model.to(self.device)
+        model = self.cfg.model_spec(self.task, self.model_name, **kwargs).build().to(self.device)
         return model if self.model_name in SMALL_MODELS else to_channels_last(model)

@@ -193,7 +193,7 @@ def _user_task_config(info: dict[str, Any]) -> dict[str, Any]:
 
 def load_personal_model(path: Path, config: Path | None, overrides: dict[str, Any]) -> LoadedModel:
     """A node's ``final-model.safetensors`` + ``final-model.json`` (+ the run config, when found)."""
-    from pollen.models import build_model
+    from pollen.models import ModelSpec
 
     path = Path(path)
     meta_path = path.with_suffix(".json")
@@ -233,8 +233,7 @@ def load_personal_model(path: Path, config: Path | None, overrides: dict[str, An
         notes.append("no run config found (pass --config RUN_DIR to use the run's task options); task "
                      "options: defaults and --set, seed from the model's JSON")
     try:
-        model = build_model(info["model"], int(info["num-classes"]), in_channels=int(info["in-channels"]),
-                            image_size=int(info["image-size"]), width=float(info["width"]), **kwargs)
+        model = ModelSpec.from_json(info).build()
     except (ValueError, TypeError) as err:
         raise PredictError(f"{meta_path}: cannot rebuild the model it describes ({err})") from err
     described = (f"model {info['model']!r} (width {info['width']}, {info['num-classes']} classes, "
@@ -250,7 +249,7 @@ def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | 
     """A weights-family run's final global model, rebuilt from the run's ``config.json`` (as the
     ServerApp built its initial model: the task's default model unless ``model`` is set)."""
     from pollen.datasets.tasks import resolve_task
-    from pollen.models import build_model
+    from pollen.models import ModelSpec
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -283,14 +282,18 @@ def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | 
     if differ:
         raise PredictError(f"{meta_path}: {differ} differ from {config}")
     task = resolve_task(cfg.task, cfg.task_options())
-    name = cfg.model or task.default_model
-    width = cfg.width_for(name)
-    model = build_model(name, task.num_classes, in_channels=task.fmt.channels, image_size=task.fmt.size,
-                        width=width)
+    if "model-spec" in meta:  # the model described beside it (runs before: rebuilt from the run config)
+        try:
+            described, source = ModelSpec.from_json(meta["model-spec"]), meta_path.name
+        except ValueError as err:
+            raise PredictError(f"{meta_path}: {err}") from err
+    else:
+        described, source = cfg.model_spec(task), str(config)
+    model = described.build()
     arrays = {k[len("model."):]: v for k, v in _read_arrays(weights, "global state").items()
               if k.startswith("model.")}
-    check_state(model, arrays, weights,
-                f"model {name!r} (width {width}, {task.num_classes} classes) built from {config}")
+    check_state(model, arrays, weights, f"model {described.name!r} (width {described.width}, "
+                                        f"{described.num_classes} classes) built from {source}")
     _load_into(model, arrays)
     from pollen.launch.runs import RunFolderError, recorded_supernodes
 
@@ -298,16 +301,14 @@ def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | 
         partitions = recorded_supernodes(run_dir)  # launch.json, or the run's nodes/partition-* folders
     except RunFolderError as err:
         raise PredictError(str(err)) from err
-    info = {"method": cfg.method, "task": cfg.task, "model": name, "width": width,
-            "num-classes": task.num_classes, "round": meta.get("round"), "seed": cfg.seed,
-            "in-channels": task.fmt.channels, "image-size": task.fmt.size}
+    info = {"method": cfg.method, "task": cfg.task, **described.to_json(), "round": meta.get("round"), "seed": cfg.seed}
     if partitions is not None:
         info["num-partitions"] = partitions
     if task.class_names:
         info["class-names"] = list(task.class_names)
         if cfg.image_mean and cfg.image_std:
             info["image-mean"], info["image-std"] = list(task.fmt.mean), list(task.fmt.std)
-    return LoadedModel(_prepare(model, name), name, info, weights, cfg, [f"run config: {config}"])
+    return LoadedModel(_prepare(model, described.name), described.name, info, weights, cfg, [f"run config: {config}"])
 
 
 # ---------------------------------------------------------------------------------- prototypes

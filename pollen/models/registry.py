@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from .base import SplitModel
@@ -115,3 +115,35 @@ def build_model(
             f"allowed: {', '.join(allowed) if allowed else 'none'}"
         )
     return MODELS[name].build(num_classes, in_channels, image_size, float(width), **kwargs)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything that rebuilds a model: the one description clients, the server and ``pollen predict``
+    build from, saved beside every trained model (:meth:`to_json`) so loading it needs nothing else."""
+
+    name: str
+    num_classes: int
+    in_channels: int = 3
+    image_size: int = 32
+    width: float = 1.0
+    options: Mapping[str, Any] = field(default_factory=dict)  # per-model keyword arguments (MODEL_KWARGS)
+
+    def build(self) -> SplitModel:
+        return build_model(self.name, self.num_classes, in_channels=self.in_channels, image_size=self.image_size,
+                           width=self.width, **dict(self.options))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.name, "num-classes": self.num_classes, "in-channels": self.in_channels,
+                "image-size": self.image_size, "width": self.width, "model-kwargs": dict(self.options)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ModelSpec:
+        """The spec a model's JSON describes; a missing or mistyped field is a ValueError naming it."""
+        try:
+            return cls(str(data["model"]), int(data["num-classes"]), int(data["in-channels"]),
+                       int(data["image-size"]), float(data["width"]), dict(data.get("model-kwargs") or {}))
+        except KeyError as err:
+            raise ValueError(f"the model description lacks {err.args[0]!r}") from None
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"the model description has a bad value: {err}") from None

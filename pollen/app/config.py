@@ -299,8 +299,10 @@ def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
     family = spec.family
     if cfg.leak_audit and not spec.leak_audit:
         measured = sorted({s.family for s in METHODS.values() if s.leak_audit})
+        siblings = sorted(s.name for s in METHODS.values() if s.leak_audit and s.family == family)
+        within = f" (of family {family!r} only {', '.join(siblings)})" if siblings else ""
         raise ConfigError(f"run config key 'leak-audit' = true has no measure for method {cfg.method!r} (family "
-                          f"{family!r}); it is for the families {', '.join(measured)}")
+                          f"{family!r}); it is for the families {', '.join(measured)}{within}")
     if cfg.dp_mode == "off":
         stray = sorted(k for k in DP_KEYS if merged[k] != DEFAULTS[k])
         if stray:

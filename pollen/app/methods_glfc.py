@@ -161,6 +161,7 @@ def make_strategy(cfg: RunConfig) -> IncrementalFedAvg:
         proxy_keep=o.proxy_keep, proxy_lr=o.proxy_lr, proxy_reset_per_task=o.proxy_reset_per_task,
         proxy_chunk=o.proxy_chunk,
         image_shape=(src.fmt.channels, src.fmt.size, src.fmt.size), device=pick_device(cfg.device),
+        leak_audit=cfg.leak_audit, image_mean=src.fmt.mean, image_std=src.fmt.std,
         detect_all_clients=o.detect_all_clients, torch_threads=cfg.torch_threads, **strategy_options(cfg))
 
 
@@ -177,8 +178,8 @@ def make_client(cfg: RunConfig, node, context):
 
 # -- records <-> IncrementalClient: named arrays in, named arrays out ---------------------------------
 def _glfc_train(client, content: RecordDict) -> RecordDict:
-    state, grads, n, metrics = client.train(protocol.decode_train_content(content))
-    return protocol.encode_train_reply(state, n, grads, metrics)
+    state, grads, n, metrics, samples = client.train(protocol.decode_train_content(content))
+    return protocol.encode_train_reply(state, n, grads, metrics, samples)
 
 
 def _glfc_evaluate(client, content: RecordDict) -> RecordDict:
@@ -194,4 +195,6 @@ for _name, _desc in DESCRIPTIONS.items():
                                make_client=make_client, adapter=GLFC_ADAPTER, initial_arrays=initial_arrays,
                                required_nodes=final_population,
                                keys=GLFC_KEYS, validate=validate_glfc, task_kinds=("class-incremental",),
-                               dp_modes=("payload",)))
+                               dp_modes=("payload",),
+                               # leak-audit scores the proxy's reconstructions: only methods that run it
+                               leak_audit=VARIANTS[_name][4] == "proxy"))

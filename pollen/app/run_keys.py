@@ -174,8 +174,9 @@ COMMON: dict[str, Key] = {
     "dp-max-epsilon": Key(0.0, "float in [0, 1000000]",
         "a client stops releasing before its ε would pass this (its replies become errors); 0 = no cap"),
     "leak-audit": Key(False, "bool",
-        "simulations: each client also reports what the server could learn from its release, against the "
-        "truth (`leak-*` metrics, docs/privacy.md); the figures themselves reveal the client's data"),
+        "simulations: each round reports what the server could learn from the clients' releases, against the "
+        "truth (`leak-*` metrics, docs/privacy.md; GLFC clients send their true images for it); the figures "
+        "themselves reveal the clients' data"),
 }
 
 # Keys that may differ between an interrupted run and its resumption: where things are and how fast,

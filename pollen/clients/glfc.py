@@ -65,11 +65,12 @@ class IncrementalClient(PollenClient):
                              "and width?")
 
     def train(self, ins: TrainInstruction) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]], int,
-                                                     dict[str, Any]]:
-        """One round: the trained state by name, the gradient sets by LeNet parameter name, examples, metrics."""
+                                                     dict[str, Any], list[tuple[np.ndarray, int]]]:
+        """One round: the trained state by name, the gradient sets by LeNet parameter name, examples,
+        metrics, and under ``leak-audit`` the sample behind each set (else none: the reply is unchanged)."""
         self.check_model(ins)
-        state, grads, num, metrics = self.core.fit(ins)
-        return state, grads, num, {**self.base_metrics(), **metrics}
+        state, grads, num, metrics, samples = self.core.fit(ins)
+        return state, grads, num, {**self.base_metrics(), **metrics}, samples if self.cfg.leak_audit else []
 
     def evaluate_received(self, ins: TrainInstruction) -> tuple[float, int, dict[str, Any]]:
         """A detect-only (or plain) evaluate message: loss, examples, metrics."""

@@ -303,8 +303,11 @@ class IncrementalRound:
         return transition, st, memory, x_cur, y_cur, classes, entropy
 
     # the round ----------------------------------------------------------------------------
-    def fit(self, ins: TrainInstruction) -> tuple[Named, list[Named], int, dict[str, Any]]:
-        """The round: ``(trained state by name, gradient sets by LeNet parameter name, examples, metrics)``."""
+    def fit(self, ins: TrainInstruction) -> tuple[Named, list[Named], int, dict[str, Any],
+                                                   list[tuple[np.ndarray, int]]]:
+        """The round: ``(trained state by name, gradient sets by LeNet parameter name, examples, metrics,
+        samples)``; ``samples[i]`` is the perturbed image and class behind gradient set i, which only a
+        ``leak-audit`` run sends (to measure the proxy's reconstructions)."""
         s = self.settings
         config = ins.config
         server_round = int(config.get("server-round", 0))
@@ -360,6 +363,7 @@ class IncrementalRound:
                                     optimizer=opt, generator=generator, device=self.device, loss_fn=loss_fn)
 
         grad_sets: list[list[np.ndarray]] = []
+        samples: list[tuple[np.ndarray, int]] = []
         lenet_names: list[str] = []
         if transition and s.shares_gradients:
             lenet = build_lenet(s.task, self.seed).to(self.device)
@@ -372,6 +376,7 @@ class IncrementalRound:
                 proto = x_cur[rows[nearest_to_mean(feats[rows])]].to(self.device)
                 proto = perturb_prototype(model, proto, c, num_classes, s.perturb_steps, s.perturb_lr)
                 grad_sets.append([g.cpu().numpy().astype(np.float32) for g in lenet.gradient(proto, c)])
+                samples.append((proto.cpu().numpy().astype(np.float32), int(c)))
 
         self.store.save_values(self.STATE, st)
         metrics = {"task": task, "transition": int(transition), "entropy": entropy,
@@ -386,10 +391,10 @@ class IncrementalRound:
                                                                 grad_sets, s.stream.classes_per_task)
             keep = ("task", "old1-version", "old2-version")
             return (dict(zip(keys, released)), [dict(zip(lenet_names, g)) for g in grad_sets], 1,
-                    {**{k: metrics[k] for k in keep}, **dp_metrics})
+                    {**{k: metrics[k] for k in keep}, **dp_metrics}, samples)
         if history:
             metrics["train-loss"] = history[-1].loss
-        return trained, [dict(zip(lenet_names, g)) for g in grad_sets], int(len(y_train)), metrics
+        return trained, [dict(zip(lenet_names, g)) for g in grad_sets], int(len(y_train)), metrics, samples
 
     def evaluate(self, ins: TrainInstruction) -> tuple[float, int, dict[str, Any]]:
         """Accuracy of the global model on this client's current data (the server evaluates globally).

@@ -16,6 +16,8 @@ by version, and the proxy's prototype gradients — every array by name.
 | server → client | query: ``config["query"]`` | | str | ``"partition-id"``, once per node whose partition is unknown |
 | client → server | ``arrays[<state-dict name>]`` | as received | as received | trained state; same keys, finite; ‖reply − broadcast‖ ≤ ``max-update-norm`` · max(‖broadcast‖, 1) |
 | client → server | ``proto-grads["g{i}.{param}"]`` | LeNet param | float32 | gradient set i = 0..n-1 (one per new class, n <= classes-per-task); absent without a transition; each set's L2 norm ≤ ``max-grad-norm`` |
+| client → server | ``audit-samples["x{i}"]`` | C×H×W | float32 | ``leak-audit`` only: the true perturbed sample behind gradient set i, as the LeNet took it (normalised); finite; one per set |
+| client → server | ``audit-samples["y{i}"]`` | 1 | int64 | ``leak-audit`` only: that sample's class, 0 <= y < the LeNet's outputs |
 | client → server | ``metrics["num-examples"]`` | | int | training samples (averaging is unweighted) |
 | client → server | ``metrics["partition-id"]`` | | int | the node's partition (stream client id); also the whole query reply |
 | client → server | ``metrics["old1-version"]``, ``["old2-version"]`` | | int | old-model versions the node has cached now |
@@ -26,7 +28,9 @@ sent only with ``detect-only`` (the official code's every-client task detection)
 and ``config``; query messages (``MessageType.QUERY``) carry only ``config``. The number of gradient
 sets is read from the ``proto-grads`` keys, never from a metric or the config: no array count travels
 in either direction; ``{param}`` are the names of the shared LeNet's ``named_parameters()``. Evaluate
-and query replies carry only ``metrics``.
+and query replies carry only ``metrics``. ``audit-samples`` (simulations only: it hands the server
+the client's images) is refused unless the run sets ``leak-audit``, and then required with every
+gradient set.
 """
 
 from __future__ import annotations
@@ -64,10 +68,11 @@ from pollen.protocol.screening import (
 
 OLD_MODEL = {1: "old-model-1", 2: "old-model-2"}
 PROTO_GRADS = "proto-grads"
+AUDIT_SAMPLES = "audit-samples"
 DETECT_ONLY = "detect-only"
 TRANSITION = "transition"
 PLAN_KEYS = ("num-tasks", "classes-per-task", "rounds-per-task")
-REPLY_RECORDS = frozenset({ARRAYS, PROTO_GRADS, METRICS})
+REPLY_RECORDS = frozenset({ARRAYS, PROTO_GRADS, AUDIT_SAMPLES, METRICS})
 _GRAD_KEY = re.compile(r"^g(0|[1-9][0-9]*)\.(.+)$")
 
 
@@ -187,11 +192,47 @@ def decode_gradients(record: Any, lenet_shapes: Mapping[str, Sequence[int]] | No
     return sets, None
 
 
+@dataclass(frozen=True)
+class AuditSpec:
+    """What a ``leak-audit`` run expects in ``audit-samples``: the LeNet's input shape and output count."""
+
+    image_shape: tuple[int, ...]
+    num_labels: int
+
+
+def sample_key(index: int) -> tuple[str, str]:
+    """The ``audit-samples`` keys (image, label) of the sample behind gradient set ``index``."""
+    return f"x{index}", f"y{index}"
+
+
+def decode_audit(record: Any, audit: AuditSpec | None, num_sets: int
+                 ) -> tuple[list[tuple[np.ndarray, int]] | None, str | None]:
+    """Server side: the ``(image, label)`` behind each of the reply's ``num_sets`` gradient sets, in set
+    order, or a reason. Without ``audit`` (``leak-audit`` off) only an absent or empty record passes."""
+    empty = record is None or (isinstance(record, ArrayRecord) and len(record) == 0)
+    if audit is None:
+        return ([], None) if empty else (None, f"'{AUDIT_SAMPLES}': sent, but this run does not set leak-audit")
+    if num_sets == 0:
+        return ([], None) if empty else (None, f"'{AUDIT_SAMPLES}': samples sent without gradient sets")
+    if empty:
+        return None, f"'{AUDIT_SAMPLES}': leak-audit is on, but the {num_sets} gradient set(s) come without their samples"
+    specs = [spec for i in range(num_sets) for spec in (
+        ArraySpec(sample_key(i)[0], audit.image_shape, "float32"),
+        ArraySpec(sample_key(i)[1], (1,), "int64", nonnegative=True, max_value=audit.num_labels - 1))]
+    arrays, reason = decode_record(record, specs)
+    if arrays is None:
+        return None, f"'{AUDIT_SAMPLES}': {reason}"
+    return [(arrays[sample_key(i)[0]], int(arrays[sample_key(i)[1]][0])) for i in range(num_sets)], None
+
+
 def decode_train_reply(content: RecordDict, model_specs: Sequence[ArraySpec],
                        lenet_shapes: Mapping[str, Sequence[int]] | None, max_sets: int,
                        broadcast: Mapping[str, np.ndarray] | None = None, bounds: PayloadBounds | None = None,
-                       ) -> tuple[tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]] | None, str | None]:
-    """Server side: ``((state by name, gradient sets), None)`` or ``(None, reason naming the key)``.
+                       audit: AuditSpec | None = None,
+                       ) -> tuple[tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]],
+                                        list[tuple[np.ndarray, int]]] | None, str | None]:
+    """Server side: ``((state by name, gradient sets, audit samples), None)`` or ``(None, reason naming
+    the key)``; the samples (set i's at i) only with ``audit``, else ``[]``.
 
     With ``broadcast`` (the global state sent this round) the state's update norm is bounded by
     ``bounds.max_update_norm``; every gradient set's norm by ``bounds.max_grad_norm``.
@@ -210,7 +251,10 @@ def decode_train_reply(content: RecordDict, model_specs: Sequence[ArraySpec],
     grads, reason = decode_gradients(content.get(PROTO_GRADS), lenet_shapes, max_sets, bounds.max_grad_norm)
     if grads is None:
         return None, reason
-    return (state, grads), None
+    samples, reason = decode_audit(content.get(AUDIT_SAMPLES), audit, len(grads))
+    if samples is None:
+        return None, reason
+    return (state, grads, samples), None
 
 
 # -- client side ------------------------------------------------------------------------------------
@@ -251,14 +295,23 @@ def decode_train_content(content: RecordDict) -> TrainInstruction:
 
 def encode_train_reply(state: ArrayRecord | Mapping[str, np.ndarray], num_examples: int,
                        gradients: Sequence[Mapping[str, np.ndarray]] = (),
-                       metrics: Mapping[str, Any] | None = None) -> RecordDict:
-    """Client side: the trained state by name, the gradient sets (``g{i}.{param}``) and the metrics.
+                       metrics: Mapping[str, Any] | None = None,
+                       samples: Sequence[tuple[np.ndarray, int]] = ()) -> RecordDict:
+    """Client side: the trained state by name, the gradient sets (``g{i}.{param}``) and the metrics;
+    under ``leak-audit`` also the sample behind each set (``samples[i]`` for set i).
 
     ``metrics`` should carry ``partition-id``, ``old1-version``, ``old2-version`` and ``transition``.
     """
     grads = {grad_key(i, name): np.asarray(g, dtype=np.float32)
              for i, gset in enumerate(gradients) for name, g in gset.items()}
     extra = {PROTO_GRADS: array_record(grads)} if grads else {}
+    if samples:
+        audit: dict[str, np.ndarray] = {}
+        for i, (image, label) in enumerate(samples):
+            x_key, y_key = sample_key(i)
+            audit[x_key] = np.asarray(image, dtype=np.float32)
+            audit[y_key] = np.array([label], dtype=np.int64)
+        extra[AUDIT_SAMPLES] = array_record(audit)
     return reply_content(state, num_examples, metrics, **extra)
 
 

@@ -18,6 +18,10 @@ runs it from any ``@app.main()`` ServerApp). Its wire contract is :mod:`pollen.p
   gradients (shuffled, so no link to the sender), scoring every new global model on the
   reconstructed set and keeping the best in two slots; baselines/ablations: slot 1 = the previous
   task's final global model;
+* with ``leak_audit`` (``leak-audit``, simulations: clients then send the true perturbed sample behind
+  each gradient set) scores the proxy's final reconstructions and inferred labels against those samples,
+  paired through the shuffle, in [0, 1] — ``leak-psnr``, ``leak-ssim``, ``leak-label-acc`` and their
+  ``-floor`` among the round's fit metrics (:func:`pollen.privacy.leakage.reconstruction_audit`);
 * sends an old model to a node only when the version it has cached (reported in its metrics) differs
   (a node that failed is sent them again; the versions are kept in checkpoints by partition);
 * evaluates the global model server-side (:meth:`evaluate_global`, which Pollen's ServerApp calls
@@ -124,6 +128,10 @@ class IncrementalFedAvg(PollenStrategy):
         proxy_*: gradient inversion settings (iterations, iterates kept, L-BFGS lr, chunk size) and
             whether the best score resets at each task.
         image_shape: C×H×W of the images the LeNet takes.
+        leak_audit: ``leak-audit``: clients also send the true sample behind each gradient set, and each
+            round's fit metrics score the proxy's reconstructions against them (``leak-psnr``...).
+        image_mean, image_std: the per-channel normalisation of the LeNet's input (the task's image
+            format), undone to compare images in [0, 1]; needed with ``leak_audit``.
         device: where the proxy and evaluation run.
         detect_all_clients: also send unsampled active nodes the new model for task detection.
         torch_threads: torch threads for the proxy and the evaluation (``None``: torch's setting). The
@@ -144,7 +152,8 @@ class IncrementalFedAvg(PollenStrategy):
                  old_model: str = "proxy", proxy_iterations: int = 250, proxy_keep: int = 20,
                  proxy_lr: float = 0.1, proxy_reset_per_task: bool = True, proxy_chunk: int = 128,
                  image_shape: Sequence[int] = (1, 28, 28), device: Any = "cpu", detect_all_clients: bool = False,
-                 torch_threads: int | None = None, query_timeout: float | None = None, **kwargs):
+                 torch_threads: int | None = None, query_timeout: float | None = None, leak_audit: bool = False,
+                 image_mean: Sequence[float] | None = None, image_std: Sequence[float] | None = None, **kwargs):
         if schedule is None:
             if plan is None or rounds_per_task is None:
                 raise ValueError("give a TaskSchedule as schedule, or plan and rounds_per_task")
@@ -153,6 +162,9 @@ class IncrementalFedAvg(PollenStrategy):
             raise ValueError(f"old_model must be proxy, previous-task or none, got {old_model!r}")
         if old_model == "proxy" and lenet is None:
             raise ValueError("old_model = 'proxy' needs the shared LeNet")
+        if leak_audit and (old_model != "proxy" or image_mean is None or image_std is None):
+            raise ValueError("leak_audit scores the proxy's reconstructions: it needs old_model = 'proxy' and "
+                             "the images' image_mean and image_std")
         if int(clients_per_round) != clients_per_round or clients_per_round < 1:
             raise ValueError(f"clients_per_round must be an integer >= 1, got {clients_per_round}")
         super().__init__(query_timeout=query_timeout, **kwargs)
@@ -193,6 +205,11 @@ class IncrementalFedAvg(PollenStrategy):
         self.acc_rows: dict[int, dict] = {}  # task -> accuracy on seen classes and per task at its end
         self.lenet_shapes = ({name: tuple(p.shape) for name, p in self.lenet.named_parameters()}
                              if self.lenet is not None else None)
+        self.audit: protocol.AuditSpec | None = None
+        if leak_audit and self.lenet_shapes:
+            self.audit = protocol.AuditSpec(self.image_shape, int(list(self.lenet_shapes.values())[-1][0]))
+        self.image_mean = None if image_mean is None else tuple(float(m) for m in image_mean)
+        self.image_std = None if image_std is None else tuple(float(v) for v in image_std)
 
     def __repr__(self) -> str:
         s = self.schedule
@@ -454,7 +471,7 @@ class IncrementalFedAvg(PollenStrategy):
             if reason is not None:
                 return None, reason
             decoded, reason = protocol.decode_train_reply(msg.content, specs, self.lenet_shapes, max_sets, broadcast,
-                                                          self.bounds.declared())
+                                                          self.bounds.declared(), self.audit)
             dp = self.bounds.dp
             if decoded is not None and dp is not None and dp.bounds_models:
                 reason = dp.check_glfc(decoded[0], broadcast, decoded[1], max_sets)
@@ -462,17 +479,19 @@ class IncrementalFedAvg(PollenStrategy):
 
         accepted = self.screen(server_round, "train", replies, decode)
         pool: list[list[np.ndarray]] = []
+        truth: list[tuple[np.ndarray, int]] = []  # leak-audit: truth[i] is the sample behind pool[i]
         lenet_names = list(self.lenet_shapes or {})  # without a proxy, replies carry no gradient sets
         for a in accepted:
             self.confirmed[a.node_id] = (int(a.metrics.get("old1-version", 0)), int(a.metrics.get("old2-version", 0)))
             pool += [[g[name] for name in lenet_names] for g in a.payload[1]]
+            truth += a.payload[2]
         extra: dict[str, Any] = {"task": self.task, "num-classes": self.num_classes}
         if accepted:
             self._global = self.combine([[a.payload[0][k] for k in self.keys] for a in accepted],
                                         [1.0] * len(accepted))
             extra["transitions"] = sum(int(a.metrics.get(protocol.TRANSITION, 0)) for a in accepted)
             if self.old_model == "proxy":
-                extra.update(self._run_proxy(server_round, pool))
+                extra.update(self._run_proxy(server_round, pool, truth))
         metrics = self.train_metrics(server_round, accepted, **extra)
         self.close_train_round(server_round, accepted)
         return (self.global_record() if accepted else None), metrics
@@ -491,11 +510,33 @@ class IncrementalFedAvg(PollenStrategy):
             if torch.get_num_threads() != before:
                 torch.set_num_threads(before)
 
-    def _run_proxy(self, server_round: int, pool: list[list[np.ndarray]]) -> dict[str, Any]:
+    def _run_proxy(self, server_round: int, pool: list[list[np.ndarray]],
+                   truth: Sequence[tuple[np.ndarray, int]] = ()) -> dict[str, Any]:
         with self._threads():
-            return self._proxy_round(server_round, pool)
+            return self._proxy_round(server_round, pool, truth)
 
-    def _proxy_round(self, server_round: int, pool: list[list[np.ndarray]]) -> dict[str, Any]:
+    def to_unit_range(self, images: np.ndarray) -> np.ndarray:
+        """LeNet inputs (N×C×H×W, normalised) back to pixels in [0, 1]: ``x·std + mean``, clipped (the
+        inversion and the perturbation both leave the pixel range)."""
+        if self.image_mean is None or self.image_std is None:
+            raise ValueError("to_unit_range needs the strategy's image_mean and image_std")
+        mean = np.asarray(self.image_mean, dtype=np.float64).reshape(-1, 1, 1)
+        std = np.asarray(self.image_std, dtype=np.float64).reshape(-1, 1, 1)
+        return np.clip(np.asarray(images, dtype=np.float64) * std + mean, 0.0, 1.0)
+
+    def leak_metrics(self, reconstructions: np.ndarray, inferred: np.ndarray,
+                     truth: Sequence[tuple[np.ndarray, int]]) -> dict[str, float]:
+        """``leak-audit``: the proxy's final reconstructions and inferred labels against the true samples
+        (pairs in the same order), both in [0, 1] (:func:`pollen.privacy.leakage.reconstruction_audit`)."""
+        from pollen.privacy.leakage import reconstruction_audit
+
+        assert self.audit is not None
+        return reconstruction_audit(self.to_unit_range(np.stack([x for x, _ in truth])),
+                                    self.to_unit_range(reconstructions), np.array([y for _, y in truth]),
+                                    np.asarray(inferred), self.audit.num_labels)
+
+    def _proxy_round(self, server_round: int, pool: list[list[np.ndarray]],
+                     truth: Sequence[tuple[np.ndarray, int]] = ()) -> dict[str, Any]:
         from pollen.strategies.proxy import monitor_accuracy, reconstruct_batched
 
         out: dict[str, Any] = {"proxy-gradients": len(pool)}
@@ -514,6 +555,9 @@ class IncrementalFedAvg(PollenStrategy):
                 LOGGER.warning("round %d: the proxy's gradient-matching loss is %s: its reconstructions of this "
                                "round's %d gradient set(s) are unreliable", server_round, loss, len(grads))
             out["proxy-images-per-s"] = len(grads) / max(rec.seconds, 1e-9)
+            if self.audit is not None:  # the samples follow their gradients through the shuffle
+                out.update(self.leak_metrics(rec.images[:, -1].numpy(), rec.labels.numpy(),
+                                             [truth[i] for i in order]))
         model = self._new_model(self.num_classes, self._global).to(self.device)
         score = monitor_accuracy(model, self.proxy.monitor_x, self.proxy.monitor_y, self.device)
         out["proxy-monitor-size"] = 0 if self.proxy.monitor_x is None else len(self.proxy.monitor_x)

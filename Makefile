@@ -35,15 +35,15 @@ run: $(STAMP)
 		--run-config "out-dir='$(OUT_DIR)' $(RUN_CONFIG)"
 
 # The full suite (what CI runs), in two passes: the tests that launch nothing, one pytest-xdist worker
-# per core (they share only the read-only datasets); then the `e2e` tests, E2E_WORKERS at a time (each
-# starts its own SuperLink, SuperNodes and private Ray on free ports with a private FLWR_HOME, so two
-# never meet; much of a launch is waiting on start-up, which overlaps). A test file stays on one worker
-# (its module fixtures are shared). Coverage, when asked for, adds up over both passes; each pass lists
-# its slowest tests, so CI's log says where the time goes.
-E2E_WORKERS ?= 2
+# per core (they share only the read-only datasets); then the `e2e` tests, E2E_WORKERS at a time. One at
+# a time is the default: each launch wants both cores, and several e2e tests assert how fast something
+# stops. E2E_WORKERS=2 runs two test files side by side (each launch has its own free ports, private
+# FLWR_HOME and private Ray), not yet measured on a whole suite. Coverage, when asked for, adds up over
+# both passes; each pass lists its slowest tests, so CI's log says where the time goes.
+E2E_WORKERS ?= 1
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e" -n auto --durations=15 $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m e2e -n $(E2E_WORKERS) --dist loadfile --durations=25 \
+	$(PY) -m pytest -q -m e2e $(if $(filter-out 1,$(E2E_WORKERS)),-n $(E2E_WORKERS) --dist loadfile) --durations=25 \
 		$(if $(findstring --cov,$(PYTEST_ARGS)),--cov-append) $(PYTEST_ARGS)
 
 # Everything but the `e2e` tests (no SuperLink, SuperNode, `flwr run` or Ray launches), one worker

@@ -173,6 +173,29 @@ def _kill_tree(watcher: TreeWatcher) -> None:
     assert not watcher.alive(), watcher.describe(watcher.alive())
 
 
+def stop_launch(args: list[str], watcher: TreeWatcher, ray_tmp, out: Path, kind: str, stop_round: int) -> Launch:
+    """Launch, wait until a node has saved its round-``stop_round`` state in this launch, then stop the run
+    as ``kind`` says: SIGINT to the launcher's process group (what Ctrl-C does) or SIGKILL of the whole
+    tree (a private ``FLWR_HOME`` is then left behind, and removed here)."""
+    before = _node_states(out)
+    launch = Launch(args, watcher, ray_tmp)
+
+    def trained() -> bool:
+        return any(stop_round == r and before.get((p, r)) != ino for (p, r), ino in _node_states(out).items())
+
+    launch.wait_for(trained, f"a node state of round {stop_round}")
+    if kind == "sigint":
+        os.killpg(launch.proc.pid, signal.SIGINT)
+        assert launch.wait() == 128 + signal.SIGINT, launch.text[-4000:]
+    else:
+        _kill_tree(watcher)
+        assert launch.wait() == -signal.SIGKILL, launch.text[-4000:]
+        home = re.search(r"^\[pollen\] FLWR_HOME (\S+) \(private", launch.text, flags=re.M)
+        if home:  # nobody was left to remove it
+            shutil.rmtree(home.group(1), ignore_errors=True)
+    return launch
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
 @pytest.mark.parametrize("method", list(CASES), ids=[f"{m}-" + "-".join(f"{k}@round{r}" for k, r in STOPS[m])
@@ -192,24 +215,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(method, uninterr
             for kind, drawn in STOPS[method]:
                 resumes_after = list_checkpoints(run_dir)[-1] if run_dir else 0
                 stop_round = max(drawn, resumes_after + 1)  # a SIGINT before may have run past the draw
-                before = _node_states(out)
-                launch = Launch(args, watcher, ray_tmp)
-
-                def trained(r=stop_round, before=before):  # a node saved its round-r state in this launch
-                    return any(r == rr and before.get((p, rr)) != ino for (p, rr), ino in _node_states(out).items())
-
-                launch.wait_for(trained, f"a node state of round {stop_round}")
-                if kind == "sigint":
-                    os.killpg(launch.proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
-                    code = launch.wait()
-                    assert code == 128 + signal.SIGINT, launch.text[-4000:]
-                else:
-                    _kill_tree(watcher)
-                    code = launch.wait()
-                    assert code == -signal.SIGKILL, launch.text[-4000:]
-                    home = re.search(r"^\[pollen\] FLWR_HOME (\S+) \(private", launch.text, flags=re.M)
-                    if home:  # nobody was left to remove it
-                        shutil.rmtree(home.group(1), ignore_errors=True)
+                launch = stop_launch(args, watcher, ray_tmp, out, kind, stop_round)
                 run_dir = run_dir or _run_dirs(out)[0]
                 if kind == "sigint":
                     summary = json.loads((run_dir / "summary.json").read_text())

@@ -14,11 +14,8 @@ bit for bit. The uninterrupted run is the real ServerApp and ClientApp in this p
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
@@ -26,7 +23,7 @@ import pytest
 
 from pollen.app.checkpoints import checkpoint_paths, list_checkpoints, read_json, state_rounds
 from tests.test_launch import HAS_PROC, TreeWatcher
-from tests.test_resume_families import Launch, _kill_tree, _metrics, _node_states, _run_dirs, _same_arrays, _toml
+from tests.test_resume_families import Launch, _metrics, _run_dirs, _same_arrays, _toml, stop_launch
 
 NODES, ROUNDS = 3, 4
 RUN_CONFIG = {"method": "glfc", "task": "uci-digits-cil", "seed": 5, "num-server-rounds": ROUNDS, "glfc-tasks": 2,
@@ -72,22 +69,7 @@ def test_an_interrupted_glfc_run_resumes_to_the_uninterrupted_result(stops, tmp_
     try:
         with TreeWatcher() as watcher:
             for kind, stop_round in stops:
-                before = _node_states(out)
-                launch = Launch(args, watcher, ray_tmp)
-
-                def trained(r=stop_round, before=before):  # a node saved its round-r state in this launch
-                    return any(r == rr and before.get((p, rr)) != ino for (p, rr), ino in _node_states(out).items())
-
-                launch.wait_for(trained, f"a node state of round {stop_round}")
-                if kind == "sigint":
-                    os.killpg(launch.proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
-                    assert launch.wait() == 128 + signal.SIGINT, launch.text[-4000:]
-                else:
-                    _kill_tree(watcher)
-                    assert launch.wait() == -signal.SIGKILL, launch.text[-4000:]
-                    home = re.search(r"^\[pollen\] FLWR_HOME (\S+) \(private", launch.text, flags=re.M)
-                    if home:  # nobody was left to remove it
-                        shutil.rmtree(home.group(1), ignore_errors=True)
+                launch = stop_launch(args, watcher, ray_tmp, out, kind, stop_round)
                 run_dir = run_dir or _run_dirs(out)[0]
                 if kind == "sigint":
                     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"

@@ -132,11 +132,11 @@ def expected_result(family: str, summary: dict[str, Any]) -> str:
 
 
 def table_lines(records: dict[str, dict[str, Any]]) -> list[str]:
-    lines = ["| command | expected result | time (load at start, 2 cores) | commit |", "|---|---|---|---|"]
+    lines = ["| command | expected result | wall time (load at start) | commit |", "|---|---|---|---|"]
     for family in ORDER:
         rec = records.get(family)
         if rec is None:
-            lines.append(f"| {LABEL[family]} | not yet run at this commit | | |")
+            lines.append(f"| {LABEL[family]} | not recorded yet | | |")
             continue
         lines.append(f"| {LABEL[family]} | {expected_result(family, rec['summary'])} | "
                      f"{rec['wall-s']:.0f} s ({rec['load-1min-at-start']:.1f}) | `{rec['commit']}` |")

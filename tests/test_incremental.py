@@ -151,11 +151,12 @@ def test_cifar100_stream_and_client_on_fixture_files(tmp_path, monkeypatch):
     config = {"server-round": 1, "task": 0, "round-in-task": 0, "num-classes": 10,
               "old1-sent": False, "old2-sent": False}
     ins = TrainInstruction(model_state(model), {}, config)
-    state, grads, n, m = make_client(cfg, parse_node_config(ctx.node_config), ctx).train(ins)
+    state, grads, n, m, samples = make_client(cfg, parse_node_config(ctx.node_config), ctx).train(ins)
     lenet_shapes = {name: tuple(p.shape) for name, p in build_lenet("cifar100-cil", 0).named_parameters()}
     assert lenet_shapes["head.weight"] == (100, 768)  # the DLG LeNet of the paper: FC 768 -> 100
     assert list(state) == list(model.state_dict())  # the trained state by name
     assert len(grads) == 6 and all({k: g.shape for k, g in gset.items()} == lenet_shapes for gset in grads)
+    assert samples == []  # the true perturbed samples travel only under leak-audit
     plan = plan_stream(StreamConfig(num_tasks=2, classes_per_task=10, initial_clients=2, new_clients=1, seed=0))
     # each of its 6 classes has 6 images, split evenly among the clients that drew it
     assert n == sum(6 // len(plan.holders(c)) for c in plan.client_classes(0, 0))

@@ -92,6 +92,11 @@ class SuperLinkDied(LaunchError):
         self.pid, self.returncode = proc.pid, code
 
 
+# The processes that run the rounds (the simulation engine: ServerApp and Ray driver); an interrupt stops
+# them first.
+ENGINE_PROCESSES = ("flwr-simulation",)
+
+
 class LaunchInterrupted(Exception):
     """SIGINT/SIGTERM/SIGHUP arrived: unwind so every process gets stopped, then exit 128 + signal."""
 
@@ -748,6 +753,10 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
             if status.startswith("finished"):
                 break
             time.sleep(1.0)
+    except (LaunchInterrupted, KeyboardInterrupt):
+        if tree is not None:  # Ctrl-C: the simulation stops at once, not after the SuperLink's grace period
+            tree.kill_named(ENGINE_PROCESSES)
+        raise
     finally:
         progress.__exit__()
         stop_process(stream, grace=2.0)

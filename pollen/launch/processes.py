@@ -134,6 +134,16 @@ class ProcessTree:
             out.append(pid)
         return sorted(out)
 
+    def kill_named(self, names: Sequence[str]) -> list[int]:
+        """SIGKILL the members called one of ``names`` now; their PIDs. For an interrupt: the engine stops
+        before anything else, so no round finishes after the user asked to stop (what a round writes is
+        atomic, as after a whole-tree SIGKILL)."""
+        killed = [pid for pid, (_start, name) in self.members().items() if name in names]
+        for pid in killed:
+            self._signal(pid, signal.SIGKILL)
+        self._wait_gone(killed, 5.0)
+        return killed
+
     def terminate(self, grace: float = 10.0, patience: float = 5.0) -> list[int]:
         """Stop the whole tree: SIGTERM the roots' groups, then every member left, then SIGKILL.
 

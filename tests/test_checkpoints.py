@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -240,6 +241,20 @@ def test_resumed_run_ends_with_the_metrics_of_an_uninterrupted_one(method, task,
     if method in ("local", "fedproto", "bd-fedproto"):
         info = json.loads((tmp_path / "part-nodes" / "p0" / "final-model.json").read_text())
         assert info["round"] == 3 and info["method"] == method and info["partition-id"] == 0
+
+
+def test_a_run_stopped_after_its_last_checkpoint_gets_its_final_files_on_resume(tmp_path):
+    """Killed between the last round's checkpoint and the final files (a SIGKILL lands there): there is no
+    round left to run, but the resume writes ``final/`` from that checkpoint, equal to an unstopped run's."""
+    base = {"method": "fedavg", "task": "uci-dirichlet", "seed": 3, "local-epochs": 1, "num-server-rounds": 2}
+    full = _run(base, tmp_path / "full", tmp_path / "full-nodes")
+    part = _run(base, tmp_path / "part", tmp_path / "part-nodes")
+    shutil.rmtree(part / "final")
+    resumed = _run({**base, "resume-from": str(part)}, tmp_path / "unused", tmp_path / "part-nodes")
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["files"]["global"].endswith("global.safetensors")
+    mine, theirs = (checkpoints.load_arrays(r / "final" / "global.safetensors") for r in (resumed, full))
+    assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
 
 
 @pytest.mark.parametrize("method", ["fedproto", "bd-fedproto"])

@@ -118,6 +118,8 @@ def main(grid: Grid, context: Context) -> None:
 
     if first_round > cfg.num_server_rounds:
         LOGGER.info("nothing to resume: %s already finished round %d", run_dir, first_round - 1)
+        # a run stopped between its last checkpoint and its final files gets them now, from that checkpoint
+        written.update(write_final(run_dir, cfg, strategy, cfg.num_server_rounds))
     else:
         try:
             strategy.start(grid=grid, initial_arrays=initial, num_rounds=cfg.num_server_rounds,

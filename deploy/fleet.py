@@ -387,7 +387,7 @@ class Fleet:
         self._say(f"{len(ids)} SuperNodes online")
         return ids
 
-    def run(self, run_config: Mapping[str, Any], *, timeout: float = 3600.0, echo: bool | None = None,
+    def run(self, run_config: Mapping[str, Any], *, timeout: float = launch.DEFAULT_TIMEOUT_S, echo: bool | None = None,
             app_dir: Path | None = None) -> launch.RunOutcome:
         """``flwr run`` the app on this fleet and wait for its final status (and a failed run's reason,
         from ``<out-dir>/<run-id>/summary.json``). Raises :class:`launch.SuperLinkDied` within about a
@@ -550,7 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pin-partitions", action="store_true",
                         help="with --tls: pin each partition to the node id its registered key was given "
                              "(run config partition-pins), so no other node can claim it")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is abandoned")
+    parser.add_argument("--timeout", type=float, default=launch.DEFAULT_TIMEOUT_S,
+                        help="seconds before the run is abandoned")
     parser.add_argument("--out-dir", default=None, help=f"results root (default: {DEFAULT_OUT_DIR})")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="folder for FLWR_HOME, certificates and logs (default: a fresh temporary folder)")

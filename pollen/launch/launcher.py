@@ -92,6 +92,11 @@ class SuperLinkDied(LaunchError):
         self.pid, self.returncode = proc.pid, code
 
 
+# How long a run may take before the launcher stops it: a guard against a hung run, not a budget. The
+# README's FCCL command ran past one hour on a shared 2-core machine (its last round stopped by the old
+# 3600 s default), so the default leaves room for the paper-sized commands.
+DEFAULT_TIMEOUT_S = 6 * 3600.0
+
 # The processes that run the rounds (the simulation engine: ServerApp and Ray driver); an interrupt stops
 # them first.
 ENGINE_PROCESSES = ("flwr-simulation",)
@@ -690,7 +695,7 @@ def failure_reason(summary: Mapping[str, Any] | None, details: str, log: str) ->
 
 
 def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_config: str = "",
-                    federation_config: str = "", timeout: float = 3600.0, echo: bool = True,
+                    federation_config: str = "", timeout: float = DEFAULT_TIMEOUT_S, echo: bool = True,
                     out_dir: Path | None = None, watch: Callable[[], None] | None = None,
                     tree: ProcessTree | None = None, run_dir: Path | None = None,
                     on_run_id: Callable[[int], None] | None = None) -> RunOutcome:
@@ -826,7 +831,7 @@ def ray_line(ray_address: str | None) -> str:
 
 def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_supernodes: int = 5,
              cpus_per_client: int = 1, gpus_per_client: float = 0.0,
-             run_config: str | Mapping[str, Any] = "", timeout: float = 3600.0, echo: bool = True,
+             run_config: str | Mapping[str, Any] = "", timeout: float = DEFAULT_TIMEOUT_S, echo: bool = True,
              out_dir: str | Path | None = None, data_root: str | Path | None = None,
              ray_address: str | None = None, run_dir: Path | None = None,
              lock_fd: int | None = None) -> RunOutcome:
@@ -1027,7 +1032,8 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
                         help="continue the run in RUN_DIR (e.g. OUT_DIR/latest) from its last valid checkpoint, "
                              "with its config.json and SuperNodes (--run-config may change only num-server-rounds, "
                              "paths, device, torch-threads; no --out-dir: it stays in RUN_DIR)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped (exit 124)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="seconds before the run is stopped (exit 124; it can be resumed)")
     parser.add_argument("--quiet", action="store_true", help="do not stream the run's log")
     return parser
 

@@ -123,7 +123,7 @@ def test_help_shows_defaults_paths_methods_and_tasks(capsys):
         launch.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
     assert exit_info.value.code == 0
-    assert "else 5" in out and "(default: 3600.0)" in out and "(default 1; on --resume, the run's)" in out
+    assert "else 5" in out and "(default: 21600.0)" in out and "(default 1; on --resume, the run's)" in out
     for option in ("--out-dir", "--data-root", "--ray-address", "--flwr-home", "--app"):
         assert option in out
     assert re.search(r"methods: .*\bfedavg\b", out) and re.search(r"tasks: .*\buci-dirichlet\b", out)

@@ -246,14 +246,23 @@ def display_name(pid: int, comm: str) -> str:
     return first.split()[0] if first else comm
 
 
-def group_alive(pgid: int) -> bool:
+def _answers(send, target: int) -> bool:
+    """Whether signal 0 reaches ``target`` (a process someone else owns still exists)."""
     try:
-        os.killpg(pgid, 0)
+        send(target, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
     return True
+
+
+def group_alive(pgid: int) -> bool:
+    return _answers(os.killpg, pgid)
+
+
+def pid_alive(pid: int) -> bool:
+    return _answers(os.kill, pid)
 
 
 def signal_group(pgid: int, sig: int) -> None:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pollen.launch.processes import pid_alive
+
 LOCK_FILE = ".lock"
 LAUNCH_FILE = "launch.json"
 LATEST = "latest"
@@ -169,21 +171,11 @@ def describe_holder(holder: dict[str, Any]) -> str:
     pid = holder.get("pid")
     if pid is None:
         return "holder unknown"
-    alive = _pid_alive(int(pid))
+    alive = pid_alive(int(pid))
     text = f"launcher PID {pid}" + ("" if alive else " (no longer running)")
     if holder.get("watchdog") is not None and not alive:
         text += f"; its watchdog PID {holder['watchdog']} is still stopping that run"
     return text
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_launch_info(run_dir: Path, info: dict[str, Any]) -> None:

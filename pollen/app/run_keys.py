@@ -272,7 +272,7 @@ def parse_range(spec: str) -> Range:
 
 def check(key: str, value: Any) -> Any:
     """``value`` of run key ``key`` if it is of the key's type and within its range (ints and floats
-    come back as such), else a :class:`~pollen.app.config.ConfigError` naming the key and the range."""
+    come back as such), else a :class:`~pollen.app.errors.ConfigError` naming the key and the range."""
     def bad(expected: str) -> ConfigError:
         return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
 

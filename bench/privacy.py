@@ -1,0 +1,414 @@
+"""The privacy study: what differential privacy costs each family in accuracy, and what it hides.
+
+Every run is a real ``flwr run`` on a SuperLink this script owns (``pollen.launch.launcher.simulate``), with
+``leak-audit = true`` so each round also says what the server could read off the replies:
+
+- **FedProto, MNIST** — the README's FedProto command (20 clients, 100 rounds, its own run config, read from
+  ``bench/results/readme_commands/fedproto.json``) at ε ∈ {∞, 8, 4, 2, 1} × {``payload``, ``sample``}
+  (``dp-target-epsilon``: σ calibrated for the 100 releases); local and prototype accuracy, the label
+  histogram's TV distance and class-presence F1 read off the released counts, each with its floor. The
+  ε = ∞ arm is ``dp-mode = off``; it must equal the README's committed row to every digit.
+- **GLFC** — ``conf/glfc-mnist-fmnist.toml`` shortened to 2 tasks × 5 rounds (the full preset is ~20 minutes a
+  run here) at noise multipliers σ ∈ {0, 0.5, 1, 2} under ``payload`` (σ = 0 is ``dp-mode = off``): the
+  proxy's reconstructions (PSNR, SSIM, label accuracy, with floors) and AIA.
+- **FCCL** — ``conf/fccl-digits-offline.toml`` at ε ∈ {∞, 8, 4} under ``payload``: inter/intra-domain AVG and
+  the public-softmax histogram TV.
+
+``dp-clip`` stays at its default 1.0 everywhere (docs/privacy.md: for prototypes and logit rows the signal
+to noise ratio does not depend on the clip once most rows are clipped). DP noise is drawn from the OS, so
+a private run is not bit-reproducible; seeds pair the data, the models' initialisation and the sampling.
+
+One result file per finished run (``bench/results/privacy/<family>-<arm>-seed<k>.json``), skipped on the next
+call, so a stopped study resumes; the report (``bench/results/privacy.{md,json,png}``) is rewritten from
+the files each time::
+
+    python -m bench.privacy --seeds 0                    # every arm of seed 0, cheapest families first
+    python -m bench.privacy --family fedproto --seeds 1 2
+    python -m bench.privacy --report                     # only rewrite the report
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.kit import (
+    RESULTS,
+    ROOT,
+    RunFiles,
+    default_data_root,
+    fmt_mean_sd,
+    preset,
+    pyplot,
+    read_json,
+    read_metrics,
+    read_summary,
+    save_figure,
+    table,
+    write_atomic,
+    write_json,
+)
+
+FOLDER = RESULTS / "privacy"
+REPORT_MD, REPORT_JSON, REPORT_PNG = RESULTS / "privacy.md", RESULTS / "privacy.json", RESULTS / "privacy.png"
+README_FEDPROTO = RESULTS / "readme_commands" / "fedproto.json"
+README_FCCL = RESULTS / "readme_commands" / "fccl.json"
+FAMILIES = ("fedproto", "glfc", "fccl")  # the order a study runs them: cheapest first
+FEDPROTO_EPSILONS = (8.0, 4.0, 2.0, 1.0)
+FCCL_EPSILONS = (8.0, 4.0)
+GLFC_SIGMAS = (0.5, 1.0, 2.0)
+# GLFC's preset shortened to what the study can afford (2 tasks of 5 rounds: one task transition, so the
+# proxy inverts gradients and old models are kept)
+GLFC_SHORT = {"num-server-rounds": 10, "glfc-tasks": 2, "glfc-rounds-per-task": 5}
+
+
+def command_config(record_path: Path) -> tuple[dict[str, Any], int]:
+    """The run config and client count of a README command as recorded (``--run-config "..."``,
+    ``--num-supernodes N``): the study's base is exactly what the README's row ran."""
+    from pollen.launch.launcher import parse_run_config
+
+    words = shlex.split(read_json(record_path)["command"])
+    config = parse_run_config(words[words.index("--run-config") + 1])
+    nodes = int(words[words.index("--num-supernodes") + 1]) if "--num-supernodes" in words else 0
+    return config, nodes
+
+
+def arms(family: str) -> list[tuple[str, dict[str, Any]]]:
+    """(arm name, the run keys it adds) for one family, the no-DP arm first."""
+    audit = {"leak-audit": True}
+    if family == "fedproto":
+        out = [("off", audit)]
+        for mode in ("payload", "sample"):
+            out += [(f"{mode}-eps{e:g}", {**audit, "dp-mode": mode, "dp-target-epsilon": e}) for e in FEDPROTO_EPSILONS]
+        return out
+    if family == "glfc":
+        return [("sigma0", audit)] + [(f"sigma{s:g}", {**audit, "dp-mode": "payload", "dp-noise-multiplier": s})
+                                      for s in GLFC_SIGMAS]
+    if family == "fccl":
+        return [("off", audit)] + [(f"payload-eps{e:g}", {**audit, "dp-mode": "payload", "dp-target-epsilon": e})
+                                   for e in FCCL_EPSILONS]
+    raise ValueError(family)
+
+
+def base_config(family: str) -> tuple[dict[str, Any], int]:
+    """The family's run config without seed and paths, and its number of SuperNodes."""
+    if family == "fedproto":
+        return command_config(README_FEDPROTO)
+    if family == "glfc":
+        return {**preset("glfc-mnist-fmnist"), **GLFC_SHORT}, 10
+    if family == "fccl":
+        return preset("fccl-digits-offline"), 4
+    raise ValueError(family)
+
+
+def setting(family: str, arm_keys: dict[str, Any]) -> dict[str, Any]:
+    """What a result file must have been run with (a changed base refuses the old files)."""
+    config, nodes = base_config(family)
+    return {"run-config": {**config, **arm_keys}, "num-supernodes": nodes}
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, text=True,
+                          capture_output=True, check=True).stdout.strip()
+
+
+CURVE_PREFIXES = ("leak-", "dp-epsilon")
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    """The figures the report needs: the final evaluation, the privacy block and per-round curves of the
+    accuracy, ε and leak figures (means over clients, floors included)."""
+    summary = read_summary(run_dir)
+    rounds = read_metrics(run_dir)
+    final = summary["final"]
+    curves: dict[str, list] = {"round": [r["round"] for r in rounds]}
+    keys = sorted({k for r in rounds for k in r.get("fit", {})
+                   if k.startswith(CURVE_PREFIXES) and not k.endswith("-client-std")})
+    for k in keys:
+        curves[f"fit/{k}"] = [r.get("fit", {}).get(k) for r in rounds]
+    ev_keys = sorted({k for r in rounds for k in {**r.get("evaluate", {}), **r.get("server-evaluate", {})}
+                      if k in ("accuracy-client-mean", "proto-accuracy-client-mean", "inter-accuracy-client-mean",
+                               "intra-accuracy-client-mean", "aia", "accuracy")})
+    for k in ev_keys:
+        curves[f"evaluate/{k}"] = [{**r.get("evaluate", {}), **r.get("server-evaluate", {})}.get(k) for r in rounds]
+    return {"status": summary["status"], "rounds": summary["rounds"], "app-wall-time-s": summary["wall-time-s"],
+            "rejected-total": summary["rejected-total"], "failures-total": summary["failures-total"],
+            "evaluate": {**final.get("evaluate", {}), **final.get("server-evaluate", {})},
+            "privacy": summary.get("privacy", {}), "curves": curves}
+
+
+def run_one(family: str, arm: str, keys: dict[str, Any], seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    from pollen.launch.launcher import simulate
+
+    config, nodes = base_config(family)
+    out_dir = args.work_dir / "runs"
+    run_config = {**config, **keys, "seed": seed, "data-root": args.data_root, "out-dir": str(out_dir)}
+    load = os.getloadavg()[0]
+    started = time.monotonic()
+    outcome = simulate(flwr_home=args.work_dir / "flwr", num_supernodes=nodes, run_config=run_config,
+                       timeout=6 * 3600, echo=False)
+    wall = time.monotonic() - started
+    if not outcome.completed:
+        raise RuntimeError(f"{family} {arm} seed {seed} did not complete ({outcome.status}):\n{outcome.log[-3000:]}")
+    return {"family": family, "arm": arm, "seed": seed, "setting": setting(family, keys), "commit": _commit(),
+            "wall-s": round(wall, 1), "load-1min-at-start": round(load, 2),
+            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **read_run(outcome.results_dir)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+def _last(curve: list | None) -> float | None:
+    vals = [v for v in (curve or []) if isinstance(v, (int, float))]
+    return vals[-1] if vals else None
+
+
+def _mean(curve: list | None) -> float | None:
+    vals = [v for v in (curve or []) if isinstance(v, (int, float))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _cell(records: list[dict], get, digits: int = 2, scale: float = 1.0) -> str:
+    vals = [v * scale for v in (get(r) for r in records) if v is not None]
+    return fmt_mean_sd(vals, digits) if vals else "—"
+
+
+def _pct(key: str):
+    return lambda r: r["evaluate"].get(key)
+
+
+def _fit_mean(key: str):
+    """A per-round fit figure averaged over the rounds that report it (one release each)."""
+    return lambda r: _mean(r["curves"].get(f"fit/{key}"))
+
+
+def _eps(r: dict) -> float | None:
+    return r["privacy"].get("dp-epsilon-max")
+
+
+def _group(records: list[dict], family: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for arm, _ in arms(family):
+        got = [r for r in records if r["family"] == family and r["arm"] == arm]
+        if got:
+            out[arm] = got
+    return out
+
+
+def _seeds(group: list[dict]) -> str:
+    return ", ".join(str(r["seed"]) for r in sorted(group, key=lambda r: r["seed"]))
+
+
+def _off_check(records: list[dict]) -> list[str]:
+    """Does ``dp-mode = off`` (with the leak audit on) give the README's committed FedProto row, to every digit?"""
+    readme = read_json(README_FEDPROTO)
+    ours = [r for r in records if r["family"] == "fedproto" and r["arm"] == "off" and r["seed"] == 0]
+    if not ours or readme is None:
+        return []
+    want = readme["summary"]["final"]["evaluate"]
+    got = ours[0]["evaluate"]
+    keys = ("accuracy-client-mean", "accuracy-client-std", "proto-accuracy-client-mean", "proto-accuracy-client-std")
+    same = all(want.get(k) == got.get(k) for k in keys)
+    shown = ", ".join(f"{k} {got.get(k)!r}" + ("" if want.get(k) == got.get(k) else f" (README row {want.get(k)!r})")
+                      for k in keys)
+    return [f"`dp-mode = off` with the leak audit on, seed 0, against the README's committed FedProto row "
+            f"(`bench/results/readme_commands/fedproto.json`, commit {readme['commit']}): "
+            f"**{'equal to every digit' if same else 'DIFFERENT'}** ({shown}).", ""]
+
+
+def markdown(records: list[dict]) -> str:
+    lines = ["# Privacy study: accuracy and measured leakage under differential privacy", "",
+             "Written by `python -m bench.privacy` from `bench/results/privacy/*.json` (one file per run). Every run "
+             "is a `flwr run` with `leak-audit = true`; `dp-clip` 1.0, `dp-delta` 1e-5. Figures are mean ± s.d. over "
+             "the seeds listed (one seed: the value). *ε spent*: `summary.json`'s `privacy.dp-epsilon-max`, the "
+             "worst-off client's ε after the last round. Leak figures are per release (each round's mean over "
+             "clients, averaged over the rounds), with the score of a server that ignores the release (*floor*); "
+             "a release leaks what it gains over its floor (TV below it, F1 above it). What each figure means: "
+             "[docs/privacy.md](../../docs/privacy.md#measured-leakage).", ""]
+    fp = _group(records, "fedproto")
+    if fp:
+        cfg, nodes = base_config("fedproto")
+        lines += ["## FedProto, MNIST (the README's command)", "",
+                  f"{nodes} clients, {cfg.get('num-server-rounds')} rounds, run config `"
+                  + " ".join(f"{k}={v!r}" for k, v in cfg.items()) + "`; ε targets over all rounds "
+                  "(`dp-target-epsilon`). `payload` protects one embedding row given the model, `sample` one "
+                  "training record (DP-SGD plus the same prototype release).", ""]
+        rows = []
+        for arm, group in fp.items():
+            mode, _, eps = arm.partition("-eps")
+            rows.append([mode if mode != "off" else "off (no DP)", eps or "∞", _cell(group, _eps),
+                         _cell(group, _pct("accuracy-client-mean"), scale=100),
+                         _cell(group, _pct("proto-accuracy-client-mean"), scale=100),
+                         _cell(group, _fit_mean("leak-hist-tv-client-mean"), 3),
+                         _cell(group, _fit_mean("leak-hist-tv-floor-client-mean"), 3),
+                         _cell(group, _fit_mean("leak-presence-f1-client-mean"), 3),
+                         _cell(group, _fit_mean("leak-presence-f1-floor-client-mean"), 3),
+                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group)])
+        lines += table(["dp-mode", "target ε", "ε spent", "local acc. %", "proto acc. %", "histogram TV",
+                        "TV floor", "presence F1", "F1 floor", "wall s", "seeds"], rows)
+        lines += ["", *_off_check(records)]
+    gl = _group(records, "glfc")
+    if gl:
+        cfg, nodes = base_config("glfc")
+        lines += ["## GLFC, MNIST + Fashion-MNIST (the preset, shortened)", "",
+                  f"`conf/glfc-mnist-fmnist.toml` with {GLFC_SHORT} ({nodes} SuperNodes): one task transition, so the "
+                  "proxy inverts the new task's gradients. σ is `dp-noise-multiplier` under `payload` (0: `dp-mode = "
+                  "off`); the model update and each gradient set are clipped to 1 and get noise σ·√(1 + K). Proxy "
+                  "figures are the server's, averaged over the rounds that carried gradient sets.", ""]
+        rows = []
+        for arm, group in gl.items():
+            rows.append([arm.removeprefix("sigma"), _cell(group, _eps),
+                         _cell(group, lambda r: r["evaluate"].get("aia"), 3),
+                         _cell(group, lambda r: r["evaluate"].get("forgetting"), 3),
+                         _cell(group, _fit_mean("leak-psnr"), 1), _cell(group, _fit_mean("leak-psnr-floor"), 1),
+                         _cell(group, _fit_mean("leak-ssim"), 3), _cell(group, _fit_mean("leak-ssim-floor"), 3),
+                         _cell(group, _fit_mean("leak-label-acc"), 3),
+                         _cell(group, _fit_mean("leak-label-acc-floor"), 3),
+                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group)])
+        lines += table(["σ", "ε spent", "AIA", "forgetting", "proxy PSNR dB", "PSNR floor", "SSIM", "SSIM floor",
+                        "label acc.", "label floor", "wall s", "seeds"], rows)
+        lines += [""]
+    fc = _group(records, "fccl")
+    if fc:
+        lines += ["## FCCL, offline Digits (the preset)", "",
+                  "`conf/fccl-digits-offline.toml` (4 clients, one domain each, 10 rounds); each public-sample logit "
+                  "row clipped to 1, noise σ·√N0 (N0 = 1,000 public samples).", ""]
+        rows = []
+        for arm, group in fc.items():
+            rows.append([arm.removeprefix("payload-eps") if arm != "off" else "∞ (off)", _cell(group, _eps),
+                         _cell(group, _pct("inter-accuracy-client-mean"), scale=100),
+                         _cell(group, _pct("intra-accuracy-client-mean"), scale=100),
+                         _cell(group, _fit_mean("leak-softmax-tv-client-mean"), 3),
+                         _cell(group, _fit_mean("leak-softmax-tv-floor-client-mean"), 3),
+                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group)])
+        lines += table(["target ε", "ε spent", "inter AVG %", "intra AVG %", "softmax TV", "TV floor", "wall s",
+                        "seeds"], rows)
+        lines += [""]
+    missing = [f"{f} {a}" for f in FAMILIES for a, _ in arms(f) if not _group(records, f).get(a)]
+    if missing:
+        lines += ["## Not run yet", "", "No result file for: " + ", ".join(missing) + ".", ""]
+    lines += ["Runs: " + "; ".join(f"{r['family']} {r['arm']} seed {r['seed']} at {r['commit']} "
+                                   f"({r['wall-s']:.0f} s, load {r['load-1min-at-start']})"
+                                   for r in sorted(records, key=lambda r: r['finished'])) + ".", ""]
+    return "\n".join(lines)
+
+
+def plot(records: list[dict]) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    inf_x = 16.0  # where ε = ∞ is drawn on the log axis
+    for mode, marker in (("payload", "o"), ("sample", "s")):
+        for key, style in (("accuracy-client-mean", "-"), ("proto-accuracy-client-mean", "--")):
+            pts = []
+            for arm, group in _group(records, "fedproto").items():
+                m, _, eps = arm.partition("-eps")
+                if m in (mode, "off"):
+                    vals = [100 * r["evaluate"][key] for r in group if key in r["evaluate"]]
+                    if vals:
+                        pts.append((float(eps) if eps else inf_x, sum(vals) / len(vals)))
+            if pts:
+                pts.sort()
+                ax.plot(*zip(*pts), style, marker=marker,
+                        label=f"{mode}, {'local' if key.startswith('accuracy') else 'proto'}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("target ε over 100 rounds (rightmost: no DP)")
+    ax.set_ylabel("test accuracy %")
+    ax.set_title("FedProto MNIST: accuracy")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for mode, marker in (("payload", "o"), ("sample", "s")):
+        pts, floor = [], []
+        for arm, group in _group(records, "fedproto").items():
+            m, _, eps = arm.partition("-eps")
+            if m in (mode, "off"):
+                x = float(eps) if eps else inf_x
+                tv = [v for v in map(_fit_mean("leak-hist-tv-client-mean"), group) if v is not None]
+                fl = [v for v in map(_fit_mean("leak-hist-tv-floor-client-mean"), group) if v is not None]
+                if tv:
+                    pts.append((x, sum(tv) / len(tv)))
+                if fl:
+                    floor.append(sum(fl) / len(fl))
+        if pts:
+            pts.sort()
+            ax.plot(*zip(*pts), "-", marker=marker, label=f"{mode}: histogram TV")
+        if floor and mode == "payload":
+            ax.axhline(sum(floor) / len(floor), color="grey", ls=":", label="floor (uniform guess)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("target ε (rightmost: no DP)")
+    ax.set_ylabel("TV distance, per release (lower = more leaked)")
+    ax.set_title("FedProto: label histogram from counts")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    pts, aia = [], []
+    for arm, group in _group(records, "glfc").items():
+        s = float(arm.removeprefix("sigma"))
+        ps = [v for v in map(_fit_mean("leak-psnr"), group) if v is not None]
+        if ps:
+            pts.append((s, sum(ps) / len(ps)))
+        aia.append((s, sum(r["evaluate"].get("aia", math.nan) for r in group) / len(group)))
+    if pts:
+        ax.plot(*zip(*sorted(pts)), "-o", label="proxy PSNR (dB)")
+        ax.set_ylabel("PSNR dB")
+        twin = ax.twinx()
+        twin.plot(*zip(*sorted(aia)), "--s", color="C1", label="AIA")
+        twin.set_ylabel("AIA")
+        twin.legend(loc="upper center", fontsize=8)
+    ax.set_xlabel("noise multiplier σ")
+    ax.set_title("GLFC: gradient inversion vs noise")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, REPORT_PNG, 110)
+
+
+def report(files: RunFiles) -> None:
+    records = files.load()
+    write_atomic(REPORT_MD, markdown(records))
+    write_json(REPORT_JSON, {"runs": [{k: v for k, v in r.items() if k != "curves"} for r in records]})
+    if records:
+        plot(records)
+    print(f"[privacy] {len(records)} run(s) -> {REPORT_MD.relative_to(ROOT)}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-root", default=default_data_root())
+    parser.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument("--arms", nargs="+", default=None, help="only these arms (e.g. off payload-eps8)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/pollen-bench-privacy"),
+                        help="FLWR_HOME and the runs' own output folders")
+    parser.add_argument("--report", action="store_true", help="only rewrite the report from the result files")
+    args = parser.parse_args(argv)
+    args.data_root = str(Path(args.data_root).resolve())
+    files = RunFiles(FOLDER)
+    FOLDER.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        for seed in args.seeds:
+            for family in args.family:
+                for arm, keys in arms(family):
+                    if args.arms and arm not in args.arms:
+                        continue
+                    name = f"{family}-{arm}"
+                    if files.finished(name, seed, setting(family, keys)):
+                        print(f"[privacy] skip {name} seed {seed}: done", flush=True)
+                        continue
+                    print(f"[privacy] {name} seed {seed} ...", flush=True)
+                    record = run_one(family, arm, keys, seed, args)
+                    files.save(name, seed, record)
+                    print(f"[privacy] {name} seed {seed}: {record['wall-s']:.0f} s, ε spent "
+                          f"{record['privacy'].get('dp-epsilon-max', '∞')}", flush=True)
+                    report(files)
+    report(files)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

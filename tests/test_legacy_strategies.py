@@ -381,3 +381,63 @@ def test_homogeneous_mode_screens_states_and_averages_them_by_samples():
     _, metrics = strat.aggregate_fit(2, [(stub_node("a"), _fit_res([A, w1[0], w1[0]], 10, 0))], [])
     assert metrics["rejected"] == 1 and strat.take_rejections()[0].reason == \
         "model: 'param[1]': shape 2 != expected scalar"
+
+
+# -- differential privacy: the bounds follow the mechanism, as on the Message API -------------------------
+def _payload_privacy(clip: float, sigma: float):
+    from pollen.privacy import PayloadPrivacy, PrivacyConfig
+    from pollen.privacy.bounds import dp_bounds
+
+    class Store:  # the node state the client's ledger lives in
+        def __init__(self):
+            self.values = {}
+
+        def save_values(self, key, values):
+            self.values[key] = dict(values)
+
+        def load_values(self, key, default=None):
+            return dict(self.values.get(key, default or {}))
+
+    config = PrivacyConfig("payload", clip, sigma, 0.0, 1e-5, 0.0)
+    return dp_bounds(config, 10), lambda pid: PayloadPrivacy(config, 10, Store(), f"partition {pid}")
+
+
+def test_weight_averaging_under_dp_keeps_honest_releases_and_refuses_one_beyond_the_dp_bound():
+    bounds, privacy = _payload_privacy(clip=2.0, sigma=0.05)
+    init = [np.linspace(-1, 1, 600, dtype=np.float32).reshape(20, 30), np.zeros(40, np.float32)]
+    strat = WeightAveraging(initial_parameters=ndarrays_to_parameters(init), weighting="uniform",
+                            bounds=PayloadBounds(dp=bounds))
+    rng = np.random.default_rng(0)
+    releases = []
+    for pid in range(3):
+        trained = [a + rng.normal(0, 0.5, a.shape).astype(np.float32) for a in init]
+        release, metrics = privacy(pid).update(init, trained, rng)
+        releases.append(release)
+    scaled = [b + 1.5 * (r - b) for b, r in zip(init, releases[2])]  # an honest release's update × 1.5
+    results = [(stub_node(str(pid)), _fit_res(arrays, 1, pid))
+               for pid, arrays in ((0, releases[0]), (1, releases[1]), (2, scaled))]
+    params, metrics = strat.aggregate_fit(1, results, [])
+    assert metrics["accepted"] == 2 and metrics["rejected"] == 1
+    (rejection,) = strat.take_rejections()
+    assert rejection.client == "partition 2" and "above the DP bound" in rejection.reason
+    assert "dp-clip 2" in rejection.reason and "σ 0.05 from dp-noise-multiplier" in rejection.reason
+    for got, a, b in zip(parameters_to_ndarrays(params), releases[0], releases[1]):
+        np.testing.assert_allclose(got, (a + b) / 2, rtol=1e-6)
+    # without DP the relative max-update-norm (1e4 × the broadcast) admits the scaled reply
+    loose = WeightAveraging(initial_parameters=ndarrays_to_parameters(init), weighting="uniform")
+    assert loose.aggregate_fit(1, results, [])[1]["accepted"] == 3
+
+
+def test_logit_averaging_under_dp_refuses_logits_beyond_the_dp_bound_and_homogeneous_mode():
+    bounds, privacy = _payload_privacy(clip=1.0, sigma=0.5)
+    rng = np.random.default_rng(1)
+    honest, _ = privacy(0).logits(rng.normal(size=(5, 3)), rng)
+    strat = LogitAveraging(num_public=5, num_classes=3, bounds=PayloadBounds(dp=bounds))
+    params, metrics = strat.aggregate_fit(1, [(stub_node("0"), _fit_res([honest], 1, 0)),
+                                              (stub_node("1"), _fit_res([10.0 * honest], 1, 1))], [])
+    assert metrics["accepted"] == 1
+    (rejection,) = strat.take_rejections()
+    assert rejection.client == "partition 1" and "logit matrix norm" in rejection.reason
+    np.testing.assert_allclose(parameters_to_ndarrays(params)[0], honest, rtol=1e-6)
+    with pytest.raises(ValueError, match="homogeneous mode.*differential privacy"):
+        LogitAveraging(num_public=5, num_classes=3, average_weights=True, bounds=PayloadBounds(dp=bounds))

@@ -153,6 +153,12 @@ class RejectionLog:
         self.bounds = bounds if bounds is not None else PayloadBounds()
         self.rejections: list[Rejection] = []
 
+    def _dp_models(self):
+        """The DP bound of model updates and logits when the bounds carry one that sizes their noise
+        (``dp-mode = payload``), else ``None``: the same check as the Message-API strategies."""
+        dp = self.bounds.dp
+        return dp if dp is not None and dp.bounds_models else None
+
     def reject(self, server_round: int, client: str, reason: str, stage: str = "train") -> None:
         rej = Rejection(server_round, client, reason, stage)
         LOGGER.warning("round %d %s: dropped reply from %s: %s", server_round, stage, client, reason)
@@ -221,7 +227,8 @@ class WeightAveraging(RejectionLog, FedAvg):
     ``"uniform"`` averages clients equally (as GLFC's code does). Each reply must match the current
     global model's array count, shapes and dtypes, be finite and move it no further than
     ``bounds.max_update_norm`` allows (:mod:`pollen.protocol.weights`); anything else is dropped and
-    counted. The proximal coefficient travels to clients in the fit config as ``proximal-mu``.
+    counted. Under ``bounds.dp`` (``dp-mode = payload``) the update's DP bound replaces that norm, as on the
+    Message API. The proximal coefficient travels to clients in the fit config as ``proximal-mu``.
     """
 
     def __init__(self, *, initial_parameters: Parameters, weighting: str = "samples",
@@ -262,13 +269,17 @@ class WeightAveraging(RejectionLog, FedAvg):
         keys = param_keys(len(self._global))
         broadcast = dict(zip(keys, self._global))
         reference = array_record(broadcast)
+        dp = self._dp_models()
 
         def decode(_proxy: ClientProxy, res: FitRes) -> tuple[list[np.ndarray] | None, str | None]:
             record, reason = parameters_record(res.parameters, keys)
             if record is None:
                 return None, reason
-            state, reason = decode_weights_reply(record, reference, self.bounds.max_update_norm, broadcast)
-            return (None, reason) if state is None else ([state[k] for k in keys], None)
+            state, reason = decode_weights_reply(record, reference, self.bounds.declared().max_update_norm,
+                                                 broadcast)
+            if state is not None and dp is not None:
+                reason = dp.check_update(state, broadcast)
+            return (None, reason) if state is None or reason is not None else ([state[k] for k in keys], None)
 
         accepted = [(arrays, res) for _, arrays, res in self.screen_fit(server_round, results, decode)]
         metrics: dict[str, Scalar] = {"accepted": len(accepted), "rejected": len(results) - len(accepted),
@@ -447,7 +458,8 @@ class LogitAveraging(RejectionLog, Strategy):
     ``[logits N0×C float32]`` (+ model state).
 
     ``num_public`` × ``num_classes`` is the logit shape every reply must have; every logit finite and
-    within ``bounds.max_logit_abs``. With ``average_weights=True`` (homogeneous mode: every client runs
+    within ``bounds.max_logit_abs`` (under ``bounds.dp``: within the logits' DP bound instead). With
+    ``average_weights=True`` (homogeneous mode: every client runs
     the same architecture) replies also carry the model state, which is averaged FedAvg-style (weighted
     by training samples) and sent back with the consensus — FCCL "+ averaging" of the paper's Table 3,
     or FedAvg when the client does no collaborative step. The first accepted state fixes its shapes;
@@ -466,6 +478,9 @@ class LogitAveraging(RejectionLog, Strategy):
         if not 0.0 <= fraction_evaluate <= 1.0:
             raise ValueError(f"fraction_evaluate must be in [0, 1], got {fraction_evaluate}")
         self._init_screening(max_examples, bounds)
+        if average_weights and self.bounds.dp is not None:
+            raise ValueError("average_weights (homogeneous mode) cannot run under differential privacy: the "
+                             "model states it averages are not privatized; use the logits alone")
         self.num_public = num_public
         self.num_classes = num_classes
         self.fraction_fit = fraction_fit
@@ -509,6 +524,7 @@ class LogitAveraging(RejectionLog, Strategy):
         if self.weights is not None:
             broadcast = dict(zip(param_keys(len(self.weights)), self.weights))
             reference = array_record(broadcast)
+        dp = self._dp_models()
 
         def decode(_proxy: ClientProxy, res: FitRes) -> tuple[list[np.ndarray] | None, str | None]:
             nonlocal reference, broadcast
@@ -518,7 +534,11 @@ class LogitAveraging(RejectionLog, Strategy):
             if record is None:
                 return None, reason
             logits, reason = decode_logit_reply(ArrayRecord({LOGITS: record[LOGITS]}), self.num_public,
-                                                self.num_classes, self.bounds.max_logit_abs)
+                                                self.num_classes, self.bounds.declared().max_logit_abs)
+            if logits is not None and dp is not None:
+                reason = dp.check_logits(logits)
+                if reason is not None:
+                    return None, reason
             if logits is None or not self.average_weights:
                 return (None, reason) if logits is None else ([logits], None)
             if not keys:

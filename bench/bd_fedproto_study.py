@@ -48,6 +48,7 @@ from bench.kit import (
     fmt_paired,
     mean_sd,
     pop_sd,
+    preset,
     pyplot,
     read_json,
     read_metrics,
@@ -89,21 +90,31 @@ def registered_tasks() -> set[str]:
     return set(TASKS)
 
 
+# the FedProto MNIST setting every cell shares, read from the presets (conf/<method>-mnist-n<n>.toml)
+SHARED_KEYS = {"shots": "shot-shots", "stdev": "shot-stdev", "test-per-class": "shot-test-per-class",
+               "batch-size": "batch-size", "lr": "lr", "momentum": "momentum", "local-epochs": "local-epochs"}
+
+
+def cell_preset(arm: str, ways: int) -> dict:
+    """The preset a cell starts from: its method's MNIST preset for n-way (the ablations are BD-FedProto's)."""
+    return preset(f"{ARMS[arm][0]}-mnist-n{ways}")
+
+
 def study_setting(args: argparse.Namespace) -> dict:
-    """What every run of one results file must share (a file never mixes two settings)."""
-    return {"clients": args.clients, "rounds": args.rounds, "shots": 100, "stdev": 2, "test-per-class": 40,
-            "batch-size": 4, "lr": 0.01, "momentum": 0.5, "local-epochs": 1,
-            "evaluate-every": args.evaluate_every}
+    """What every run of one results file must share (a file never mixes two settings): the presets' shared
+    FedProto setting (the same in every preset the study uses: tested) and the study's own options."""
+    base = cell_preset("fedproto", WAYS[0])
+    return {"clients": args.clients, "rounds": args.rounds,
+            **{name: base[key] for name, key in SHARED_KEYS.items()}, "evaluate-every": args.evaluate_every}
 
 
 def run_config(dataset: str, ways: int, arm: str, seed: int, args: argparse.Namespace, out_dir: Path) -> dict:
-    method, _variant, extra = ARMS[arm]
-    s = study_setting(args)
-    return {"method": method, "task": dataset, "num-server-rounds": s["rounds"], "seed": seed,
-            "data-root": args.data_root, "out-dir": str(out_dir), "shot-ways": ways, "shot-shots": s["shots"],
-            "shot-stdev": s["stdev"], "shot-test-per-class": s["test-per-class"], "batch-size": s["batch-size"],
-            "lr": s["lr"], "momentum": s["momentum"], "local-epochs": s["local-epochs"],
-            "proto-evaluate-every": s["evaluate-every"], **extra}
+    """The cell's preset; the study overrides only the dataset, rounds, seed, paths, the evaluation cadence
+    and the ablation's switch."""
+    _method, _variant, extra = ARMS[arm]
+    return {**cell_preset(arm, ways), "task": dataset, "num-server-rounds": args.rounds, "seed": seed,
+            "data-root": args.data_root, "out-dir": str(out_dir), "proto-evaluate-every": args.evaluate_every,
+            **extra}
 
 
 def plan(args: argparse.Namespace, tasks: set[str]) -> tuple[list[tuple], list[str]]:

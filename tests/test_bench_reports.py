@@ -129,3 +129,23 @@ def test_solo_sizes_report_renders_from_its_json(tmp_path):
 
     fccl_solo_sizes.write_markdown(_json("fccl_solo_sizes.json"), tmp_path / "solo.md")
     assert (tmp_path / "solo.md").read_text() == (RESULTS / "fccl_solo_sizes.md").read_text()
+
+
+def test_the_bd_fedproto_study_runs_its_presets_under_the_setting_its_results_were_made_with():
+    """Every cell starts from its method's preset (conf/<method>-mnist-n<n>.toml); the presets must agree on
+    the shared FedProto setting, and that setting is the one the committed results file was run with (else
+    the study would refuse to add to it, or add runs of another setting under the same label)."""
+    import argparse
+
+    from bench import bd_fedproto_study as s
+
+    args = argparse.Namespace(clients=20, rounds=50, evaluate_every=1, data_root="/data")
+    setting = s.study_setting(args)
+    assert setting == _json("bd_fedproto_study.json")["setting"]
+    for ways in s.WAYS:
+        for arm, (method, _variant, extra) in s.ARMS.items():
+            config = s.run_config("fmnist-shot", ways, arm, 3, args, PROJECT_ROOT / "runs")
+            assert config["method"] == method and config["shot-ways"] == ways and config["task"] == "fmnist-shot"
+            assert {name: config[key] for name, key in s.SHARED_KEYS.items()} == \
+                {name: setting[name] for name in s.SHARED_KEYS}, (arm, ways)
+            assert config["num-server-rounds"] == 50 and config["seed"] == 3 and extra.items() <= config.items()

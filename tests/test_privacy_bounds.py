@@ -5,6 +5,7 @@ with DP off nothing changes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -397,3 +398,39 @@ def test_a_payload_fedmd_run_accepts_every_honest_client(data_root, tmp_path):
     server_main(InProcessGrid(nodes), Context(run_id=9, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
     records = [json.loads(line) for line in (tmp_path / "runs" / "9" / "metrics.jsonl").read_text().splitlines()]
     assert [r["accepted"] for r in records] == [4]
+
+
+# -- a private model run that will drown in its own noise is told so -----------------------------------------
+def test_the_noise_warning_compares_the_averaged_noise_with_the_model_by_hand():
+    bounds = dp_bounds(*payload(clip=1.0, sigma=2.0))
+    model = {"w": np.full(100, 0.5, np.float32), "steps": np.array(7, np.int64)}  # norm 5, 100 float entries
+    # noise of the average of k releases: σ·clip·√(d/k) = 2·√(100/4) = 10 > 5
+    warning = bounds.model_noise_warning(model, clients=4)
+    assert warning is not None and "≈ 10 " in warning and "norm 5" in warning and "d = 100 float entries" in warning
+    assert "k = 4 clients" in warning and "lower dp-noise-multiplier" in warning
+    assert bounds.model_noise_warning(model, clients=16) is None  # 2·√(100/16) = 5: not above the model
+    sample = dp_bounds(PrivacyConfig("sample", 1.0, 2.0, 0.0, 1e-5, 0.0), 100)
+    assert sample.model_noise_warning(model, clients=1) is None  # DP-SGD models carry no release noise
+
+
+def test_a_fedavg_run_drowned_in_noise_is_warned_before_round_1_and_its_clients_name_the_noise(caplog):
+    """The warning depends only on the keys, the initial model and k, so it is certain; when a round does
+    diverge (the noise comes from the OS, so when is not: forced here by a learning rate that overflows
+    in round 1) the client's error names the noise as well as the learning rate."""
+    from pollen.strategies.base import NoTrainingError
+    from pollen.testing import run_inprocess
+
+    rc = {"method": "fedavg", "num-server-rounds": 3, "local-epochs": 1, "dp-mode": "payload", "dp-clip": 0.5,
+          "dp-noise-multiplier": 1.5, "avg-weighting": "uniform", "torch-threads": 1}
+    assert len(run_inprocess(rc, stop_after=1, echo=False)) == 1  # round 1 trains the clean initial model
+    warnings = [r.getMessage() for r in caplog.records if "averaged model gets noise" in r.getMessage()]
+    assert len(warnings) == 1 and "k = 3 clients a round" in warnings[0] and "σ 1.5, dp-clip 0.5" in warnings[0]
+    caplog.clear()
+    quiet = {**rc, "dp-noise-multiplier": 0.05}  # averaged noise well below the model's norm
+    assert len(run_inprocess(quiet, stop_after=1, echo=False)) == 1
+    assert not [r for r in caplog.records if "averaged model gets noise" in r.getMessage()]
+    caplog.clear()
+    with contextlib.suppress(NoTrainingError):  # however many clients diverge, each one says why
+        run_inprocess({**quiet, "dp-noise-multiplier": 1e-6, "lr": 10.0, "momentum": 0.99}, echo=False)
+    errors = [r.getMessage() for r in caplog.records if "training loss became nan" in r.getMessage()]
+    assert errors and all("under dp-mode = payload" in e and "lower dp-noise-multiplier" in e for e in errors)

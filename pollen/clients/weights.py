@@ -26,8 +26,17 @@ class WeightClient(PollenClient):
         terms: list[LossTerm] = [CrossEntropy()] + ([Proximal(mu)] if mu > 0 else [])
         for term in terms:
             term.start(model)
-        history, trained = train_terms(model, self.data.x_train, self.data.y_train, terms, self.local_training(),
-                                       generator=generator, device=self.device, sample=sample)
+        try:
+            history, trained = train_terms(model, self.data.x_train, self.data.y_train, terms,
+                                           self.local_training(), generator=generator, device=self.device,
+                                           sample=sample)
+        except FloatingPointError as exc:
+            if privacy is None:
+                raise
+            raise FloatingPointError(
+                f"{exc}, or the noise: under dp-mode = payload the global model is the average of noisy "
+                "releases; lower dp-noise-multiplier (or raise dp-target-epsilon) or dp-clip, or sample more "
+                "clients per round") from exc
         metrics = self.base_metrics()
         if sample is not None and trained is not None:  # DP-SGD: the model is private, n is not released
             return model_arrays(model), 1, {**metrics, **sample.spend(trained)}

@@ -111,6 +111,26 @@ class DpBounds:
         return self._refuse(what, delta, limit,
                             f"dp-clip {self.clip:g} with the noise bound of {entries} entries at std {std:.4g}")
 
+    def model_noise_warning(self, model: Mapping[str, np.ndarray], clients: int, std_units: float = 1.0) -> str | None:
+        """Why a private model run may diverge, said before round 1, or ``None``. Each round's average of
+        ``clients`` releases carries noise of expected norm σ·clip·``std_units``·√(d / clients) over the
+        model's d float entries (uniform weights; the noise of independent releases averages down by
+        √clients). When that is larger than the whole model, the next round trains on a model that is
+        mostly noise, and its loss tends to overflow to NaN a round or two later."""
+        if not self.bounds_models or clients < 1:
+            return None
+        keys = [k for k in model if np.asarray(model[k]).dtype.kind == "f"]
+        entries = sum(int(np.size(model[k])) for k in keys)
+        noise = self.noise_multiplier * self.clip * std_units * math.sqrt(entries / clients)
+        size = _norm(model[k] for k in keys)
+        if noise <= size:
+            return None
+        return (f"differential privacy: each round's averaged model gets noise of norm ≈ {noise:.3g} "
+                f"(σ·clip·√(d / k): σ {self.noise_multiplier:.4g}, dp-clip {self.clip:g}, d = {entries} float "
+                f"entries, k = {clients} clients a round), more than the model's own norm {size:.3g}: training "
+                f"is likely to diverge (NaN loss) within a few rounds; lower dp-noise-multiplier (or raise "
+                f"dp-target-epsilon) or dp-clip, or sample more clients per round ({self.source})")
+
     def check_logits(self, logits: np.ndarray) -> str | None:
         """Each of the N0 public-sample rows was clipped to ``dp-clip``, then N(0, (σ·clip·√N0)²) on every
         entry: the whole matrix within :func:`clipped_noisy_norm` of clip·√N0 (its sensitivity) over N0·C

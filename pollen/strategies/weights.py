@@ -14,6 +14,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
+from pollen.log import LOGGER
 from pollen.protocol.records import ARRAYS, CONFIG, array_record
 from pollen.protocol.weights import PROXIMAL_MU, decode_weights_reply
 from pollen.strategies.aggregation import average_arrays  # noqa: F401  (public here since v2)
@@ -41,6 +42,7 @@ class WeightAveraging(PollenStrategy):
         self.weighting = weighting
         self.proximal_mu = float(proximal_mu)
         self.current: ArrayRecord | None = None
+        self._noise_warned = False
 
     def __repr__(self) -> str:
         return (f"WeightAveraging(weighting={self.weighting}, proximal_mu={self.proximal_mu}, "
@@ -63,6 +65,11 @@ class WeightAveraging(PollenStrategy):
             raise ValueError("WeightAveraging needs the initial model state as initial_arrays")
         self.current = arrays
         nodes = self.sample(grid, self.fraction_train, self.min_train_nodes, server_round)
+        if self.bounds.dp is not None and not self._noise_warned:
+            self._noise_warned = True  # once per run: the model's size and k do not change
+            warning = self.bounds.dp.model_noise_warning({k: a.numpy() for k, a in arrays.items()}, len(nodes))
+            if warning is not None:
+                LOGGER.warning("%s", warning)
         content = RecordDict({ARRAYS: arrays,
                               CONFIG: self.round_config(config, server_round, **{PROXIMAL_MU: self.proximal_mu})})
         return self.build_messages(server_round, nodes, MessageType.TRAIN, lambda _n: content)

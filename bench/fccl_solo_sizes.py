@@ -34,14 +34,8 @@ def solo_accuracy(domain: str, size: int, seed: int, args) -> dict:
 
     from pollen.datasets.domain_tasks import domain_client_data, get_domain_task
     from pollen.datasets.tasks import TaskOptions
-    from pollen.methods.logits import (
-        FCCL,
-        LogitOptions,
-        LogitRound,
-        domain_accuracies,
-        resolve_settings,
-        solo_cache_file,
-    )
+    from pollen.methods.logit_settings import FCCL, LogitOptions, resolve_settings
+    from pollen.methods.logits import LogitRound, domain_accuracies, solo_cache_file
     from pollen.models import build_model, to_channels_last
 
     torch.set_num_threads(1)

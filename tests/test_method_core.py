@@ -20,11 +20,11 @@ from flwr.app import Context, RecordDict
 
 from pollen.app.config import parse_run_config
 from pollen.datasets.tasks import build_client_data, resolve_task
+from pollen.methods.prototype_settings import ProtoSettings
 from pollen.methods.prototypes import (
     BD_FEDPROTO,
     FEDPROTO,
     FEDPROTO_PROX,
-    ProtoSettings,
     PrototypeRound,
 )
 from pollen.methods.settings import declared_keys, from_values, setting

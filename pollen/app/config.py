@@ -119,7 +119,7 @@ class RunConfig:
         """Model width multiplier: explicit ``model-width``, else the profile's default."""
         if self.model_width > 0:
             return self.model_width
-        from pollen.models import SMALL_MODELS  # lazily: the launcher reads configs without torch
+        from pollen.models.catalog import SMALL_MODELS  # no torch: the launcher reads configs without it
 
         return 1.0 if model_name in SMALL_MODELS else PROFILE_WIDTH[self.profile]
 
@@ -336,7 +336,10 @@ def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
 
 def _refuse_cross_sample_models(cfg: RunConfig) -> None:
     """DP-SGD needs per-sample gradients: a model with BatchNorm is refused now, naming the layer and
-    the fix, not at the first round (shapes only: built on the meta device)."""
+    the fix, not at the first round (shapes only: built on the meta device).
+
+    The one check of a run config that imports torch, and only under ``dp-mode = sample``: it finds the
+    offending layer in the built module tree, which no table outside the networks would keep true."""
     import torch
 
     from pollen.datasets.tasks import resolve_task
@@ -405,7 +408,7 @@ def parse_node_config(raw: Mapping[str, Any]) -> NodeConfig:
     data_root = str(raw.get("data-root", "") or "").strip() or None
     model = str(raw.get("model", "") or "").strip() or None
     if model is not None:
-        from pollen.models import MODEL_NAMES
+        from pollen.models.catalog import MODEL_NAMES
 
         if model not in MODEL_NAMES:
             raise ConfigError(f"node config 'model' = {model!r} is invalid: expected one of "

@@ -7,9 +7,14 @@ named records of :mod:`pollen.protocol.glfc` for the client and encodes its name
 objective, the memory, the old model and the proxy. The strategy learns each node's partition from a
 ``query`` message, answered by the ClientApp's ``query`` handler. They run on the class-incremental
 tasks of :mod:`pollen.datasets.incremental` (``mnist-fmnist-cil``, ``cifar100-cil``). Run keys are prefixed
-``glfc-`` (``docs/usage.md``), declared once by :class:`~pollen.methods.glfc.GlfcOptions`.
+``glfc-`` (``docs/usage.md``), declared once by :class:`~pollen.methods.glfc_settings.GlfcOptions`.
 Start the simulation with ``glfc-initial-clients + (glfc-tasks - 1) · glfc-new-clients`` SuperNodes and
 ``num-server-rounds = glfc-tasks · glfc-rounds-per-task``.
+
+Importing this module imports no torch (the launcher checks GLFC run configs with it): the keys are
+declared in :mod:`pollen.methods.glfc_settings`; the models, the client and the server's test set are
+imported where they are built. GLFC's ServerApp does import torch, when it builds its strategy (its
+proxy server and its evaluation run models) and its initial model (issue 30: start-up cost).
 """
 
 from __future__ import annotations
@@ -24,11 +29,9 @@ from pollen.app.adapters import ClientAdapter
 from pollen.app.errors import ConfigError
 from pollen.app.method_spec import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key, check
-from pollen.clients.glfc import IncrementalClient
 from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, plan_stream, stream_data
-from pollen.methods.glfc import GlfcOptions, IncrementalSettings, build_lenet, build_stream_model
+from pollen.methods.glfc_settings import GlfcOptions, IncrementalSettings
 from pollen.methods.settings import declared_keys, from_values
-from pollen.methods.training import pick_device
 from pollen.protocol import glfc as protocol
 from pollen.strategies.glfc import IncrementalFedAvg, seeded_model
 
@@ -145,12 +148,17 @@ def _test_set(cfg: RunConfig):
 
 
 def _model_factory(cfg: RunConfig):
+    from pollen.methods.glfc import build_stream_model  # torch: models are built on the server
+
     name = cfg.model or SOURCES[cfg.task].default_model
     width = cfg.width_for(name)
     return lambda n: build_stream_model(cfg.task, name, n, width)
 
 
 def make_strategy(cfg: RunConfig) -> IncrementalFedAvg:
+    from pollen.methods.glfc import build_lenet  # torch: the proxy's LeNet, the evaluation's models
+    from pollen.methods.training import pick_device
+
     s = settings_for(cfg)
     src = SOURCES[cfg.task]
     o = options(cfg)
@@ -173,6 +181,8 @@ def initial_arrays(cfg: RunConfig) -> ArrayRecord:
 
 
 def make_client(cfg: RunConfig, node, context):
+    from pollen.clients.glfc import IncrementalClient  # torch: on the node, when it first builds a client
+
     return IncrementalClient(cfg, node, context, settings_for(cfg))
 
 

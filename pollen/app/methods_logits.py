@@ -4,10 +4,15 @@ Homogeneous mode (paper Table 3) is configuration, not a separate method: run ev
 same backbone (``model = "resnet12"``) and set ``fccl-average-weights = true``; then ``fccl`` is
 "FCCL + averaging" (model states are averaged FedAvg-style and loaded before the collaborative step)
 and ``solo`` with averaging is FedAvg evaluated per domain.
+
+Importing this module, and building the strategy, imports no torch: the strategy is numpy-only, the
+keys and recipes are declared in :mod:`pollen.methods.logit_settings`, and the client (torch) is imported
+when a node first builds one (issue 30: start-up cost of the launcher and the ServerApp).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, RecordDict
@@ -23,20 +28,20 @@ from pollen.app.adapters import (
 from pollen.app.errors import ConfigError
 from pollen.app.method_spec import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key
-from pollen.clients.logits import logit_client
 from pollen.datasets.domain_tasks import get_domain_task
 from pollen.datasets.public import PUBLIC_FOLDER
 from pollen.datasets.tasks import resolve_task
 from pollen.datasets.user_data import UserDataError, count_unlabeled_images
-from pollen.methods.logits import (
+from pollen.methods.logit_settings import (
     FCCL,
     FCCL_WITHOUT_CON,
     FEDDF,
     FEDMD,
+    NET_KEY,
     SOLO,
     LogitOptions,
-    LogitRound,
     LogitSettings,
+    Recipe,
     resolve_settings,
 )
 from pollen.methods.settings import declared_keys, from_values
@@ -47,10 +52,13 @@ from pollen.strategies.logits import LogitAveraging
 from pollen.strategies.weights import LocalOnly
 
 if TYPE_CHECKING:
-    from pollen.app.config import RunConfig
+    from flwr.app import Context
+    from flwr.client import NumPyClient
+
+    from pollen.app.config import NodeConfig, RunConfig
 
 # The logit family's run keys, from its typed options (0 / "" = the profile's value, see
-# pollen.methods.logits.QUICK / PAPER); pyproject.toml repeats the defaults.
+# pollen.methods.logit_settings.QUICK / PAPER); pyproject.toml repeats the defaults.
 LOGIT_KEYS: dict[str, Key] = {key: Key(*declared) for key, declared in declared_keys(LogitOptions).items()}
 
 
@@ -116,6 +124,17 @@ def make_strategy(cfg: RunConfig) -> PollenStrategy:
                           average_weights=s.average_weights, **strategy_options(cfg))
 
 
+def client_factory(recipe: Recipe) -> Callable[[RunConfig, NodeConfig, Context], NumPyClient]:
+    """The registry's ``make_client`` of ``recipe``: the shared logit client, imported on a node's first call."""
+
+    def make(cfg: RunConfig, node: NodeConfig, context: Context) -> NumPyClient:
+        from pollen.clients.logits import logit_client
+
+        return logit_client(recipe)(cfg, node, context)
+
+    return make
+
+
 for _name, _recipe, _descr in (
     ("fccl", FCCL, "FCCL (Huang et al. 2022): cross-correlation to consensus public logits, "
                    "then CE + KL(previous model) + KL(SOLO model)"),
@@ -127,6 +146,6 @@ for _name, _recipe, _descr in (
                    "fccl-average-weights = true, FedAvg evaluated per domain"),
 ):
     register_method(MethodSpec(name=_name, family="logits", description=_descr, make_strategy=make_strategy,
-                               make_client=logit_client(_recipe), adapter=LOGITS,
-                               personal_model=LogitRound.NET, keys=LOGIT_KEYS, validate=validate,
+                               make_client=client_factory(_recipe), adapter=LOGITS,
+                               personal_model=NET_KEY, keys=LOGIT_KEYS, validate=validate,
                                task_kinds=("domains",), dp_modes=("payload",), leak_audit=True))

@@ -2,11 +2,17 @@
 
 All share :class:`~pollen.strategies.prototypes.PrototypeStrategy` and one client; a method differs
 only in its loss terms (:class:`~pollen.methods.prototypes.PrototypeMethod`). Run keys are prefixed
-``proto-`` (``docs/usage.md``), declared once by :class:`~pollen.methods.prototypes.ProtoSettings`.
+``proto-`` (``docs/usage.md``), declared once by :class:`~pollen.methods.prototype_settings.ProtoSettings`.
+
+Importing this module, and building the strategy, imports no torch: the strategy is numpy-only and
+its one model fact, the embedding size d, comes from :mod:`pollen.models.catalog`; a method is
+registered by name and its client (torch) is imported when a node first builds one (issue 30:
+start-up cost of the launcher and the ServerApp).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from flwr.app import RecordDict
@@ -15,23 +21,18 @@ from pollen.app.adapters import ClientAdapter, arrays_of, config_of, evaluate_re
 from pollen.app.errors import ConfigError
 from pollen.app.method_spec import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key
-from pollen.clients.prototypes import prototype_client
 from pollen.datasets.tasks import get_task, resolve_task
-from pollen.methods.prototypes import (
-    BD_FEDPROTO,
-    FEDPROTO,
-    FEDPROTO_PROX,
-    ProtoSettings,
-    PrototypeMethod,
-    PrototypeRound,
-    heterogeneous_channels,
-)
+from pollen.methods.prototype_settings import MODEL_KEY, ProtoSettings, heterogeneous_channels
 from pollen.methods.settings import declared_keys, from_values
+from pollen.models.catalog import feature_dim
 from pollen.protocol import prototypes as proto_protocol
 from pollen.strategies.prototypes import PrototypeStrategy
 
 if TYPE_CHECKING:
-    from pollen.app.config import RunConfig
+    from flwr.app import Context
+    from flwr.client import NumPyClient
+
+    from pollen.app.config import NodeConfig, RunConfig
 
 # The prototype family's run keys, from its typed settings (pyproject.toml repeats the defaults).
 PROTO_KEYS: dict[str, Key] = {key: Key(*declared) for key, declared in declared_keys(ProtoSettings).items()}
@@ -75,12 +76,20 @@ def validate_proto(cfg: RunConfig) -> None:
 
 
 def embed_dim(cfg: RunConfig) -> int:
-    """d of the task's model; every client's encoder must match it (checked on each reply)."""
+    """d of the task's model; every client's encoder must match it (checked on each reply).
+
+    Read from :mod:`pollen.models.catalog`, without building the model (no torch); only a model the
+    catalog does not describe (one added with ``register_model``) is built, as every model was before."""
     task = resolve_task(cfg.task, cfg.task_options())
     name = cfg.model or task.model_for(0)
     kwargs = {"channels": heterogeneous_channels(0)} if settings(cfg).model_heter and name == "cnn_mnist" else {}
-    model = cfg.model_spec(task, name, **kwargs).build()
-    return model.feature_dim
+    try:
+        declared = feature_dim(name, task.fmt.channels, task.fmt.size, cfg.width_for(name), kwargs)
+    except ValueError as err:  # the arguments the model would refuse, refused before any round
+        raise ConfigError(f"model {name!r} on task {cfg.task!r}: {err}") from None
+    if declared is not None:
+        return declared
+    return cfg.model_spec(task, name, **kwargs).build().feature_dim
 
 
 def make_prototype_strategy(cfg: RunConfig) -> PrototypeStrategy:
@@ -90,20 +99,34 @@ def make_prototype_strategy(cfg: RunConfig) -> PrototypeStrategy:
         **strategy_options(cfg))
 
 
-def register_prototype_method(method: PrototypeMethod, description: str) -> None:
-    """A prototype-family method: the shared strategy and client, its own loss terms."""
+def client_factory(name: str) -> Callable[[RunConfig, NodeConfig, Context], NumPyClient]:
+    """The registry's ``make_client`` of method ``name``: the shared client with the method's core
+    (:data:`pollen.methods.prototypes.PROTOTYPE_METHODS`), both imported on a node's first call only."""
+
+    def make(cfg: RunConfig, node: NodeConfig, context: Context) -> NumPyClient:
+        from pollen.clients.prototypes import prototype_client
+        from pollen.methods.prototypes import PROTOTYPE_METHODS
+
+        return prototype_client(PROTOTYPE_METHODS[name])(cfg, node, context)
+
+    return make
+
+
+def register_prototype_method(name: str, description: str) -> None:
+    """A prototype-family method: the shared strategy and client, its own loss terms (the
+    :class:`~pollen.methods.prototypes.PrototypeMethod` called ``name``)."""
     register_method(MethodSpec(
-        name=method.name, family="prototypes", description=description,
-        make_strategy=make_prototype_strategy, make_client=prototype_client(method), adapter=PROTOTYPES,
-        personal_model=PrototypeRound.MODEL_KEY, keys=PROTO_KEYS, validate=validate_proto,
+        name=name, family="prototypes", description=description,
+        make_strategy=make_prototype_strategy, make_client=client_factory(name), adapter=PROTOTYPES,
+        personal_model=MODEL_KEY, keys=PROTO_KEYS, validate=validate_proto,
         dp_modes=("payload", "sample"), leak_audit=True))
 
 
 register_prototype_method(
-    FEDPROTO, "FedProto (Tan et al. 2022): clients share class prototypes; L_S + λ·L_P (keys proto-*)")
+    "fedproto", "FedProto (Tan et al. 2022): clients share class prototypes; L_S + λ·L_P (keys proto-*)")
 register_prototype_method(
-    BD_FEDPROTO, "BD-FedProto (Xu et al. 2024): FedProto + contrastive negatives (CPA) + dynamic λ_D (DA); "
-                 "CPA's loss form and DA's rule are reconstructed (keys proto-*)")
+    "bd-fedproto", "BD-FedProto (Xu et al. 2024): FedProto + contrastive negatives (CPA) + dynamic λ_D (DA); "
+                   "CPA's loss form and DA's rule are reconstructed (keys proto-*)")
 register_prototype_method(
-    FEDPROTO_PROX, "FedProto + a proximal term μ/2·‖w − w_start‖² on the private model (keys proto-*, "
-                   "fedprox-mu): the worked example of docs/development.md")
+    "fedproto-prox", "FedProto + a proximal term μ/2·‖w − w_start‖² on the private model (keys proto-*, "
+                     "fedprox-mu): the worked example of docs/development.md")

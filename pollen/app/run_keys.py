@@ -75,7 +75,7 @@ def _tasks() -> list[str]:
 
 
 def _models() -> list[str]:
-    from pollen.models import MODEL_NAMES
+    from pollen.models.catalog import MODEL_NAMES  # the names without torch (the launcher checks this key)
 
     return ["", *MODEL_NAMES]
 

@@ -17,7 +17,8 @@ from flwr.common import Context
 
 from pollen.clients.base import PollenClient, _state_keys
 from pollen.datasets.incremental import SOURCES
-from pollen.methods.glfc import IncrementalRound, IncrementalSettings, build_stream_model
+from pollen.methods.glfc import IncrementalRound, build_stream_model
+from pollen.methods.glfc_settings import IncrementalSettings
 from pollen.methods.training import model_arrays
 from pollen.models import SplitModel
 from pollen.protocol.glfc import TrainInstruction

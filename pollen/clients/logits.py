@@ -1,6 +1,6 @@
 """The public-logit family's NumPyClient: a thin adapter from Flower's ``fit``/``evaluate`` to
 :class:`pollen.methods.logits.LogitRound` (the method — FCCL, FCCL w/o CON, FedMD, FedDF, SOLO — lives
-there; which one is the :class:`~pollen.methods.logits.Recipe` the client is built with).
+there; which one is the :class:`~pollen.methods.logit_settings.Recipe` the client is built with).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pollen.clients.base import PollenClient
 from pollen.datasets.domain_tasks import PublicSet, domain_client_data, get_domain_task, public_set
 from pollen.datasets.public import PUBLIC_FOLDER
 from pollen.datasets.tasks import ClientData, TaskOptions, build_client_data
-from pollen.methods.logits import FCCL, LogitOptions, LogitRound, Recipe, resolve_settings, solo_cache_file
+from pollen.methods.logit_settings import FCCL, LogitOptions, Recipe, resolve_settings
+from pollen.methods.logits import LogitRound, solo_cache_file
 from pollen.methods.settings import from_values
 from pollen.privacy.leakage import logit_audit
 from pollen.protocol.logits import PUBLIC_DIGEST

@@ -14,13 +14,8 @@ import numpy as np
 from flwr.common import Context, NDArrays, Scalar
 
 from pollen.clients.base import PollenClient
-from pollen.methods.prototypes import (
-    FEDPROTO,
-    ProtoSettings,
-    PrototypeMethod,
-    PrototypeRound,
-    heterogeneous_channels,
-)
+from pollen.methods.prototype_settings import ProtoSettings, heterogeneous_channels
+from pollen.methods.prototypes import FEDPROTO, PrototypeMethod, PrototypeRound
 from pollen.methods.settings import from_values
 from pollen.methods.training import derive_seed
 from pollen.privacy.leakage import prototype_audit

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pollen.datasets.domains import load_domain, seeded_subset
 from pollen.datasets.public import PUBLIC_FOLDER, load_public, public_digest
 from pollen.datasets.sources import ImageSet, load_source
 from pollen.datasets.spec import DOMAIN_MODELS, ClientData, TaskError, TaskOptions, TaskSpec, register_task
 from pollen.datasets.transforms import DIGITS_FORMAT, ImageFormat, to_model_input
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

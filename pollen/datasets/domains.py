@@ -40,11 +40,14 @@ import glob
 import os
 import tempfile
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pollen.datasets.sources import ImageSet, load_source
+
+if TYPE_CHECKING:
+    pass
 
 DIGIT_DOMAINS: tuple[str, ...] = ("mnist", "uci", "mnistm", "syn", "usps", "svhn", "syndigits")
 OFFLINE_DIGIT_DOMAINS: tuple[str, ...] = ("mnist", "uci", "mnistm", "syn")
@@ -197,6 +200,7 @@ def blend_mnistm(digits: np.ndarray, patches: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)
 def _mnistm(root: str | None, split: str, seed: int, size: int | None) -> ImageSet:
+    import torch
     mnist = load_source("mnist", root, split)
     lo, hi = mnist_half(split, len(mnist), "second")
     n = min(SYNTHETIC_NATURAL_SIZE[split], hi - lo) if size is None else size
@@ -371,6 +375,7 @@ def render_syn(seed: int, split: str, size: int) -> ImageSet:
 
     Image ``i`` depends only on (seed, split, i), so a smaller size is a prefix of a larger one.
     """
+    import torch
     labels = syn_labels(seed, split, size)
     images = np.empty((size, SYNTH_SIDE, SYNTH_SIDE, 3), dtype=np.uint8)
     for i, label in enumerate(labels):
@@ -390,6 +395,7 @@ def syn_cache_path(cache_dir: str, seed: int, split: str, size: int) -> str:
 
 def _read_syn_cache(path: str, size: int) -> ImageSet | None:
     """The cached set, or None when the file is absent, unreadable or not what was asked for."""
+    import torch
     if not os.path.isfile(path):
         return None
     try:
@@ -413,6 +419,7 @@ def _read_syn_cache(path: str, size: int) -> ImageSet | None:
 
 def _write_syn_cache(path: str, data: ImageSet) -> None:
     """Write atomically (temp file + rename), so concurrent workers never read half a file."""
+    import torch
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".syn-", suffix=".pt", dir=folder)

@@ -29,13 +29,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pollen.datasets.sources import ImageSet, load_source
 from pollen.datasets.spec import UCI_FORMAT, TaskError, TaskSpec, register_task
 from pollen.datasets.transforms import CIFAR100_FORMAT, ImageFormat, to_model_input
+
+if TYPE_CHECKING:
+    import torch
 
 GROUPS = ("new", "b", "o")  # S_n, S_b, S_o
 
@@ -214,6 +217,7 @@ SOURCES: dict[str, StreamSource] = {
 
 def load_stream_images(name: str, root: str | None, split: str, download: bool = False) -> ImageSet:
     """The whole pool of one split with stream labels (cached by :func:`load_source` per part)."""
+    import torch
     if name == "mnist-fmnist-cil":
         a = load_source("mnist", root, split, download=download)
         b = load_source("fashion_mnist", root, split, download=download)
@@ -249,6 +253,7 @@ class StreamData:
 
     def select(self, idx: np.ndarray | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised model input and labels of the samples at ``idx``."""
+        import torch
         t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
         return to_model_input(self.images[t], self.fmt), self.y[t]
 
@@ -257,6 +262,7 @@ class StreamData:
 def stream_data(name: str, root: str | None, split: str, order: str = "label", seed: int = 0,
                 download: bool = False) -> StreamData:
     """A split with labels remapped to the stream order (cached per process)."""
+    import torch
     src = SOURCES.get(name)
     if src is None:
         raise TaskError(f"unknown class-incremental task {name!r}; available: {', '.join(sorted(SOURCES))}")

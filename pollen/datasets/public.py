@@ -27,13 +27,16 @@ the MNIST domain).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pollen.datasets.domains import check_seed, crop_resized, keyed_rng, sample_photos, seeded_subset
 from pollen.datasets.sources import ImageSet, load_source
 from pollen.protocol.logits import public_fingerprint
+
+if TYPE_CHECKING:
+    import torch
 
 PUBLIC_SETS: tuple[str, ...] = ("fashion_mnist", "photo_patches", "cifar100", "mnist")
 PUBLIC_FOLDER = "folder"  # the user's own folder of unlabeled images
@@ -57,6 +60,7 @@ def photo_patches(size: int, seed: int) -> ImageSet:
     again, up to ``PATCH_MAX_TRIES`` times, because a flat image tells the models nothing when
     they align their outputs on it.
     """
+    import torch
     rng = keyed_rng(seed, "photo_patches")
     photos = sample_photos()
     out = np.empty((size, PATCH_SIDE, PATCH_SIDE, 3), dtype=np.uint8)
@@ -100,6 +104,7 @@ def load_public(name: str, root: str | None, size: int, seed: int, folder: str |
     :class:`~pollen.datasets.sources.DatasetMissingError` when a file-based set has no root
     or files.
     """
+    import torch
     if name not in PUBLIC_CHOICES:
         raise ValueError(f"unknown public set {name!r}; allowed: {', '.join(PUBLIC_CHOICES)}")
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:

@@ -31,10 +31,9 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 SOURCE_NAMES: tuple[str, ...] = (
     "mnist",
@@ -66,6 +65,9 @@ _OFFICEHOME_URL_HINT = (
     "as root/OfficeHome/<Art|Clipart|Product|Real_World>/<class>/*.jpg"
 )
 
+if TYPE_CHECKING:
+    import torch
+
 
 class DatasetMissingError(FileNotFoundError):
     """A dataset's files are not where the loader looks; the message says how to get them."""
@@ -81,6 +83,7 @@ class ImageSet:
     name: str
 
     def __post_init__(self) -> None:
+        import torch
         if self.images.dtype != torch.uint8 or self.images.dim() != 4:
             raise ValueError(
                 f"ImageSet {self.name!r}: images must be a uint8 N×C×H×W tensor, got "
@@ -107,6 +110,7 @@ class ImageSet:
 
     def subset(self, index: Any) -> ImageSet:
         """The samples at ``index`` (ints; numpy array, tensor or sequence), as new tensors."""
+        import torch
         idx = torch.as_tensor(np.asarray(index), dtype=torch.int64).reshape(-1)
         idx = idx.to(self.labels.device)
         n = len(self)
@@ -214,6 +218,7 @@ def _torchvision_files_present(name: str, root: str, split: str) -> bool:
 
 def _as_uint8_nchw(data: Any, layout: str) -> torch.Tensor:
     """Convert a whole array (N×H×W, N×C×H×W or N×H×W×C) to one contiguous uint8 N×C×H×W tensor."""
+    import torch
     t = torch.as_tensor(np.asarray(data) if not isinstance(data, torch.Tensor) else data)
     if t.dtype != torch.uint8:
         raise ValueError(f"expected uint8 pixel data, got {t.dtype}")
@@ -242,6 +247,7 @@ def read_idx(path: str, ndim: int) -> np.ndarray:
 
 
 def _load_torchvision(name: str, root: str, split: str) -> ImageSet:
+    import torch
     spec = _TORCHVISION[name]
     expected = [os.path.join(root, f) for f in spec.files[split]]
     if not _torchvision_files_present(name, root, split):
@@ -285,6 +291,7 @@ def _image_files(folder: str) -> list[str]:
 
 def _decode_images(paths: list[str], size: int) -> torch.Tensor:
     """Decode image files to one uint8 N×3×size×size tensor (bilinear resize when needed)."""
+    import torch
     from PIL import Image
 
     out = np.empty((len(paths), size, size, 3), dtype=np.uint8)
@@ -301,6 +308,7 @@ def _decode_images(paths: list[str], size: int) -> torch.Tensor:
 
 
 def _load_syndigits(root: str, split: str) -> ImageSet:
+    import torch
     split_dir = os.path.join(root, "SynDigits", split)
     if not os.path.isdir(split_dir):
         raise DatasetMissingError(
@@ -364,6 +372,7 @@ def officehome_is_train(position: int) -> bool:
 
 
 def _load_officehome(root: str, split: str, domain: str) -> ImageSet:
+    import torch
     domain_dir = _officehome_domain_dir(root, domain)
     expected = [os.path.join(root, "OfficeHome", domain, "<class>", "*.jpg")]
     if domain_dir is None:
@@ -427,6 +436,7 @@ def _load_uci_digits(split: str) -> ImageSet:
     The split is a stratified 80/20 train/test split with seed 0 (``UCI_DIGITS_TEST_MASK``), each part
     kept in the original sample order, so it is the same on every machine.
     """
+    import torch
     table = _uci_digits_table()
     values = table[:, :64].reshape(-1, 8, 8)  # 0..16
     pixels = np.rint(values * 255.0 / 16.0).clip(0, 255).astype(np.uint8)

@@ -2,18 +2,24 @@
 
 Task modules (:mod:`pollen.datasets.tasks` for the partitioned datasets, :mod:`~pollen.datasets.domain_tasks`,
 :mod:`~pollen.datasets.incremental`, :mod:`~pollen.datasets.user_tasks`) build on this module and register
-their tasks here; none of them imports another, so the catalog has no import circle.
+their tasks here; none of them imports another, so the catalog has no import circle. They import torch
+inside the functions that load or convert data, never at module level, so the catalog (names, kinds,
+formats, sizes) imports without torch: the launcher and numpy-only ServerApps read it (issue 30:
+start-up cost; ``tests/test_torch_free_imports.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pollen.datasets.transforms import ImageFormat
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

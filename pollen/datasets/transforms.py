@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:
+    import torch
+
 
 # ITU-R BT.601 luma weights: what PIL's convert("L") and torchvision's rgb_to_grayscale use.
 _LUMA = (0.299, 0.587, 0.114)
@@ -57,6 +59,8 @@ def to_model_input(images: torch.Tensor, fmt: ImageFormat) -> torch.Tensor:
     fixed with antialiased bilinear resizing (non-square inputs are stretched to a square, as
     ``transforms.Resize((s, s))`` does). Runs on the device of ``images``.
     """
+    import torch
+    import torch.nn.functional as F
     if images.dtype != torch.uint8 or images.dim() != 4:
         raise ValueError(
             f"to_model_input expects a uint8 N×C×H×W tensor, got {images.dtype} with shape "
@@ -85,6 +89,7 @@ def to_model_input(images: torch.Tensor, fmt: ImageFormat) -> torch.Tensor:
 
 def _uniform(n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """n draws of U[0,1) from the generator (on its own device), moved to ``device``."""
+    import torch
     return torch.rand(n, generator=generator, device=generator.device).to(device)
 
 
@@ -105,6 +110,8 @@ def augment(
     (no clamping; on normalised input "zero" fill is the mean colour and the brightness factor
     scales deviations from the mean). Returns a new tensor of the same shape, dtype and device.
     """
+    import torch
+    import torch.nn.functional as F
     if x.dim() != 4:
         raise ValueError(f"augment expects an N×C×H×W tensor, got shape {tuple(x.shape)}")
     if int(crop_pad) != crop_pad or crop_pad < 0:
@@ -170,6 +177,7 @@ def batches(
     drop_last: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Index batches (int64 tensors) over ``range(n)``: shuffled when a generator is given."""
+    import torch
     if n < 0:
         raise ValueError(f"batches: n must be >= 0, got {n}")
     if batch_size < 1:

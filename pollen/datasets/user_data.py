@@ -25,11 +25,14 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pollen.datasets.sources import ImageSet
+
+if TYPE_CHECKING:
+    pass
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp")
 TRAIN, TEST = "train", "test"
@@ -181,6 +184,7 @@ def _read_split(split_dir: Path, classes: tuple[str, ...], size_ref: list) -> tu
 
 
 def _stack(images: list[np.ndarray], labels: list[int], num_classes: int, name: str) -> ImageSet:
+    import torch
     channels = 3 if any(a.shape[2] == 3 for a in images) else 1
     arr = np.stack([np.repeat(a, 3, axis=2) if a.shape[2] != channels else a for a in images])
     return ImageSet(torch.from_numpy(arr).permute(0, 3, 1, 2).contiguous(),
@@ -325,6 +329,7 @@ def read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 def read_arrays(data_path: str, num_classes: int) -> tuple[ImageSet, ImageSet | None]:
     """``(train, test or None)`` from the ``.npz`` file(s) of ``data_path``; labels must be < ``num_classes``."""
+    import torch
     train_path, test_path = npz_files(data_path)
     sets: list[ImageSet | None] = []
     for path in (train_path, test_path):

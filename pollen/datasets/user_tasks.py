@@ -31,9 +31,9 @@ import functools
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pollen.datasets.partition import PartitionError, dirichlet, iid
 from pollen.datasets.sources import ImageSet
@@ -47,6 +47,9 @@ from pollen.datasets.user_data import (
     read_arrays,
     read_image_folder,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 USER_TASKS = ("image-folder", "array", "image-domains")
 DATA_SPLITS = ("iid", "dirichlet")

@@ -952,7 +952,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 def _catalog() -> str:
     """Registered methods (by family) and tasks, and the main run keys' defaults, for ``--help``; never
-    fails (it imports torch, so only for help)."""
+    fails (it imports the whole registry, so only for help)."""
     lines = []
     try:
         from pollen.app.registry import METHODS

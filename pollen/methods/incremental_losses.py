@@ -21,8 +21,9 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from pollen.methods.glfc_settings import LR_SCHEDULES  # declared with the keys, without torch
+
 OBJECTIVES = ("glfc", "icarl", "ce")
-LR_SCHEDULES = ("cosine", "code", "constant")
 
 
 def one_hot(labels: torch.Tensor, num_classes: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

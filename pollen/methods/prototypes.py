@@ -36,7 +36,11 @@ from pollen.methods.prototype_losses import (
     prototype_probabilities,
     squared_distances,
 )
-from pollen.methods.settings import setting
+from pollen.methods.prototype_settings import (  # declared without torch (the registry reads them)
+    MODEL_KEY,
+    NEGATIVE_FORMS,
+    ProtoSettings,
+)
 from pollen.methods.state import StateStore
 from pollen.methods.terms import Batch, CrossEntropy, LossTerm, Proximal, train_terms
 from pollen.methods.training import LocalTraining, evaluate_classifier, seed_everything
@@ -44,49 +48,9 @@ from pollen.models import SplitModel
 from pollen.models.pretrained import load_stage_weights
 from pollen.privacy.payload import PayloadPrivacy
 from pollen.privacy.sample import SamplePrivacy
-from pollen.protocol.prototypes import PROTO_WEIGHTINGS
 
-LOCAL_PROTO_MODES = ("post-pass", "training")
-NEGATIVE_FORMS = ("hinge", "infonce")
 # DA clamps λ_D to [LOW, HIGH]·λ_0 (spec defaults).
 DA_LOW, DA_HIGH = 0.1, 2.0
-
-
-@dataclass(frozen=True)
-class ProtoSettings:
-    """The prototype family's run keys (``proto-…``), each declared once: default, range, help."""
-
-    lam: float = setting("proto-lambda", 1.0, "float > 0",
-                         "λ (λ_0 for BD-FedProto): weight of the prototype loss L_P")
-    beta: float = setting("proto-beta", 0.5, "float >= 0", "β: weight of CPA's negative loss L_N (BD-FedProto)")
-    cpa: bool = setting("proto-cpa", True, "bool",
-                        "BD-FedProto: use CPA's negatives (the global prototypes of classes the client lacks)")
-    da: bool = setting("proto-da", True, "bool", "BD-FedProto: adapt λ_D each round (DA); false = fixed λ")
-    da_alpha: float = setting("proto-da-alpha", 0.5, "float in [0, 1]", "DA smoothing α of λ_D")
-    da_t0: float = setting("proto-da-t0", 2.0, "float > 0", "DA annealing temperature T_0")
-    da_kappa: float = setting("proto-da-kappa", 0.95, "float in (0, 1]", "DA temperature decay κ per round")
-    da_tmin: float = setting("proto-da-tmin", 0.05, "float > 0", "DA minimum temperature")
-    negative: str = setting("proto-negative", "hinge", "choice",
-                            "form of CPA's negative loss: margin hinge or InfoNCE", choices=NEGATIVE_FORMS)
-    tau: float = setting("proto-tau", 0.5, "float > 0",
-                         "temperature of the InfoNCE negatives and of the MI monitor")
-    weighting: str = setting("proto-weighting", "samples", "choice",
-                             "server average per class: by class counts, or `uniform` (the official code)",
-                             choices=PROTO_WEIGHTINGS)
-    local_protos: str = setting("proto-local-protos", "post-pass", "choice",
-                                "local prototypes from a pass after training, or training-time features "
-                                "(the official code)", choices=LOCAL_PROTO_MODES)
-    model_heter: bool = setting("proto-model-heter", False, "bool",
-                                "FedProto's model-heterogeneous CNNs (18/20/22 channels by client)")
-    evaluate_every: int = setting("proto-evaluate-every", 1, "int >= 1", "evaluate every N rounds (and in the last)")
-    pretrained: str = setting("proto-pretrained", "", "path",
-                              "local ImageNet ResNet-18/34 state dict loaded into every client "
-                              "(all but conv1/bn1/fc); empty = none")
-
-
-def heterogeneous_channels(partition_id: int) -> int:
-    """FedProto's model-heterogeneous MNIST: conv2 width 18 / 20 / 22 for clients 0-6 / 7-13 / 14+."""
-    return 18 if partition_id < 7 else 20 if partition_id < 14 else 22
 
 
 class GlobalPrototypes:
@@ -198,6 +162,9 @@ class PrototypeMethod:
 FEDPROTO = PrototypeMethod("fedproto", fedproto_terms)
 BD_FEDPROTO = PrototypeMethod("bd-fedproto", bd_fedproto_terms, dynamic_lambda=True)
 FEDPROTO_PROX = PrototypeMethod("fedproto-prox", fedproto_prox_terms)
+# Each method by name: the registry names a method and its client finds the core here when it first runs,
+# so registering (launcher, ServerApp) needs no torch.
+PROTOTYPE_METHODS: dict[str, PrototypeMethod] = {m.name: m for m in (FEDPROTO, BD_FEDPROTO, FEDPROTO_PROX)}
 
 
 # One client round ----------------------------------------------------------------------------------
@@ -230,7 +197,7 @@ class PrototypeRound:
     from the post-pass embeddings — and the metrics only what reveals no data; under ``dp-mode = sample``
     (:class:`SamplePrivacy`) the model is trained with DP-SGD first."""
 
-    MODEL_KEY = "proto-model"
+    MODEL_KEY = MODEL_KEY
     DA_KEY = "proto-da-state"
 
     def __init__(self, method: PrototypeMethod, settings: ProtoSettings, training: LocalTraining,

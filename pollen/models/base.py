@@ -13,22 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIN_CHANNELS = 4
+from .catalog import MIN_CHANNELS, scale_channels
+
+__all__ = ["MIN_CHANNELS", "SplitModel", "scale_channels", "to_channels_last"]
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
-
-
-def scale_channels(channels: int, width: float) -> int:
-    """Channel count scaled by ``width``, rounded half up, never below ``MIN_CHANNELS``.
-
-    ``width == 1.0`` returns ``channels`` unchanged, so full-width models have the papers' sizes;
-    small widths keep CPU tests fast while exercising the same code path.
-    """
-    if not width > 0:
-        raise ValueError(f"width must be > 0, got {width!r}")
-    if width == 1.0:
-        return int(channels)
-    return max(MIN_CHANNELS, int(channels * width + 0.5))
 
 
 class SplitModel(nn.Module):

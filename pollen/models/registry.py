@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import SplitModel
+from .catalog import MODEL_NAMES, SMALL_MODELS, feature_dim
 from .mobile import EfficientNetB0, GoogLeNet, MobileNetV2
 from .resnet import RESNET_BLOCKS, ResNet
 from .small import CNNMnist, LeNet
@@ -23,10 +24,6 @@ class ModelEntry:
 
 
 MODELS: dict[str, ModelEntry] = {}
-
-# The two small nets: always full width (the profiles' width multipliers are for large backbones), and
-# kept in the default memory layout (channels-last pays off only for the conv backbones).
-SMALL_MODELS = frozenset({"cnn_mnist", "lenet"})
 
 
 def register_model(name: str, build: Callable[..., SplitModel], kwargs: tuple[str, ...] = ()) -> None:
@@ -67,8 +64,12 @@ register_model("googlenet", _no_size(GoogLeNet))
 register_model("cnn_mnist", _sized(CNNMnist), ("channels", "dropout"))
 register_model("lenet", _sized(LeNet), ("seed", "generator"))
 
-# The built-in architectures, in a stable order, and the extra keyword arguments of each.
-MODEL_NAMES: tuple[str, ...] = tuple(MODELS)
+# The built-in architectures are the catalog's (pollen.models.catalog: the names without torch), in its order.
+if tuple(MODELS) != MODEL_NAMES:
+    raise RuntimeError(f"pollen.models.catalog.MODEL_NAMES {MODEL_NAMES} != the registered models {tuple(MODELS)}")
+__all__ = ["MODEL_KWARGS", "MODEL_NAMES", "MODELS", "SMALL_MODELS", "ModelEntry", "ModelSpec", "build_model",
+           "register_model"]
+# The extra keyword arguments of each built-in architecture.
 MODEL_KWARGS: dict[str, tuple[str, ...]] = {name: entry.kwargs for name, entry in MODELS.items()}
 
 
@@ -114,7 +115,12 @@ def build_model(
             f"unexpected argument(s) {', '.join(unknown)} for model {name!r}; "
             f"allowed: {', '.join(allowed) if allowed else 'none'}"
         )
-    return MODELS[name].build(num_classes, in_channels, image_size, float(width), **kwargs)
+    model = MODELS[name].build(num_classes, in_channels, image_size, float(width), **kwargs)
+    declared = feature_dim(name, in_channels, image_size, float(width), kwargs)
+    if declared is not None and declared != model.feature_dim:  # the catalog is what servers read d from
+        raise RuntimeError(f"model {name!r} has a {model.feature_dim}-d embedding but pollen.models.catalog "
+                           f"declares {declared}: fix catalog.feature_dim")
+    return model
 
 
 @dataclass(frozen=True)

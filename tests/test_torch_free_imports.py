@@ -1,0 +1,169 @@
+"""Who pays torch's import (issue 30, start-up cost): the launcher never does, nor a ServerApp whose strategy
+is numpy-only (prototypes, logits, local); the weights family's server does when it builds its starting
+model, not before. Each case runs in a fresh interpreter, so an import made by another test cannot hide one.
+
+And the facts those processes read instead of building a model: :mod:`pollen.models.catalog`'s embedding
+sizes against the built networks, and the state keys the registry names against the clients' own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pollen.models import MODEL_NAMES, build_model
+from pollen.models.catalog import MODEL_NAMES as CATALOG_NAMES
+from pollen.models.catalog import SMALL_MODELS, feature_dim
+from tests.conftest import PROJECT_ROOT
+
+# What "no torch" means: neither torch nor torchvision nor any of their submodules is loaded.
+HEAVY = ("torch", "torchvision")
+
+
+
+def _steps(body: str) -> dict[str, list[str]]:
+    """Run ``body`` in a fresh interpreter; it calls ``report(step)`` after each step. Returns step -> the
+    torch/torchvision modules loaded at that point."""
+    prelude = textwrap.dedent(f"""
+        import json, sys
+        def report(step):
+            heavy = sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r})
+            print(json.dumps({{"step": step, "heavy": heavy}}), flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body)], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            out[row["step"]] = row["heavy"]
+    return out
+
+
+def test_the_launcher_checks_a_fedproto_run_config_without_torch():
+    """``pollen run``'s own process: the command, the launcher, and its check of the run config (the
+    same call that sizes the population), which parses every key and runs FedProto's own checks."""
+    steps = _steps("""
+        import pollen.launch.cli
+        report("cli")
+        from pathlib import Path
+        from pollen.launch.launcher import fitting_node_count
+        report("launcher")
+        n = fitting_node_count(Path.cwd(), {"method": "fedproto", "task": "mnist-shot", "proto-lambda": 0.5,
+                                            "proto-model-heter": True, "model": "cnn_mnist"}, 7)
+        assert n == 7, n
+        report("validated")
+    """)
+    assert steps == {"cli": [], "launcher": [], "validated": []}
+
+
+@pytest.mark.parametrize(("method", "task", "strategy"), [
+    ("fedproto", "mnist-shot", "PrototypeStrategy"),
+    ("bd-fedproto", "uci-dirichlet", "PrototypeStrategy"),
+    ("fccl", "digits-offline", "LogitAveraging"),
+    ("local", "uci-dirichlet", "LocalOnly"),
+])
+def test_a_numpy_only_serverapp_builds_its_strategy_without_torch(method, task, strategy):
+    """What ``server_app.main`` does before round 1: parse the run config, build the strategy, take the
+    initial arrays (empty for these families)."""
+    steps = _steps(f"""
+        import pollen.app.server_app as server
+        report("import")
+        cfg = server.parse_run_config({{"method": {method!r}, "task": {task!r}}})
+        spec = server.METHODS[cfg.method]
+        strategy = spec.make_strategy(cfg)
+        assert type(strategy).__name__ == {strategy!r}, type(strategy)
+        report("strategy")
+        assert len(spec.initial_arrays(cfg)) == 0
+        report("initial")
+    """)
+    assert steps == {"import": [], "strategy": [], "initial": []}
+
+
+def test_the_weights_server_imports_torch_only_to_build_its_initial_model():
+    steps = _steps("""
+        import pollen.app.server_app as server
+        cfg = server.parse_run_config({"method": "fedavg", "task": "uci-dirichlet"})
+        spec = server.METHODS[cfg.method]
+        spec.make_strategy(cfg)
+        report("strategy")
+        arrays = spec.initial_arrays(cfg)
+        assert len(arrays) > 0
+        report("initial")
+    """)
+    assert steps["strategy"] == []
+    assert "torch" in steps["initial"] and "torch.nn" in steps["initial"]
+
+
+def test_the_probe_sees_torch_when_it_is_imported():
+    """The check above can fail: the prototype round (not the registry's declarations) imports torch."""
+    steps = _steps("""
+        import pollen.methods.prototype_settings
+        report("settings")
+        import pollen.methods.prototypes
+        report("round")
+    """)
+    assert steps["settings"] == [] and "torch" in steps["round"]
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_the_catalog_gives_each_models_embedding_size(name):
+    """The size the prototype server checks replies against, without building: equal to the built
+    network's for every width, input format and option (FedProto's heterogeneous CNN channels)."""
+    assert CATALOG_NAMES == MODEL_NAMES and SMALL_MODELS <= set(MODEL_NAMES)
+    options = [{}, {"channels": 18}, {"channels": 22}] if name == "cnn_mnist" else [{}]
+    for width in (1.0, 0.5, 0.25, 0.125, 0.3):
+        for channels, size in ((1, 28), (3, 32), (1, 16), (3, 20)):
+            for opts in options:
+                built = build_model(name, 10, in_channels=channels, image_size=size, width=width, **opts)
+                assert feature_dim(name, channels, size, width, opts) == built.feature_dim, (name, width, size)
+
+
+def test_a_model_that_disagrees_with_the_catalog_is_refused(monkeypatch):
+    """build_model compares every network with the catalog, so a wrong entry fails the first build."""
+    from pollen.models import catalog
+
+    monkeypatch.setitem(catalog._FEATURE_DIMS, "resnet10", lambda c, s, w, o: 7)
+    with pytest.raises(RuntimeError, match="declares 7"):
+        build_model("resnet10", 10, width=0.25)
+
+
+def test_the_catalog_refuses_what_the_network_refuses_and_knows_only_its_own_models():
+    with pytest.raises(ValueError, match="image_size must be >= 16 for cnn_mnist"):
+        feature_dim("cnn_mnist", 1, 12)
+    with pytest.raises(ValueError, match="image_size must be >= 16 for cnn_mnist"):
+        build_model("cnn_mnist", 10, in_channels=1, image_size=12)
+    assert feature_dim("my-own-net") is None
+
+
+def test_the_prototype_server_reads_d_of_the_first_clients_model():
+    """FedProto's model-heterogeneous CNN: d is the 50 of every client's fc1, as built."""
+    from pollen.app.config import parse_run_config
+    from pollen.app.methods_prototypes import embed_dim
+    from pollen.datasets.tasks import resolve_task
+    from pollen.methods.prototype_settings import heterogeneous_channels
+
+    for extra in ({"proto-model-heter": True}, {"model": "resnet18", "model-width": 0.125}, {"model": "googlenet"}):
+        cfg = parse_run_config({"method": "fedproto", "task": "mnist-shot", **extra})
+        task = resolve_task(cfg.task, cfg.task_options())
+        name = cfg.model or task.model_for(0)
+        opts = {"channels": heterogeneous_channels(0)} if name == "cnn_mnist" else {}
+        assert embed_dim(cfg) == cfg.model_spec(task, name, **opts).build().feature_dim
+
+
+def test_the_registry_names_the_clients_own_keys_and_methods():
+    """The registry declares these without importing the clients; here they meet."""
+    from pollen.app.registry import LOCAL_MODEL_KEY, METHODS
+    from pollen.clients.weights import LocalClient
+    from pollen.methods.logits import LogitRound
+    from pollen.methods.prototypes import PROTOTYPE_METHODS, PrototypeRound
+
+    assert METHODS["local"].personal_model == LOCAL_MODEL_KEY == LocalClient.STATE_KEY
+    assert {s.personal_model for s in METHODS.values() if s.family == "logits"} == {LogitRound.NET}
+    assert {s.personal_model for s in METHODS.values() if s.family == "prototypes"} == {PrototypeRound.MODEL_KEY}
+    assert {s.name for s in METHODS.values() if s.family == "prototypes"} == set(PROTOTYPE_METHODS)

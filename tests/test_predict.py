@@ -10,6 +10,7 @@ files must give what the same images give as tensors; files that do not fit are 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import re
 import subprocess
@@ -25,7 +26,7 @@ from safetensors.numpy import save_file
 from pollen.app.checkpoints import load_arrays
 from pollen.app.client_app import app as client_app
 from pollen.app.server_app import main as server_main
-from pollen.launch.predict import input_format, main
+from pollen.launch.predict import LoadedModel, input_format, main, task_split
 from tests.conftest import PROJECT_ROOT, real_data_root, require_real_data
 from pollen.testing import InProcessGrid, clientapp_node
 
@@ -166,6 +167,60 @@ def test_fccl_heterogeneous_personal_models_reproduce_intra_accuracy(capsys, tmp
         rc, out, err = _predict(capsys, "--model", _model(run_dir, partition))  # 4 = the task's fixed count
         assert rc == 0, err
         assert abs(_accuracy(out) - _reported(run_dir, partition)["intra-accuracy"]) <= 1e-6
+
+
+def _refuse_clients(monkeypatch, method: str) -> None:
+    """From here on the registry cannot make a ``method`` client: what still works makes none."""
+    from pollen.app.registry import METHODS
+
+    def refuse(*args):
+        raise AssertionError(f"a {method} client was made")
+
+    monkeypatch.setitem(METHODS, method, dataclasses.replace(METHODS[method], make_client=refuse))
+
+
+def _split_of(cfg, partition: int, num_partitions: int, split: str):
+    info = {"task": cfg.task, "method": cfg.method}
+    return task_split(LoadedModel(None, "", info, Path("."), cfg), cfg.task, partition, num_partitions, split, None)
+
+
+def test_task_split_is_the_logit_clients_data_with_custom_train_sizes(monkeypatch):
+    """A domain task with the run's own ``fccl-train-sizes`` / ``fccl-test-size``: ``pollen predict``
+    rebuilds exactly the FCCL client's tensors (both ask :func:`pollen.datasets.tasks.partition_data`; the
+    predict side gets the sizes from the method's ``data_sizes``), and it does so without making a client."""
+    from pollen.app.config import NodeConfig, parse_run_config
+    from pollen.app.registry import METHODS
+
+    cfg = parse_run_config({"method": "fccl", "task": "digits-offline", "seed": 4, "profile": "quick",
+                            "data-root": require_real_data(), "fccl-train-sizes": "40,30,50,60",
+                            "fccl-test-size": 60})
+    threads = torch.get_num_threads()
+    try:
+        clients = {p: METHODS["fccl"].make_client(cfg, NodeConfig(p, 4), Context(
+            run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})).data for p in (1, 3)}
+    finally:
+        torch.set_num_threads(threads)  # a client sets the run's torch-threads
+    _refuse_clients(monkeypatch, "fccl")
+    for p, data in clients.items():
+        assert len(data.y_train) == (40, 30, 50, 60)[p] and len(data.y_test) == 60
+        for split, x, y in (("train", data.x_train, data.y_train), ("test", data.x_test, data.y_test)):
+            inputs = _split_of(cfg, p, 4, split)
+            assert torch.equal(inputs.x, x) and torch.equal(inputs.y, y) and inputs.classes == data.classes
+
+
+def test_task_split_makes_no_client(monkeypatch):
+    """The partition's data come from the task alone: with the method's client refused, predict's split is
+    still the one the task builds for the run's options and seed."""
+    from pollen.app.config import parse_run_config
+    from pollen.datasets.tasks import partition_data
+
+    cfg = parse_run_config({"method": "fedavg", "task": "uci-dirichlet", "seed": 5, "max-train-samples": 80})
+    _refuse_clients(monkeypatch, "fedavg")
+    data = partition_data("uci-dirichlet", cfg.task_options(), 2, 3)
+    for split, x, y in (("train", data.x_train, data.y_train), ("test", data.x_test, data.y_test)):
+        inputs = _split_of(cfg, 2, 3, split)
+        assert torch.equal(inputs.x, x) and torch.equal(inputs.y, y)
+    assert len(data.y_train) == 80
 
 
 # -- a folder of images --------------------------------------------------------------------------------

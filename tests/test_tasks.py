@@ -67,3 +67,21 @@ def test_every_task_declares_its_kind_and_methods_refuse_the_kinds_they_do_not_r
     with pytest.raises(ValueError, match="needs a build"):
         register_task(TaskSpec(**{**spec.__dict__, "name": "x-none", "build": None}))
     assert not {"x-other", "x-stream", "x-none"} & set(TASKS)
+
+
+def test_partition_data_takes_domain_sizes_only_where_a_task_has_built_in_domains(data_root):
+    """One function builds any task's partition; the domain tasks' sizes reach the domain split, and a
+    task without built-in domains refuses per-domain training sizes rather than ignoring them."""
+    from pollen.datasets.domain_tasks import domain_client_data
+    from pollen.datasets.tasks import partition_data
+
+    opts = TaskOptions(seed=3)
+    plain = partition_data("uci-dirichlet", opts, 1, 4, test_size=7)  # a test size is not read here
+    assert plain is build_client_data("uci-dirichlet", opts, 1, 4)
+    with pytest.raises(TaskError, match="no built-in domains.*training sizes"):
+        partition_data("uci-dirichlet", opts, 1, 4, train_sizes=(5, 5, 5, 5))
+    opts = TaskOptions(data_root=data_root, seed=2)
+    sized = partition_data("digits-offline", opts, 1, 4, (9, 8, 7, 6), 11)
+    assert len(sized.y_train) == 8 and len(sized.y_test) == 11
+    assert torch.equal(sized.x_train, domain_client_data("digits-offline", opts, 1, 4, (9, 8, 7, 6), 11).x_train)
+    assert partition_data("digits-offline", opts, 1, 4) is build_client_data("digits-offline", opts, 1, 4)

@@ -40,6 +40,9 @@ class MethodSpec:
     # The number of SuperNodes this configuration needs (None: any); the default asks the task.
     required_nodes: Callable[[RunConfig], int | None] = (
         lambda cfg: resolve_task(cfg.task, cfg.task_options()).fixed_partitions)
+    # The domain tasks' training sizes and test size its clients build their data with (None, 0: the
+    # task's own), for whoever rebuilds a partition without a client (`pollen predict`).
+    data_sizes: Callable[[RunConfig], tuple[tuple[int, ...] | None, int]] = lambda cfg: (None, 0)
     # The context.state key of the client's personal model, saved as the node's final-model.safetensors.
     personal_model: str | None = None
     # Method run keys (prefixed, e.g. "fccl-..."): default, range, help; defaults also in pyproject.toml.

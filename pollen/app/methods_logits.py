@@ -85,6 +85,12 @@ def settings(cfg: RunConfig) -> LogitSettings:
     return resolve_settings(from_values(LogitOptions, cfg.extra), cfg.profile, get_domain_task(cfg.task))
 
 
+def data_sizes(cfg: RunConfig) -> tuple[tuple[int, ...] | None, int]:
+    """The sizes the logit client builds its data with (:meth:`pollen.clients.logits.LogitClient.data_sizes`)."""
+    s = settings(cfg)
+    return s.train_sizes, s.test_size
+
+
 def _bad(key, value, expected) -> ConfigError:
     return ConfigError(f"run config key '{key}' = {value!r} is invalid: expected {expected}")
 
@@ -147,5 +153,5 @@ for _name, _recipe, _descr in (
 ):
     register_method(MethodSpec(name=_name, family="logits", description=_descr, make_strategy=make_strategy,
                                make_client=client_factory(_recipe), adapter=LOGITS,
-                               personal_model=NET_KEY, keys=LOGIT_KEYS, validate=validate,
+                               data_sizes=data_sizes, personal_model=NET_KEY, keys=LOGIT_KEYS, validate=validate,
                                task_kinds=("domains",), dp_modes=("payload",), leak_audit=True))

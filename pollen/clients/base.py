@@ -15,7 +15,7 @@ from flwr.client import NumPyClient
 from flwr.common import Context
 
 from pollen.clients.state import ClientState
-from pollen.datasets.tasks import ClientData, build_client_data, resolve_task
+from pollen.datasets.tasks import ClientData, partition_data, resolve_task
 from pollen.methods.training import LocalTraining, derive_seed, pick_device, seed_everything
 from pollen.models import SMALL_MODELS, SplitModel, build_model, to_channels_last
 from pollen.privacy.payload import PayloadPrivacy
@@ -85,8 +85,14 @@ class PollenClient(NumPyClient):
     # data and model ------------------------------------------------------------------------
     @functools.cached_property
     def data(self) -> ClientData:
-        opts = self.cfg.task_options(self.node)
-        return build_client_data(self.cfg.task, opts, self.partition_id, self.node.num_partitions)
+        """This partition's data, built by the task (:func:`~pollen.datasets.tasks.partition_data`, which
+        ``pollen predict`` asks too); a family whose method settles the domain tasks' sizes passes them."""
+        return partition_data(self.cfg.task, self.cfg.task_options(self.node), self.partition_id,
+                              self.node.num_partitions, *self.data_sizes())
+
+    def data_sizes(self) -> tuple[tuple[int, ...] | None, int]:
+        """The domain tasks' training sizes and test size this client's method asks for: the task's own."""
+        return None, 0
 
     @property
     def model_name(self) -> str:

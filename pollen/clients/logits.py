@@ -11,9 +11,8 @@ import numpy as np
 from flwr.common import Context, NDArrays, Scalar
 
 from pollen.clients.base import PollenClient
-from pollen.datasets.domain_tasks import PublicSet, domain_client_data, get_domain_task, public_set
+from pollen.datasets.domain_tasks import PublicSet, get_domain_task, public_set
 from pollen.datasets.public import PUBLIC_FOLDER
-from pollen.datasets.tasks import ClientData, TaskOptions, build_client_data
 from pollen.methods.logit_settings import FCCL, LogitOptions, Recipe, resolve_settings
 from pollen.methods.logits import LogitRound, solo_cache_file
 from pollen.methods.settings import from_values
@@ -33,15 +32,10 @@ class LogitClient(PollenClient):
         self.domain_task = get_domain_task(cfg.task)
         self.settings = resolve_settings(from_values(LogitOptions, cfg.extra), cfg.profile, self.domain_task)
 
-    @functools.cached_property
-    def data(self) -> ClientData:  # type: ignore[override]
-        if not self.domain_task.domains:  # your own domains (image-domains): the user-data task builds them
-            return build_client_data(self.cfg.task, self.cfg.task_options(self.node), self.partition_id,
-                                     self.node.num_partitions)
-        opts = TaskOptions(data_root=self.node.data_root or self.cfg.data_root, download=self.cfg.download,
-                           seed=self.cfg.seed, max_train_samples=self.cfg.max_train_samples)
-        return domain_client_data(self.cfg.task, opts, self.partition_id, self.node.num_partitions,
-                                  self.settings.train_sizes, self.settings.test_size)
+    def data_sizes(self) -> tuple[tuple[int, ...] | None, int]:
+        """The resolved settings' sizes (``fccl-train-sizes``, ``fccl-test-size`` or the profile's); the
+        task reads them only when it has built-in domains (``image-domains`` uses every image)."""
+        return self.settings.train_sizes, self.settings.test_size
 
     @functools.cached_property
     def public(self) -> PublicSet:

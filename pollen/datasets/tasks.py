@@ -164,6 +164,29 @@ def build_client_data(task: str, opts: TaskOptions, partition_id: int, num_parti
                         "the stream plan; run it with a class-incremental method (README's methods table)")
     return spec.build(opts, partition_id, num_partitions)
 
+
+def partition_data(task: str, opts: TaskOptions, partition_id: int, num_partitions: int,
+                   train_sizes: tuple[int, ...] | None = None, test_size: int = 0) -> ClientData:
+    """How one partition's data are built, for every task that has partitions (not the class-incremental
+    streams): the one answer that a client and ``pollen predict`` both ask, so a saved model is judged on
+    the very tensors its client trained and evaluated on.
+
+    ``train_sizes`` (one per domain) and ``test_size`` (0 = the whole test split) are the built-in domain
+    tasks' sizes, as a method that runs on them settles (the logit family's ``fccl-train-sizes``,
+    ``fccl-test-size`` and profile); ``None`` / 0 keep the task's own. Tasks without built-in domains have
+    no such sizes: ``test_size`` is then not read (a caller that resolved it for every task may pass it
+    regardless), and ``train_sizes`` must be ``None`` or empty, or :class:`TaskError` says so.
+    """
+    if task in domain_tasks.DOMAIN_TASKS:
+        if train_sizes is None and not test_size:
+            return build_client_data(task, opts, partition_id, num_partitions)
+        return domain_tasks.domain_client_data(task, opts, partition_id, num_partitions,
+                                               None if train_sizes is None else tuple(train_sizes), test_size)
+    if train_sizes:
+        raise TaskError(f"task {task!r} has no built-in domains, so no per-domain training sizes; got {train_sizes}")
+    return build_client_data(task, opts, partition_id, num_partitions)
+
+
 from pollen.datasets import (
     domain_tasks,  # noqa: E402,F401  (registers digits-offline, digits, office-home)
     incremental,  # noqa: E402,F401  (registers mnist-fmnist-cil, uci-digits-cil, cifar100-cil)

@@ -374,34 +374,27 @@ class Inputs:
 
 def task_split(loaded: LoadedModel, task_name: str, partition: int, num_partitions: int, split: str,
                data_root: str | None, data_dir: str | None = None) -> Inputs:
-    """The partition's split as its client builds it (same method client, run config, seed and options)."""
-    import torch
-    from flwr.app import Context, RecordDict
-
+    """The partition's split as its client builds it: the same task function
+    (:func:`~pollen.datasets.tasks.partition_data`) with the run config's options and seed, and the sizes
+    the run's method builds domain tasks with (``MethodSpec.data_sizes``). No client is made: building
+    data is the task's business, and a client would also set threads, a device and state."""
     from pollen.app.config import NodeConfig
     from pollen.app.registry import METHODS
-    from pollen.clients.base import PollenClient
-    from pollen.datasets.tasks import TaskOptions, build_client_data, get_task
+    from pollen.datasets.tasks import TaskOptions, get_task, partition_data
 
     cfg = loaded.cfg
     get_task(task_name)
-    threads = torch.get_num_threads()
-    try:
-        if task_name == cfg.task:
-            node = NodeConfig(partition_id=partition, num_partitions=num_partitions, data_root=data_root,
-                              data_dir=data_dir)
-            context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
-            client = METHODS[cfg.method].make_client(cfg, node, context)
-            assert isinstance(client, PollenClient)  # every registered method's client is one
-            data = client.data
-        else:
-            opts = TaskOptions(data_root=data_root or cfg.data_root, download=cfg.download, seed=cfg.seed,
-                               dirichlet_alpha=cfg.dirichlet_alpha, ways=cfg.shot_ways, shots=cfg.shot_shots,
-                               stdev=cfg.shot_stdev, test_per_class=cfg.shot_test_per_class,
-                               shot_split=cfg.shot_split, max_train_samples=cfg.max_train_samples)
-            data = build_client_data(task_name, opts, partition, num_partitions)
-    finally:
-        torch.set_num_threads(threads)  # a client sets the run's torch-threads
+    if task_name == cfg.task:
+        node = NodeConfig(partition_id=partition, num_partitions=num_partitions, data_root=data_root,
+                          data_dir=data_dir)
+        train_sizes, test_size = METHODS[cfg.method].data_sizes(cfg)
+        data = partition_data(task_name, cfg.task_options(node), partition, num_partitions, train_sizes, test_size)
+    else:
+        opts = TaskOptions(data_root=data_root or cfg.data_root, download=cfg.download, seed=cfg.seed,
+                           dirichlet_alpha=cfg.dirichlet_alpha, ways=cfg.shot_ways, shots=cfg.shot_shots,
+                           stdev=cfg.shot_stdev, test_per_class=cfg.shot_test_per_class,
+                           shot_split=cfg.shot_split, max_train_samples=cfg.max_train_samples)
+        data = partition_data(task_name, opts, partition, num_partitions)
     x, y = (data.x_test, data.y_test) if split == "test" else (data.x_train, data.y_train)
     if data_dir:
         names = [f"{data_dir}/{split}/{i}" for i in range(len(y))]

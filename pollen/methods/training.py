@@ -99,7 +99,7 @@ def train_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, ep
             optimizer.zero_grad(set_to_none=True)
             loss, parts = loss_fn(model, xb, yb)
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"training loss became {float(loss)}; lower the learning rate")
+                raise FloatingPointError(f"training loss became {float(loss.detach())}; lower the learning rate")
             loss.backward()
             optimizer.step()
             n = len(idx)

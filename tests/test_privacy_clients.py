@@ -281,6 +281,28 @@ def test_payload_glfc_run_in_process_releases_noisy_models_and_gradients(tmp_pat
     assert sum(rounds_of.values()) == 12 and len(rounds_of) == 5  # 3 a round; task 2 brings two newcomers
 
 
+def test_a_glfc_run_whose_noise_would_bury_the_model_is_warned_before_round_1(tmp_path, caplog):
+    """At clip 1 and σ 1 every GLFC release carries noise of std √(1 + K) = 2.4 per weight (the privacy
+    study's σ ≥ 0.5 runs ended at chance accuracy): the ServerApp says so once. At clip 0.05 and σ 0.25 the
+    averaged noise (norm ≈ 2.6) stays below the model's (≈ 5.3): no warning."""
+    from pollen.app.methods_glfc import initial_arrays, make_strategy
+    from tests.test_glfc_strategy import UCI_RC, client_app_grid
+
+    def warnings_of(clip: float, sigma: float = 1.0) -> list[str]:
+        caplog.clear()
+        rc = {**UCI_RC, "dp-mode": "payload", "dp-noise-multiplier": sigma, "dp-clip": clip,
+              "out-dir": str(tmp_path / f"runs-{clip}")}
+        cfg = parse_run_config(rc)
+        strategy = make_strategy(cfg)
+        strategy.start(grid=client_app_grid(rc, 5, tmp_path / str(clip)), initial_arrays=initial_arrays(cfg),
+                       num_rounds=1)
+        return [r.getMessage() for r in caplog.records if "averaged model gets noise" in r.getMessage()]
+
+    (warning,) = warnings_of(1.0)
+    assert "σ·clip·2.45·√(d / k)" in warning and "k = 3 clients a round" in warning and "dp-clip 1," in warning
+    assert warnings_of(0.05, sigma=0.25) == []
+
+
 def sampled_epsilon(sigma: float, q: float, steps: int, rounds: int, prototypes: bool) -> float:
     """dp-accounting's own PLD of ``rounds`` × (DP-SGD steps [+ one prototype release])."""
     accountant = pld_privacy_accountant.PLDAccountant()

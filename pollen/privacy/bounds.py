@@ -125,8 +125,9 @@ class DpBounds:
         size = _norm(model[k] for k in keys)
         if noise <= size:
             return None
+        scale = "" if std_units == 1.0 else f"·{std_units:.3g}"
         return (f"differential privacy: each round's averaged model gets noise of norm ≈ {noise:.3g} "
-                f"(σ·clip·√(d / k): σ {self.noise_multiplier:.4g}, dp-clip {self.clip:g}, d = {entries} float "
+                f"(σ·clip{scale}·√(d / k): σ {self.noise_multiplier:.4g}, dp-clip {self.clip:g}, d = {entries} float "
                 f"entries, k = {clients} clients a round), more than the model's own norm {size:.3g}: training "
                 f"is likely to diverge (NaN loss) within a few rounds; lower dp-noise-multiplier (or raise "
                 f"dp-target-epsilon) or dp-clip, or sample more clients per round ({self.source})")

@@ -202,6 +202,7 @@ class IncrementalFedAvg(PollenStrategy):
         self.confirmed: dict[int, tuple[int, int]] = {}  # node id -> old-model versions it has cached
         self._cached_at_restore: dict[int, tuple[int, int]] = {}  # partition -> versions, from a checkpoint
         self._sampled: set[int] = set()  # node ids trained this round
+        self._noise_warned = False  # the DP noise warning is said once, before the first round trains
         self.acc_rows: dict[int, dict] = {}  # task -> accuracy on seen classes and per task at its end
         self.lenet_shapes = ({name: tuple(p.shape) for name, p in self.lenet.named_parameters()}
                              if self.lenet is not None else None)
@@ -427,6 +428,12 @@ class IncrementalFedAvg(PollenStrategy):
             if pid in self._cached_at_restore and self.node_of[pid] not in self.confirmed:
                 self.confirmed[self.node_of[pid]] = self._cached_at_restore.pop(pid)
         model = self.global_record()
+        if self.bounds.dp is not None and not self._noise_warned:
+            self._noise_warned = True  # GLFC's releases carry noise σ·clip·√(1 + K) per entry
+            warning = self.bounds.dp.model_noise_warning({k: a.numpy() for k, a in model.items()}, len(chosen),
+                                                         std_units=float(np.sqrt(1 + self.schedule.classes_per_task)))
+            if warning is not None:
+                LOGGER.warning("%s", warning)
         slots = (self.proxy.slot1, self.proxy.slot2)
 
         def content_for(node: int) -> RecordDict:

@@ -101,7 +101,13 @@ def backbones():
     return s.markdown(_json("backbones.json"))
 
 
-REPORTS = {"fccl_digits_offline.md": fccl_study, "glfc_methods.md": glfc_study,
+def privacy():
+    from bench import privacy as s
+
+    return s.markdown(s.RunFiles(s.FOLDER).load())
+
+
+REPORTS = {"privacy.md": privacy, "fccl_digits_offline.md": fccl_study, "glfc_methods.md": glfc_study,
            "bd_fedproto_study.md": bd_fedproto_study, "bd_fedproto_alternatives.md": bd_fedproto_alternatives,
            "prototypes_mnist.md": prototypes_mnist, "prototypes_reference.md": prototypes_reference,
            "glfc_proxy_case.md": glfc_proxy_case, "glfc_regime.md": glfc_regime,

@@ -300,22 +300,29 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+INF_X = 16.0  # where ε = ∞ (no DP) is drawn on the plots' log axis
+
+
+def fedproto_points(records: list[dict], mode: str, get) -> list[tuple[float, float]]:
+    """(target ε, mean over seeds of ``get(run)``) for one DP mode's FedProto arms plus the no-DP arm."""
+    pts = []
+    for arm, group in _group(records, "fedproto").items():
+        m, _, eps = arm.partition("-eps")
+        vals = [v for v in map(get, group) if v is not None]
+        if m in (mode, "off") and vals:
+            pts.append((float(eps) if eps else INF_X, sum(vals) / len(vals)))
+    return sorted(pts)
+
+
 def plot(records: list[dict]) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
-    inf_x = 16.0  # where ε = ∞ is drawn on the log axis
     for mode, marker in (("payload", "o"), ("sample", "s")):
         for key, style in (("accuracy-client-mean", "-"), ("proto-accuracy-client-mean", "--")):
-            pts = []
-            for arm, group in _group(records, "fedproto").items():
-                m, _, eps = arm.partition("-eps")
-                if m in (mode, "off"):
-                    vals = [100 * r["evaluate"][key] for r in group if key in r["evaluate"]]
-                    if vals:
-                        pts.append((float(eps) if eps else inf_x, sum(vals) / len(vals)))
+            pts = fedproto_points(records, mode,
+                                  lambda r, k=key: 100 * r["evaluate"][k] if k in r["evaluate"] else None)
             if pts:
-                pts.sort()
                 ax.plot(*zip(*pts), style, marker=marker,
                         label=f"{mode}, {'local' if key.startswith('accuracy') else 'proto'}")
     ax.set_xscale("log", base=2)
@@ -325,22 +332,12 @@ def plot(records: list[dict]) -> None:
     ax.legend(fontsize=8)
     ax = axes[1]
     for mode, marker in (("payload", "o"), ("sample", "s")):
-        pts, floor = [], []
-        for arm, group in _group(records, "fedproto").items():
-            m, _, eps = arm.partition("-eps")
-            if m in (mode, "off"):
-                x = float(eps) if eps else inf_x
-                tv = [v for v in map(_fit_mean("leak-hist-tv-client-mean"), group) if v is not None]
-                fl = [v for v in map(_fit_mean("leak-hist-tv-floor-client-mean"), group) if v is not None]
-                if tv:
-                    pts.append((x, sum(tv) / len(tv)))
-                if fl:
-                    floor.append(sum(fl) / len(fl))
+        pts = fedproto_points(records, mode, _fit_mean("leak-hist-tv-client-mean"))
         if pts:
-            pts.sort()
             ax.plot(*zip(*pts), "-", marker=marker, label=f"{mode}: histogram TV")
-        if floor and mode == "payload":
-            ax.axhline(sum(floor) / len(floor), color="grey", ls=":", label="floor (uniform guess)")
+    floor = fedproto_points(records, "payload", _fit_mean("leak-hist-tv-floor-client-mean"))
+    if floor:
+        ax.axhline(sum(y for _, y in floor) / len(floor), color="grey", ls=":", label="floor (uniform guess)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("target ε (rightmost: no DP)")
     ax.set_ylabel("TV distance, per release (lower = more leaked)")

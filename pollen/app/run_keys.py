@@ -138,8 +138,8 @@ COMMON: dict[str, Key] = {
         "rounds allowed to train nobody (every reply failed or rejected) before the run fails"),
     "sample-by-partition": Key(True, "bool",
         "ask each node its partition once and sample by partition, so one seed samples the same clients in every run "
-        "(simulation: the engine's assignment, checked with two queries; a deployment: one query per node before "
-        "the first sampled round); false = by node id"),
+        "(simulation: the engine's assignment, no query, checked against each node's replies, every node asked "
+        "if one contradicts it; a deployment: one query per node before the first sampled round); false = by node id"),
     "checkpoint-every": Key(1, "int in [0, 1000000]", "write a server checkpoint every N rounds; 0 = never"),
     "checkpoint-keep": Key(2, "int in [1, 1000000]", "checkpoints kept (the newest)"),
     "resume-from": Key("", "path", "a run folder to continue from its last valid checkpoint (same config)"),

@@ -8,8 +8,10 @@
 Flower's node ids are drawn afresh for every run, so a strategy that samples by node id draws
 different partitions from one run to the next even with the same seed. Knowing the partitions lets it
 sample by partition instead (``identify_nodes``), and GLFC needs them to follow its client plan.
-Under Flower's simulation engine the strategy reads the engine's own assignment instead and sends this
-query to two nodes only, to confirm it (``pollen.strategies.base.engine_partitions``).
+Under Flower's simulation engine the strategy reads the engine's own assignment instead and sends no
+query (``pollen.strategies.base.engine_partitions``): the assignment is each node's provisional claim,
+confirmed by the ``partition-id`` of the node's first train or evaluate reply. A reply that contradicts
+it makes the strategy drop the assignment and send this query to every node, as in a deployment.
 
 A node's answer is a claim, not proof: the strategies trust a partition to a node only when no other
 connected node claims it, or when the operator *pinned* it to that node id (``partition-pins``,

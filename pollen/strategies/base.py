@@ -17,7 +17,9 @@ this class makes sure no reply reaches that code unchecked:
   it (``quarantined``) — until one of them leaves the grid. Once a claimant has left, its claim
   lapses: that is how a SuperNode restarted on the same state folder carries on. The operator can
   pin partitions to node ids (``partition_pins``): a pinned partition is served by its pinned node
-  only, whoever else claims it. The identity query (``identify``) follows the same rules;
+  only, whoever else claims it. The identity query (``identify``) follows the same rules, and so does
+  the simulation engine's node → partition assignment, a provisional claim until the node's first reply
+  confirms it (a contradiction drops the assignment: every node is then asked);
 * a failure (an error reply, or no reply before the timeout) is recorded once, under the node the
   message was *sent to* (its partition when known): in a deployment the SuperLink itself writes the
   error reply for a node that has gone, so the reply's source would name the SuperLink;
@@ -229,6 +231,9 @@ class PollenStrategy(Strategy):
         self.query_timeout = query_timeout
         self.timeout: float | None = None  # start()'s, the default wait for query replies
         self._queried: set[int] = set()
+        # node id -> the partition the simulation engine assigned it: a claim no reply of the node has confirmed
+        self._provisional: dict[int, int] = {}
+        self._engine_refuted = False  # a reply contradicted the engine's order: from now on every node is asked
         self._settled = False  # the simulation's node registration was seen to have finished
         self.reports: dict[int, RoundReport] = {}
 
@@ -295,32 +300,28 @@ class PollenStrategy(Strategy):
         """Learn the partition of each node whose partition is unknown and register it as that node's claim.
 
         Under Flower's simulation engine the engine's own node → partition assignment is read from the grid
-        (:func:`engine_partitions`) and checked by querying two nodes: thousands of simultaneous queries
-        cost minutes there, because the engine scans every pending message for every node each poll.
-        Elsewhere, or when the check disagrees, every unknown node gets one query. Either way a partition
-        learnt here is a claim under the rules of every reply (module docstring): pins win, a changed
-        claim is refused, two connected claimants quarantine the partition, and each later train or
-        evaluate reply's ``partition-id`` must match it.
+        (:func:`engine_partitions`) and registered as each node's *provisional* claim, without a message:
+        thousands of simultaneous queries cost minutes there (the engine scans every pending message for
+        every node each poll), and even two wait for the whole engine start. The check moves into the
+        replies: every train or evaluate reply carries ``partition-id``, and a provisional node's first
+        one confirms its claim (:meth:`_settle_provisional`). A reply that contradicts the engine's order
+        is a WARNING, all claims still provisional are dropped, and from then on the engine's assignment
+        is never used again in this run: every unknown node gets one query, as everywhere else. Either way
+        a partition learnt here is a claim under the rules of every reply (module docstring): pins win, a
+        changed claim is refused, two connected claimants quarantine the partition, and each later train
+        or evaluate reply's ``partition-id`` must match it.
         """
         unknown = sorted(n for n in node_ids if n not in self.partition_of and n not in self._queried)
         if not unknown:
             return
-        engine = engine_partitions(grid)
+        engine = None if self._engine_refuted else engine_partitions(grid)
         if engine is not None and all(n in engine for n in unknown):
-            by_partition = sorted(unknown, key=engine.__getitem__)
-            probes = sorted({by_partition[0], by_partition[-1]})
-            answers = self._query(server_round, grid, probes)
-            if all(answers.get(n) == engine[n] for n in probes):
-                rest = [n for n in unknown if n not in answers]
-                self._queried.update(rest)
-                for n in rest:
-                    self._register_claim(n, engine[n])
-                self._warn_quarantine(server_round)
-                return
-            LOGGER.warning("round %d: could not confirm the simulation engine's node order (nodes %s answered "
-                           "partitions %s, the engine assigned %s); asking every node", server_round, probes,
-                           [answers.get(n) for n in probes], [engine[n] for n in probes])
-            unknown = [n for n in unknown if n not in self._queried]
+            self._queried.update(unknown)  # a refused claim (another node's pin) is not read again each round
+            for n in unknown:
+                self._provisional[n] = engine[n]
+                self._register_claim(n, engine[n])
+            self._warn_quarantine(server_round)
+            return
         self._query(server_round, grid, unknown)
 
     def _query(self, server_round: int, grid: Grid, node_ids: Sequence[int]) -> dict[int, int]:
@@ -467,6 +468,7 @@ class PollenStrategy(Strategy):
                 nodes -= gone
                 for n in gone:
                     self.partition_of.pop(n, None)
+                    self._provisional.pop(n, None)
                 self._refresh_owner(pid)
 
     def _refresh_owner(self, pid: int) -> None:
@@ -490,6 +492,27 @@ class PollenStrategy(Strategy):
         self.partition_of[node_id] = pid
         self.claims.setdefault(pid, set()).add(node_id)
         self._refresh_owner(pid)
+
+    def _settle_provisional(self, server_round: int, node_id: int, pid: int) -> None:
+        """A reply of ``node_id`` says ``pid``: a provisional claim (the engine's) it matches is confirmed; one
+        it contradicts means the engine's order does not hold for this Flower. Then a WARNING, every claim
+        still provisional is dropped (so this node's reply counts as an unknown node's would), and the
+        engine's assignment is not used again: :meth:`identify` asks every unknown node."""
+        assigned = self._provisional.pop(node_id, None)
+        if assigned is None or assigned == pid:
+            return
+        LOGGER.warning("round %d: node %d answered partition %d, but the simulation engine assigned it partition "
+                       "%d: the engine's node order does not hold; its assignment is dropped and every node "
+                       "will be asked its partition", server_round, node_id, pid, assigned)
+        self._engine_refuted = True
+        self._provisional[node_id] = assigned
+        for node, engine_pid in self._provisional.items():
+            self._queried.discard(node)
+            if self.partition_of.get(node) == engine_pid:
+                del self.partition_of[node]
+                self.claims.get(engine_pid, set()).discard(node)
+                self._refresh_owner(engine_pid)
+        self._provisional.clear()
 
     def quarantined(self) -> dict[int, list[int]]:
         """``{partition: claiming node ids}`` for every unpinned partition that several nodes claim."""
@@ -555,6 +578,7 @@ class PollenStrategy(Strategy):
                 continue
             claim = rec.get(PARTITION_ID)
             if isinstance(claim, (int, float)) and screen_metrics(rec, bounds).reason is None:
+                self._settle_provisional(server_round, node, int(claim))  # the engine's claim confirmed, or not
                 self._register_claim(node, int(claim))  # the metrics pass: a well-formed whole number
         self._warn_quarantine(server_round)
         quarantined = self.quarantined()

@@ -10,7 +10,9 @@ runs it from any ``@app.main()`` ServerApp). Its wire contract is :mod:`pollen.p
   current task. Flower's simulation has a fixed number of SuperNodes (start it with the final
   population). Which node serves which partition is learned from the ``partition-id`` metric of
   replies (bound for the run by the base class); a node whose partition is still unknown receives one
-  ``query`` message (``MessageType.QUERY``) that its ClientApp answers with its partition id;
+  ``query`` message (``MessageType.QUERY``) that its ClientApp answers with its partition id — under
+  Flower's simulation engine none: the engine's assignment is each node's provisional claim until its
+  first reply confirms it (:meth:`~pollen.strategies.base.PollenStrategy.identify`);
 * grows the global head by ``classes_per_task`` outputs at each task boundary (old rows kept) and
   averages the sampled clients' full state (BatchNorm statistics included) **unweighted**, as the
   official code does;

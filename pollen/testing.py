@@ -103,11 +103,11 @@ def run_inprocess(run_config: dict, num_nodes: int | None = None, *,
     config keys that node trains with that round; ``stop_after`` ends the run after that round."""
     from pollen.app.client_app import app as client_app
     from pollen.app.client_app import query as answer_query
-    from pollen.app.config import parse_run_config
+    from pollen.app.config import validated_run_config
     from pollen.app.registry import METHODS
 
     set_task_identity()
-    cfg = parse_run_config(run_config)
+    cfg = validated_run_config(run_config)  # the ClientApps below reuse this check
     spec = METHODS[cfg.method]
     strategy = spec.make_strategy(cfg)
     if num_nodes is None:

@@ -136,3 +136,35 @@ def test_every_common_key_is_one_run_config_field_and_back():
     cfg = parse_run_config({"lr": 0.25, "run-name": "  named  ", "dp-mode": "off"})
     assert cfg.lr == 0.25 and cfg.run_name == "named"
     assert set(COMMON) <= set(cfg.to_dict())  # config.json records every common key
+
+
+def test_a_run_config_is_validated_once_per_process_and_anew_when_anything_it_reads_changes(monkeypatch, tmp_path):
+    """``validated_run_config`` (ServerApp, every ClientApp message, the in-process runner): the same config
+    is checked once and its value shared; another value of any key, another ``POLLEN_DATA_ROOT`` or working
+    directory is checked anew; a refused config is refused every time."""
+    from pollen.app import config
+
+    calls = []
+    parse = config.parse_run_config
+    monkeypatch.setattr(config, "parse_run_config", lambda raw: calls.append(dict(raw)) or parse(raw))
+    config._validated.cache_clear()
+    try:
+        first = {"method": "fedavg", "task": "uci-dirichlet", "lr": 0.05}
+        a = config.validated_run_config(first)
+        assert config.validated_run_config(dict(reversed(first.items()))) is a and len(calls) == 1
+        c = config.validated_run_config({**first, "lr": 0.1})
+        assert len(calls) == 2 and c.lr == 0.1 and a.lr == 0.05
+        monkeypatch.setenv("POLLEN_DATA_ROOT", str(tmp_path))
+        assert config.validated_run_config(first).data_root == str(tmp_path) and len(calls) == 3
+        own = {**first, "task": "array", "data-dir": "here", "classes": "a,b", "image-size": 8, "image-channels": 1}
+        monkeypatch.chdir(tmp_path)
+        assert config.validated_run_config(own).data_dir == str(tmp_path / "here")
+        monkeypatch.chdir(PROJECT_ROOT)
+        assert config.validated_run_config(own).data_dir == str(PROJECT_ROOT / "here")
+        assert len(calls) == 5
+        for _ in range(2):
+            with pytest.raises(ConfigError, match="unknown run config key"):
+                config.validated_run_config({**first, "no-such-key": 1})
+        assert len(calls) == 7
+    finally:
+        config._validated.cache_clear()

@@ -3,21 +3,25 @@ is numpy-only (prototypes, logits, local); the weights family's server does when
 model, not before. Each case runs in a fresh interpreter, so an import made by another test cannot hide one.
 
 And the facts those processes read instead of building a model: :mod:`pollen.models.catalog`'s embedding
-sizes against the built networks, and the state keys the registry names against the clients' own.
+sizes and first BatchNorm layers against the built networks, and the state keys the registry names
+against the clients' own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
 from pollen.models import MODEL_NAMES, build_model
+from pollen.models.catalog import FIRST_BATCHNORM, SMALL_MODELS, feature_dim
 from pollen.models.catalog import MODEL_NAMES as CATALOG_NAMES
-from pollen.models.catalog import SMALL_MODELS, feature_dim
+from pollen.privacy.dpsgd import first_cross_sample_layer
 from tests.conftest import PROJECT_ROOT
 
 # What "no torch" means: neither torch nor torchvision nor any of their submodules is loaded.
@@ -62,6 +66,36 @@ def test_the_launcher_checks_a_fedproto_run_config_without_torch():
     assert steps == {"cli": [], "launcher": [], "validated": []}
 
 
+def test_the_launcher_checks_a_sample_mode_run_config_without_torch(tmp_path):
+    """``dp-mode = 'sample'`` refuses a model with BatchNorm before anything starts (DP-SGD needs
+    per-sample gradients): the check reads the catalog, it builds no model, so ``pollen run``'s process
+    still never imports torch, whether it accepts the config or refuses it with the layer and the fix."""
+    steps = _steps(f"""
+        from pathlib import Path
+        from pollen.launch.launcher import LaunchConfigError, compose_run_config, fitting_node_count, main
+        report("launcher")
+        sample = {{"method": "fedavg", "task": "uci-dirichlet", "avg-weighting": "uniform", "dp-mode": "sample",
+                  "dp-noise-multiplier": 1.0}}
+        values, _ = compose_run_config(Path.cwd(), sample, out_dir={str(tmp_path / "runs")!r})
+        assert fitting_node_count(Path.cwd(), values, 3) == 3
+        report("accepted")
+        for model, layer in (("resnet10", "'bn1' (BatchNorm2d)"), ("googlenet", "'pre_layers.1' (BatchNorm2d)")):
+            try:
+                fitting_node_count(Path.cwd(), {{**values, "model": model}}, 3)
+            except LaunchConfigError as err:
+                assert f"model {{model!r}} has layer {{layer}}" in str(err), err
+                assert "cnn_mnist, lenet" in str(err) and "or dp-mode = 'payload'" in str(err), err
+            else:
+                raise AssertionError(model)
+        report("refused")
+        rc = "method='fedavg' avg-weighting='uniform' dp-mode='sample' dp-noise-multiplier=1.0 model='resnet18'"
+        assert main(["--out-dir", {str(tmp_path / "runs")!r}, "--run-config", rc]) == 2  # `pollen run`, exit 2
+        report("pollen run")
+    """)
+    assert steps == {"launcher": [], "accepted": [], "refused": [], "pollen run": []}
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize(("method", "task", "strategy"), [
     ("fedproto", "mnist-shot", "PrototypeStrategy"),
     ("bd-fedproto", "uci-dirichlet", "PrototypeStrategy"),
@@ -74,7 +108,7 @@ def test_a_numpy_only_serverapp_builds_its_strategy_without_torch(method, task, 
     steps = _steps(f"""
         import pollen.app.server_app as server
         report("import")
-        cfg = server.parse_run_config({{"method": {method!r}, "task": {task!r}}})
+        cfg = server.validated_run_config({{"method": {method!r}, "task": {task!r}}})
         spec = server.METHODS[cfg.method]
         strategy = spec.make_strategy(cfg)
         assert type(strategy).__name__ == {strategy!r}, type(strategy)
@@ -88,7 +122,7 @@ def test_a_numpy_only_serverapp_builds_its_strategy_without_torch(method, task, 
 def test_the_weights_server_imports_torch_only_to_build_its_initial_model():
     steps = _steps("""
         import pollen.app.server_app as server
-        cfg = server.parse_run_config({"method": "fedavg", "task": "uci-dirichlet"})
+        cfg = server.validated_run_config({"method": "fedavg", "task": "uci-dirichlet"})
         spec = server.METHODS[cfg.method]
         spec.make_strategy(cfg)
         report("strategy")
@@ -122,6 +156,41 @@ def test_the_catalog_gives_each_models_embedding_size(name):
             for opts in options:
                 built = build_model(name, 10, in_channels=channels, image_size=size, width=width, **opts)
                 assert feature_dim(name, channels, size, width, opts) == built.feature_dim, (name, width, size)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_the_catalog_names_each_models_first_batchnorm(name):
+    """What the run-config check of ``dp-mode = 'sample'`` reads instead of building the model: the
+    catalog's first BatchNorm layer (path and class, or none) is the built network's, for every width,
+    input format and option (MobileNetV2's count of BatchNorm layers changes with the width; its first
+    does not). Built on the meta device: the module tree is all that is compared."""
+    assert set(FIRST_BATCHNORM) == set(CATALOG_NAMES)
+    options = [{}, {"channels": 18}] if name == "cnn_mnist" else [{}]
+    for width in (1.0, 0.5, 0.125, 0.01):
+        for channels, size in ((1, 28), (3, 32), (3, 20)):
+            for opts in options:
+                with torch.device("meta"):
+                    built = build_model(name, 10, in_channels=channels, image_size=size, width=width, **opts)
+                assert FIRST_BATCHNORM[name] == first_cross_sample_layer(built), (name, width, channels, size)
+
+
+def test_sample_mode_builds_only_a_model_the_catalog_does_not_describe(monkeypatch):
+    """A model added with ``register_model`` has no catalog entry: the run-config check builds it (shapes
+    only) to find its first BatchNorm, as it did for every model before, and refuses it the same way."""
+    from pollen.app import config
+    from pollen.datasets import tasks
+    from pollen.models.registry import MODELS, ModelEntry
+
+    def my_net(num_classes, in_channels, image_size, width, **kw):
+        return torch.nn.Sequential(torch.nn.Conv2d(in_channels, 4, 3), torch.nn.BatchNorm2d(4))
+
+    monkeypatch.setitem(MODELS, "my-bn-net", ModelEntry(my_net))
+    task = tasks.get_task("uci-dirichlet")
+    monkeypatch.setattr(tasks, "resolve_task", lambda name, opts: dataclasses.replace(task, default_model="my-bn-net"))
+    cfg = config.parse_run_config({"method": "fedavg", "task": "uci-dirichlet", "avg-weighting": "uniform"})
+    cfg = dataclasses.replace(cfg, dp_mode="sample")
+    with pytest.raises(config.ConfigError, match=r"model 'my-bn-net' has layer '1' \(BatchNorm2d\).*cnn_mnist, lenet"):
+        config._refuse_cross_sample_models(cfg)
 
 
 def test_a_model_that_disagrees_with_the_catalog_is_refused(monkeypatch):

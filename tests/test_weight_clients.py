@@ -133,19 +133,45 @@ def test_cuda_request_without_gpu_fails_clearly():
         _client("fedavg", ctx, device="cuda")
 
 
-def test_client_app_validates_a_run_config_once_per_process(monkeypatch):
-    """Every message of a run carries the same run config; the ClientApp parses it once, and a different
-    config (any key changed) is parsed anew, its own values used."""
-    from pollen.app import client_app
+@pytest.fixture
+def count_validations(monkeypatch):
+    """Counts every full check of a run config (whatever entry point: each runs ``_check_user_task`` once),
+    with the once-per-process cache empty before and after."""
+    from pollen.app import config
 
     calls = []
-    parse = client_app.parse_run_config
-    monkeypatch.setattr(client_app, "parse_run_config", lambda raw: calls.append(dict(raw)) or parse(raw))
-    client_app._parsed_run_config.cache_clear()
-    first = {"method": "fedavg", "task": "uci-dirichlet", "lr": 0.05}
-    a = client_app._parsed_run_config(tuple(sorted(first.items())))
-    b = client_app._parsed_run_config(tuple(sorted(dict(first).items())))
-    assert a is b and len(calls) == 1
-    c = client_app._parsed_run_config(tuple(sorted({**first, "lr": 0.1}.items())))
-    assert len(calls) == 2 and c.lr == 0.1 and a.lr == 0.05
-    client_app._parsed_run_config.cache_clear()
+    check = config._check_user_task
+    monkeypatch.setattr(config, "_check_user_task", lambda cfg, merged: calls.append(cfg) or check(cfg, merged))
+    config._validated.cache_clear()
+    yield calls
+    config._validated.cache_clear()
+
+
+TINY_RUN = {"method": "fedavg", "task": "uci-dirichlet", "max-train-samples": 48, "batch-size": 16,
+            "num-server-rounds": 2, "fraction-evaluate": 1.0}
+
+
+def test_an_inprocess_run_validates_its_run_config_once(count_validations, tmp_path):
+    """The in-process runner is one process holding the server side and every ClientApp: 2 rounds of 3
+    nodes (12 train/evaluate messages) check the run config once (before: the runner once and the
+    ClientApps once more)."""
+    from pollen.testing import run_inprocess
+
+    records = run_inprocess({**TINY_RUN, "out-dir": str(tmp_path / "runs")}, 3, echo=False)
+    assert len(records) == 2 and len(count_validations) == 1
+
+
+def test_the_serverapp_and_its_clientapps_in_one_process_validate_once(count_validations, tmp_path):
+    """``server_app.main`` with ClientApps answering in the same process (InProcessGrid): one check for
+    the ServerApp and every message (before: the ServerApp once and the ClientApps once more)."""
+    from flwr.app import Context, RecordDict
+
+    from pollen.app.client_app import app as client_app
+    from pollen.app.server_app import main as server_main
+    from pollen.testing import InProcessGrid, clientapp_node
+
+    rc = {**TINY_RUN, "out-dir": str(tmp_path / "runs")}
+    grid = InProcessGrid({100 + p: clientapp_node(client_app, rc, p, 3) for p in range(3)})
+    server_main(grid, Context(run_id=5, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
+    assert sum(m.metadata.message_type in ("train", "evaluate") for m in grid.sent) == 12
+    assert len(count_validations) == 1

@@ -17,14 +17,13 @@ restarts, so a node that carried on from its folder can be told from one that st
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from pollen.app.checkpoints import FINAL_MODEL, load_records, save_arrays, save_records, write_json
-from pollen.app.config import ConfigError, NodeConfig, RunConfig, parse_node_config, parse_run_config
+from pollen.app.config import ConfigError, NodeConfig, RunConfig, parse_node_config, validated_run_config
 from pollen.app.registry import METHODS
 from pollen.app.results import run_directory
 from pollen.log import LOGGER
@@ -40,18 +39,8 @@ def node_state_dir(cfg: RunConfig, node: NodeConfig, run_id: int) -> Path:
     return run_directory(cfg, run_id) / "nodes" / f"partition-{node.partition_id}"
 
 
-@functools.lru_cache(maxsize=8)
-def _parsed_run_config(items: tuple[tuple[str, object], ...]) -> RunConfig:
-    """Every message of a run carries the same run config: validate it once per process (a few ms of
-    range checks per message otherwise); keyed by all its keys and values, bounded to 8 configs."""
-    return parse_run_config(dict(items))
-
-
 def _prepare(context: Context, before_round: int | None = None):
-    try:
-        cfg = _parsed_run_config(tuple(sorted(context.run_config.items())))
-    except TypeError:  # a value Flower would not send (unhashable): no cache
-        cfg = parse_run_config(context.run_config)
+    cfg = validated_run_config(context.run_config)  # every message carries it: checked once per process
     node = parse_node_config(context.node_config)
     spec = METHODS[cfg.method]
     if node.data_dir is not None:

@@ -12,6 +12,7 @@ need no Flower context at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -288,6 +289,28 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
     return cfg
 
 
+def validated_run_config(raw: Mapping[str, Any]) -> RunConfig:
+    """:func:`parse_run_config`, once per process per run config: what the ServerApp, every message of a
+    ClientApp and the in-process runner call. Every message of a run carries the same run config, and a
+    process that hosts the ServerApp and ClientApps (the in-process runner, tests) meets it in each, so
+    the checks and their side effects (a user-data task's ``data-dir`` scanned, a public folder counted)
+    happen once; a config that fails is checked again (nothing is cached for it). Keyed by every key and
+    value, and by the two things outside them it reads (``POLLEN_DATA_ROOT``, the working directory that
+    relative paths resolve against); at most 8 configs are kept. A value that cannot be hashed (Flower
+    never sends one) is parsed every time."""
+    try:
+        items = tuple(sorted(raw.items()))
+        hash(items)
+    except TypeError:
+        return parse_run_config(raw)
+    return _validated(items, os.environ.get("POLLEN_DATA_ROOT"), os.getcwd())
+
+
+@functools.lru_cache(maxsize=8)
+def _validated(items: tuple[tuple[str, Any], ...], data_root_env: str | None, cwd: str) -> RunConfig:
+    return parse_run_config(dict(items))
+
+
 DP_KEYS = ("dp-mode", "dp-clip", "dp-noise-multiplier", "dp-target-epsilon", "dp-delta", "dp-max-epsilon")
 
 
@@ -336,30 +359,32 @@ def _check_privacy(cfg: RunConfig, merged: Mapping[str, Any]) -> None:
 
 def _refuse_cross_sample_models(cfg: RunConfig) -> None:
     """DP-SGD needs per-sample gradients: a model with BatchNorm is refused now, naming the layer and
-    the fix, not at the first round (shapes only: built on the meta device).
+    the fix, not at the first round.
 
-    The one check of a run config that imports torch, and only under ``dp-mode = sample``: it finds the
-    offending layer in the built module tree, which no table outside the networks would keep true."""
-    import torch
-
+    Read from :mod:`pollen.models.catalog` (no torch, no model built; a test builds every model against
+    it); only a model the catalog does not describe (one added with ``register_model``) is built, on the
+    meta device. DP-SGD checks the module it trains again (:func:`pollen.privacy.dpsgd.dp_sgd`)."""
     from pollen.datasets.tasks import resolve_task
-    from pollen.models import MODEL_NAMES
-    from pollen.privacy.dpsgd import refuse_cross_sample_layers
+    from pollen.models.catalog import FIRST_BATCHNORM, MODEL_NAMES
+    from pollen.privacy.config import cross_sample_refusal
 
     task = resolve_task(cfg.task, cfg.task_options())
-
-    def model(name: str) -> torch.nn.Module:
-        with torch.device("meta"):
-            return cfg.model_spec(task, name).build()
-
     for name in [cfg.model] if cfg.model else sorted({task.default_model, *task.partition_models}):
-        try:
-            refuse_cross_sample_layers(model(name), name)
-        except ValueError as err:
-            fitting = [m for m in MODEL_NAMES if not any(isinstance(x, torch.nn.modules.batchnorm._BatchNorm)
-                                                         for x in model(m).modules())]
-            raise ConfigError(f"run config key 'dp-mode' = 'sample': {err}; Pollen's models without BatchNorm: "
-                              f"{', '.join(fitting)} (run key 'model')") from None
+        layer = FIRST_BATCHNORM[name] if name in FIRST_BATCHNORM else _built_first_batchnorm(cfg, task, name)
+        if layer is not None:
+            fitting = [m for m in MODEL_NAMES if FIRST_BATCHNORM[m] is None]
+            raise ConfigError(f"run config key 'dp-mode' = 'sample': {cross_sample_refusal(name, *layer)}; "
+                              f"Pollen's models without BatchNorm: {', '.join(fitting)} (run key 'model')")
+
+
+def _built_first_batchnorm(cfg: RunConfig, task: Any, name: str) -> tuple[str, str] | None:
+    """The first BatchNorm layer of a model the catalog does not describe: built (shapes only) to know."""
+    import torch
+
+    from pollen.privacy.dpsgd import first_cross_sample_layer
+
+    with torch.device("meta"):
+        return first_cross_sample_layer(cfg.model_spec(task, name).build())
 
 
 def _refuse_other_methods_keys(method: str, merged: Mapping[str, Any], extra_defaults: Mapping[str, Any]) -> None:

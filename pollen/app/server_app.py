@@ -16,7 +16,7 @@ from flwr.app import Array, ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from pollen.app.checkpoints import CheckpointError, latest_checkpoint, save_arrays, write_checkpoint, write_json
-from pollen.app.config import RunConfig, parse_run_config
+from pollen.app.config import RunConfig, validated_run_config
 from pollen.app.registry import METHODS
 from pollen.app.results import RunRecorder, run_directory
 from pollen.app.run_keys import RESUMABLE_CHANGES
@@ -80,7 +80,7 @@ def record_task(run_dir: Path, cfg: RunConfig) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = parse_run_config(context.run_config)
+    cfg = validated_run_config(context.run_config)  # once per process: in-process ClientApps reuse it
     spec = METHODS[cfg.method]
     strategy = spec.make_strategy(cfg)
     run_dir = run_directory(cfg, context.run_id)

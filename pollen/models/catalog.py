@@ -1,11 +1,14 @@
 """What each built-in architecture is, without building it (and without torch): the names, the small
-nets, the width rule and the embedding size d.
+nets, the width rule, the embedding size d and the first BatchNorm layer.
 
 The launcher and a ServerApp whose strategy is numpy-only (prototypes, logits) need these facts, not
-the networks: the model names a run key may take, and FedProto's server needs d to check every
-client's prototypes. Reading them from here keeps torch out of those processes (issue 30: start-up
-cost). :func:`pollen.models.registry.build_model` checks every model it builds against
-:func:`feature_dim`, so this table cannot drift from the networks unnoticed.
+the networks: the model names a run key may take, FedProto's server needs d to check every
+client's prototypes, and the run-config check of ``dp-mode = 'sample'`` needs to know which models
+DP-SGD cannot train (BatchNorm mixes the samples of a batch). Reading them from here keeps torch out
+of those processes (issue 30: start-up cost) and model building out of validation (issue 33).
+:func:`pollen.models.registry.build_model` checks every model it builds against :func:`feature_dim`, and
+``tests/test_torch_free_imports.py`` builds every model against :data:`FIRST_BATCHNORM`, so neither table
+can drift from the networks unnoticed.
 """
 
 from __future__ import annotations
@@ -84,3 +87,18 @@ def feature_dim(name: str, in_channels: int = 3, image_size: int = 32, width: fl
     catalog does not describe (one added with :func:`pollen.models.register_model`: build it to know)."""
     rule = _FEATURE_DIMS.get(name)
     return None if rule is None else rule(in_channels, image_size, width, options or {})
+
+
+# The first layer that mixes the samples of a batch (a BatchNorm), per model, as the built network's
+# ``named_modules()`` meets it: (its path, its class name); None for a model without any. The same for
+# every width, input format and option (which change how many BatchNorm layers MobileNetV2 has, never
+# its first); DP-SGD (dp-mode = 'sample') refuses a model that has one, and the run-config check names
+# this layer without building the model.
+FIRST_BATCHNORM: dict[str, tuple[str, str] | None] = {
+    **{name: ("bn1", "BatchNorm2d") for name in ("resnet10", "resnet12", "resnet18", "resnet34",
+                                                 "efficientnet_b0", "mobilenet_v2")},
+    "googlenet": ("pre_layers.1", "BatchNorm2d"),
+    "cnn_mnist": None,
+    "lenet": None,
+}
+

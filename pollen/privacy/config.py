@@ -49,3 +49,12 @@ class PrivacyConfig:
         if self.noise_multiplier > 0:
             return self.noise_multiplier
         return calibrate_noise_multiplier(self.target_epsilon, self.delta, planned_releases)
+
+
+def cross_sample_refusal(model_name: str, layer: str, kind: str) -> str:
+    """Why DP-SGD refuses model ``model_name``, naming its first layer ``layer`` (class ``kind``) that mixes
+    the samples of a batch, and the fix: one message for the run-config check (which reads the layer from
+    :mod:`pollen.models.catalog`, without torch) and for DP-SGD's own check of the module it trains."""
+    return (f"model {model_name!r} has layer '{layer}' ({kind}), which mixes the samples of a batch, so "
+            "per-sample gradients (dp-mode = 'sample') are undefined: use a model without BatchNorm (its "
+            "BatchNorm layers replaced by GroupNorm), or dp-mode = 'payload'")

@@ -21,6 +21,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from pollen.privacy.accounting import Release
+from pollen.privacy.config import cross_sample_refusal
 from pollen.privacy.sample import steps_and_rate
 
 SampleLoss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -29,14 +30,21 @@ SampleLoss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tenso
 _CROSS_SAMPLE = (torch.nn.modules.batchnorm._BatchNorm,)
 
 
-def refuse_cross_sample_layers(model: torch.nn.Module, model_name: str) -> None:
-    """Refuse a model DP-SGD cannot train, naming the first such layer and the fix."""
+def first_cross_sample_layer(model: torch.nn.Module) -> tuple[str, str] | None:
+    """(path, class name) of the first layer of ``model`` that mixes the samples of a batch; None if none
+    (what :data:`pollen.models.catalog.FIRST_BATCHNORM` records for the built-in models)."""
     for name, module in model.named_modules():
         if isinstance(module, _CROSS_SAMPLE):
-            raise ValueError(
-                f"model {model_name!r} has layer '{name}' ({type(module).__name__}), which mixes the samples of "
-                "a batch, so per-sample gradients (dp-mode = 'sample') are undefined: use a model without "
-                "BatchNorm (its BatchNorm layers replaced by GroupNorm), or dp-mode = 'payload'")
+            return name, type(module).__name__
+    return None
+
+
+def refuse_cross_sample_layers(model: torch.nn.Module, model_name: str) -> None:
+    """Refuse a model DP-SGD cannot train, naming the first such layer and the fix (DP-SGD's own check of
+    the module it trains, whatever model it is; the run config was checked against the catalog before)."""
+    layer = first_cross_sample_layer(model)
+    if layer is not None:
+        raise ValueError(cross_sample_refusal(model_name, *layer))
 
 
 class _Loss(torch.nn.Module):

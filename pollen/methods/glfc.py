@@ -56,6 +56,7 @@ from pollen.methods.memory import (
     normalised_features,
     update_memory,
 )
+from pollen.methods.optim import SGD
 from pollen.methods.training import (
     LocalTraining,
     derive_seed,
@@ -88,7 +89,7 @@ def perturb_prototype(model: torch.nn.Module, x: torch.Tensor, label: int, num_c
     model.eval()
     data = x.detach().clone().unsqueeze(0).requires_grad_(True)
     target = F.one_hot(torch.tensor([label]), num_classes).float().to(data.device)
-    opt = torch.optim.SGD([data], lr=lr, weight_decay=weight_decay)
+    opt = SGD([data], lr=lr, weight_decay=weight_decay)
     for _ in range(steps):
         opt.zero_grad()
         F.binary_cross_entropy_with_logits(model(data), target).backward()
@@ -262,8 +263,8 @@ class IncrementalRound:
 
         round_in_task = int(config.get("round-in-task", 0))
         history = []
-        opt = torch.optim.SGD(model.parameters(), lr=self.training.lr, momentum=self.training.momentum,
-                              weight_decay=self.training.weight_decay)
+        opt = SGD(model.parameters(), lr=self.training.lr, momentum=self.training.momentum,
+                  weight_decay=self.training.weight_decay)
         for epoch in range(self.training.epochs):
             lr = learning_rate(s.lr_schedule, self.training.lr, round_in_task=round_in_task,
                                rounds_per_task=s.rounds_per_task, epoch=epoch, epochs=self.training.epochs,

@@ -49,6 +49,7 @@ from pollen.methods.logit_settings import (  # declared without torch (the regis
     LogitSettings,
     Recipe,
 )
+from pollen.methods.optim import Adam
 from pollen.methods.training import (
     derive_seed,
     load_model_arrays,
@@ -154,7 +155,7 @@ class LogitRound:
             return model
         s = self.settings
         train_epochs(model, self.data.x_train, self.data.y_train, epochs=s.solo_epochs, batch_size=s.batch_size,
-                     optimizer=torch.optim.Adam(model.parameters(), lr=s.lr),
+                     optimizer=Adam(model.parameters(), lr=s.lr),
                      generator=self.generator(0, _SOLO), device=self.device)
         if path:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -212,7 +213,7 @@ class LogitRound:
         losses = []
         for _ in range(s.public_epochs):
             for idx in batches(len(x), s.public_batch_size, order, drop_last=True):
-                optimizer = torch.optim.Adam(net.parameters(), lr=s.lr)
+                optimizer = Adam(net.parameters(), lr=s.lr)
                 loss = self.collaborative_loss(net(x[idx].to(self.device)), z_bar[idx].to(self.device))
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"collaborative loss became {float(loss)}")
@@ -238,7 +239,7 @@ class LogitRound:
 
         epochs = s.local_epochs[self.partition_id % len(s.local_epochs)]
         history = train_epochs(net, self.data.x_train, self.data.y_train, epochs=epochs, batch_size=s.batch_size,
-                               optimizer=torch.optim.Adam(net.parameters(), lr=s.lr),
+                               optimizer=Adam(net.parameters(), lr=s.lr),
                                generator=self.generator(server_round, _LOCAL), device=self.device,
                                loss_fn=loss_fn)
         if not history:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pollen.datasets.transforms import batches
+from pollen.methods.optim import SGD, Optimizer
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"]
 
@@ -34,7 +35,7 @@ class LocalTraining:
     weight_decay: float
     proximal_mu: float = 0.0
 
-    def sgd(self, model: torch.nn.Module) -> torch.optim.SGD:
+    def sgd(self, model: torch.nn.Module) -> SGD:
         return make_sgd(model, self.lr, self.momentum, self.weight_decay)
 
 
@@ -84,7 +85,7 @@ class EpochStats:
 
 
 def train_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int,
-                 batch_size: int, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+                 batch_size: int, optimizer: Optimizer, generator: torch.Generator,
                  device: torch.device, loss_fn: LossFn = cross_entropy_loss,
                  drop_last: bool = False) -> list[EpochStats]:
     """Run ``epochs`` passes of minibatch training; returns per-epoch mean losses."""
@@ -148,5 +149,5 @@ def evaluate_classifier(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
     return loss, acc
 
 
-def make_sgd(model: torch.nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+def make_sgd(model: torch.nn.Module, lr: float, momentum: float, weight_decay: float) -> SGD:
+    return SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)

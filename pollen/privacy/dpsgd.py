@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch.func import functional_call, grad, vmap
@@ -25,6 +26,14 @@ from pollen.privacy.config import cross_sample_refusal
 from pollen.privacy.sample import steps_and_rate
 
 SampleLoss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Optimizer(Protocol):
+    """What a training loop calls on its optimiser (Pollen's ``pollen.methods.optim`` or ``torch.optim``)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def step(self) -> Any: ...
 
 # Layers that mix the samples of a batch: a sample's gradient through them depends on the others.
 _CROSS_SAMPLE = (torch.nn.modules.batchnorm._BatchNorm,)
@@ -59,7 +68,7 @@ class _Loss(torch.nn.Module):
 
 
 def dp_sgd(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, loss: SampleLoss, epochs: int,
-           batch_size: int, optimizer: torch.optim.Optimizer, clip: float, noise_multiplier: float,
+           batch_size: int, optimizer: Optimizer, clip: float, noise_multiplier: float,
            device: torch.device, generator: torch.Generator | None = None) -> Release:
     """Train ``model`` in place with DP-SGD; returns the :class:`Release` to compose in the ledger.
 

@@ -265,12 +265,14 @@ def report(out: Path) -> None:
              "process tree (SuperLink, ServerApp, Ray and its workers), summed, shared pages counted once. "
              "Written by `bench/scale.py` from `bench/results/scale/*.json`.", "",
              "Before round 1 the strategy learns which partition each node serves, so that one seed samples the "
-             "same partitions in every run: under the simulation engine it reads the engine's assignment and "
-             "confirms it with two `query` messages (below: before that, one query per node). Those two queries "
-             "wait for the engine to start, so the engine's start-up falls before round 1; in the floor, and in "
+             "same partitions in every run. The rows above were run while, under the simulation engine, it read "
+             "the engine's assignment and confirmed it with two `query` messages before round 1 (rows without a "
+             "load figure: before that, one query per node). Those two queries waited for the engine to start, "
+             "so the engine's start-up fell before round 1; in the floor, and in "
              "`bench/results/scale-before-identify/` (sampled by node id, no queries, a more loaded machine), it "
-             "falls inside round 1's wall. *Round 1 ends* (time to round 1 + round 1's wall) compares them. Rows "
-             "without a load figure were run before that change, with one query per node.", "",
+             "falls inside round 1's wall. Since fc9503b no query is sent: each node's first reply confirms its "
+             "partition (the identity section below), and the start-up falls inside round 1 as in the floor. "
+             "*Round 1 ends* (time to round 1 + round 1's wall) compares all of them.", "",
              "*Busiest actor*: the CPU-seconds of the Ray actor (one per core, each running ClientApps one "
              "after another) that worked most during the round, train and evaluate messages together, read from "
              "`/proc` 8 times a second; round wall / busiest actor near 1 means the round waited for client "
@@ -287,7 +289,7 @@ def report(out: Path) -> None:
     def round_one_ends(r: dict) -> str:
         if r.get("time-to-round-1-s") is None or not r.get("round-wall-s"):
             return "–"
-        return str(round(r["time-to-round-1-s"] + r["round-wall-s"][0], 1))
+        return str(round(round_one_end(r), 1))
 
     for r in rows:
         lines.append(f"| {r['clients']:,} | {r['sampled-per-round']} | {r['rc']} | {r.get('time-to-round-1-s', '–')} | "
@@ -320,8 +322,12 @@ def report(out: Path) -> None:
                   "round 1) and after (`engine`: the engine's assignment, two queries), run in the order shown "
                   "(old, new, new, old) so that the machine's load hits both alike; at N = 10,000 the launch from "
                   "before the change (order 0, an earlier launch) and three pairs of the new code and the Flower "
-                  "floor, alternated. *Load*: the machine's 1-minute load average when the launch started (2 cores). "
+                  "floor, alternated. Orders 7–10: the engine's assignment with no query at all (each node's first "
+                  "train or evaluate reply confirms its partition; a contradiction falls back to one query per node), "
+                  "floor, Pollen, Pollen, floor, on a machine loaded by other work. *Load*: the machine's "
+                  "1-minute load average when the launch started (2 cores). "
                   "Rows: `bench/results/scale-identity/*.json`.", "",
+                  *no_query_summary(pairs), "",
                   "Every Pollen run of one N has the same accuracy after each round, digit for digit: each way, and "
                   "in every launch (new node ids each time), the seed sampled the same partitions. What Pollen's "
                   "launch still spends before round 1 beyond the floor's (the launcher, torch in the ServerApp and "
@@ -359,6 +365,26 @@ def report(out: Path) -> None:
     axes[2].set(xscale="log", xlabel="N", ylabel="ms per message")
     axes[2].legend()
     save_figure(fig, out / "scale.png", dpi=120)
+
+
+def no_query_summary(pairs: list[dict]) -> list[str]:
+    """The identity target in words: time to round 1 with no query against the floor's, pair by pair."""
+    ordered = [r for r in sorted(pairs, key=lambda r: r["order"]) if r["clients"] == 10_000 and r["order"] >= 7]
+    pollen = [r for r in ordered if r["identity"].startswith("engine, no query")]
+    floor = [r for r in ordered if r["identity"] == "Flower floor"]
+    if not pollen or len(pollen) != len(floor):
+        return []
+    pairs_run = list(zip(pollen, floor, strict=True))  # as run: floor, Pollen | Pollen, floor
+    return ["**N = 10,000, no query: time to round 1 / the floor's = "
+             + ", ".join(f"{p['time-to-round-1-s']} / {f['time-to-round-1-s']} = "
+                         f"{p['time-to-round-1-s'] / f['time-to-round-1-s']:.2f}" for p, f in pairs_run)
+             + "; round 1 ends / the floor's = "
+             + ", ".join(f"{round_one_end(p):.1f} / {round_one_end(f):.1f} = "
+                         f"{round_one_end(p) / round_one_end(f):.2f}" for p, f in pairs_run) + ".**"]
+
+
+def round_one_end(r: dict) -> float:
+    return r["time-to-round-1-s"] + r["round-wall-s"][0]
 
 
 def main(argv=None) -> int:

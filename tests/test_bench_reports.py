@@ -6,6 +6,7 @@ each report's Markdown is rebuilt in memory from the JSON beside it."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -155,3 +156,14 @@ def test_the_bd_fedproto_study_runs_its_presets_under_the_setting_its_results_we
             assert {name: config[key] for name, key in s.SHARED_KEYS.items()} == \
                 {name: setting[name] for name in s.SHARED_KEYS}, (arm, ways)
             assert config["num-server-rounds"] == 50 and config["seed"] == 3 and extra.items() <= config.items()
+
+
+def test_committed_scale_report_is_its_run_files(tmp_path):
+    """``bench/results/scale.md`` is what ``bench.scale``'s report makes of the committed run files (the
+    identity summary's ratios included)."""
+    from bench import scale
+
+    for folder in ("scale", "scale-identity"):
+        shutil.copytree(RESULTS / folder, tmp_path / folder)
+    scale.report(tmp_path)
+    assert (tmp_path / "scale.md").read_text() == (RESULTS / "scale.md").read_text()

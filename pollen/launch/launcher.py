@@ -43,6 +43,7 @@ from queue import Empty, Queue
 from typing import Any
 
 from pollen.app.results import write_stopped_summary
+from pollen.launch.fab import staged_app
 from pollen.launch.processes import ProcessTree, Watchdog, signals_held
 from pollen.launch.progress import RunProgress
 from pollen.launch.runs import (
@@ -709,15 +710,20 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     env = flower_env(flwr_home.resolve(), tree=tree)
     started = time.monotonic()
     deadline = started + timeout
-    args = ["run", str(app_dir), connection, "--format", "json"]
-    if run_config:
-        args += ["--run-config", run_config]
+    options = ["--run-config", run_config] if run_config else []
     if federation_config:
-        args += ["--federation-config", federation_config]
-    try:
-        out = json_tail(flwr_call(args, env, timeout=min(300.0, timeout), watch=watch))
-    except TimeoutError as err:
-        raise TimeoutError(f"the run was not even submitted within {min(300.0, timeout):.0f}s ({err})") from None
+        options += ["--federation-config", federation_config]
+    # `flwr run` packs the app into a FAB; given a copy of just the files it packs, it does not list a .venv
+    with staged_app(Path(app_dir)) as packed:
+        try:
+            out = json_tail(flwr_call(["run", str(packed), connection, "--format", "json", *options], env,
+                                      timeout=min(300.0, timeout), watch=watch))
+        except TimeoutError as err:
+            raise TimeoutError(f"the run was not even submitted within {min(300.0, timeout):.0f}s ({err})") from None
+        except RuntimeError as err:
+            if type(err) is not RuntimeError or packed == Path(app_dir):  # e.g. SuperLinkDied: as it is
+                raise
+            raise RuntimeError(str(err).replace(str(packed), str(app_dir))) from None  # the app, not its copy
     if not out.get("success", True) or "run-id" not in out:
         raise RuntimeError(f"flwr run did not start a run: {out}")
     run_id = int(out["run-id"])

@@ -309,6 +309,7 @@ class Fleet:
         self.connection, self.port, self.superlink_proc = self._stack.enter_context(
             launch.superlink(self.flwr_home, simulation=False, extra_args=extra, connection="fleet",
                              root_certificates=root, tree=self.tree))
+        self._stack.callback(self._stop_supernodes)  # the SuperNodes stop before the SuperLink
         mode = "TLS + SuperNode auth" if self.tls else "insecure"
         self._say(f"SuperLink {self.address} ({mode}) pid {self.superlink_proc.pid}, "
                   f"log {self.superlink_log}")
@@ -372,7 +373,6 @@ class Fleet:
         proc = supernodes.start_supernode(self.flwr_home, self.address, log_path, node_config=spec.node_config,
                                       root_certificates=root, auth_private_key=key.private_key if key else None,
                                       extra_env=spec.env, tree=self.tree)
-        self._stack.callback(launch.stop_process, proc)
         node = SuperNode(spec, proc, log_path, key, registered)
         self.supernodes.append(node)
         gpu = f", CUDA_VISIBLE_DEVICES={spec.gpu}" if spec.gpu is not None else ""
@@ -383,7 +383,8 @@ class Fleet:
         """Wait until ``count`` (default: all started) SuperNodes are online."""
         count = len(self.supernodes) if count is None else count
         ids = supernodes.wait_for_supernodes(self.conn, self.flwr_home, count, timeout=timeout,
-                                         procs=[n.proc for n in self.supernodes], watch=self.check)
+                                             procs=[n.proc for n in self.supernodes],
+                                             logs=[n.log_path for n in self.supernodes], watch=self.check)
         self._say(f"{len(ids)} SuperNodes online")
         return ids
 
@@ -406,6 +407,22 @@ class Fleet:
         with contextlib.suppress(subprocess.TimeoutExpired):
             node.proc.wait(timeout=grace)
         launch.stop_process(node.proc, grace=1.0)
+
+    def _stop_supernodes(self, grace: float = 10.0) -> None:
+        """SIGTERM every SuperNode's process group at once, wait up to ``grace`` seconds for them all
+        together, then SIGKILL what is left of each group (:func:`launch.stop_process`). A SuperNode
+        takes 2-4 s to exit: one after the other, a fleet's nodes added that up."""
+        running = [n.proc for n in self.supernodes if n.proc is not None and n.proc.poll() is None]
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for node in reversed(self.supernodes):
+            if node.proc is not None:
+                launch.stop_process(node.proc, grace=0.0)
 
     def process_groups(self) -> list[int]:
         """Process-group ids of everything started (each process leads its own group)."""

@@ -132,6 +132,27 @@ def test_client_errors_are_read_from_supernode_logs(tmp_path):
         "pollen.app.errors.ConfigError: node config is missing 'partition-id': start ...", "ValueError: bad shape"]}
 
 
+def test_node_ids_are_counted_from_the_supernode_logs(tmp_path):
+    logs = [tmp_path / f"{i}.log" for i in range(3)]
+    logs[0].write_text("INFO: Starting Flower SuperNode\n")
+    logs[1].write_text("INFO: Starting Flower SuperNode\n\x1b[92mINFO \x1b[0m:      SuperNode ID: 1488\n")
+    assert supernodes.logs_with_node_id(logs) == 1  # logs[2] does not exist yet
+
+
+def test_supernodes_are_stopped_together_and_nothing_of_their_groups_is_left(tmp_path):
+    """Each stand-in takes 2 s to exit after SIGTERM, as a SuperNode does; one after the other, three take 6 s."""
+    slow = "trap 'sleep 2; exit 0' TERM; sleep 30 & wait; sleep 30 & wait"
+    fleet = Fleet(tmp_path)
+    fleet.supernodes = [SuperNode(NodeSpec(f"n{i}", {}), subprocess.Popen(["sh", "-c", slow], start_new_session=True),
+                                  tmp_path / f"n{i}.log") for i in range(3)]
+    time.sleep(0.5)  # the traps are set
+    began = time.monotonic()
+    fleet._stop_supernodes()
+    assert time.monotonic() - began < 4.5
+    assert [n.proc.returncode for n in fleet.supernodes] == [0, 0, 0]  # each exited on its own
+    assert groups_alive([n.pid for n in fleet.supernodes]) == []  # and its `sleep` went with its group
+
+
 def test_groups_alive_sees_running_groups_only():
     proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
@@ -415,14 +436,15 @@ def test_cli_says_when_the_superlink_is_killed_and_leaves_nothing(tmp_path):
 def test_cli_timeout_stops_the_fleet(tmp_path):
     """`--timeout` holds even while the CLI is blocked on the log stream: exit 124, nothing left running.
 
-    500 rounds cannot finish in 45 s on any machine, and 45 s leave a loaded one time to submit the run."""
+    500 rounds cannot finish in 30 s on any machine, and 30 s leave a loaded one time to submit the run (about
+    15 s on 2 busy cores; 10 s on idle ones)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.fleet", "--num-supernodes", "2", "--rounds", "500", "--timeout", "45",
+        [sys.executable, "-m", "deploy.fleet", "--num-supernodes", "2", "--rounds", "500", "--timeout", "30",
          "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "runs")],
         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=400)
     pids = _pids_in(proc.stdout)
     assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # mid-run ("the fleet run did not finish within 45s") or, on a loaded machine, still bringing nodes up
+    # mid-run ("the fleet run did not finish within 30s") or, on a loaded machine, still bringing nodes up
     assert re.search(r"\): run \S+: timeout: ", proc.stdout), proc.stdout[-3000:]
     assert pids and not groups_alive(pids)
 

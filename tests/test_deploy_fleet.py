@@ -437,7 +437,7 @@ def test_cli_timeout_stops_the_fleet(tmp_path):
     """`--timeout` holds even while the CLI is blocked on the log stream: exit 124, nothing left running.
 
     500 rounds cannot finish in 30 s on any machine, and 30 s leave a loaded one time to submit the run (about
-    15 s on 2 busy cores; 10 s on idle ones)."""
+    15 s measured on 2 cores at load 4-7)."""
     proc = subprocess.run(
         [sys.executable, "-m", "deploy.fleet", "--num-supernodes", "2", "--rounds", "500", "--timeout", "30",
          "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "runs")],

@@ -4,7 +4,7 @@ Commands are the lines of fenced ``bash``/``sh`` blocks (``\\`` continues a line
 comments). A command marked with a trailing ``# needs: <what>`` comment, or in a block whose first line
 is such a comment, is skipped with that reason; so is one that names a placeholder path
 (``/path/to/...``) or needs ``$POLLEN_DATA_ROOT`` when it is unset. The rest run for real, made tiny:
-a launch (``pollen run``, ``make run``, ``make fleet``) gets its run config merged
+a launch (``pollen run``, ``pollen fleet``, ``make run``, ``make fleet``) gets its run config merged
 with :data:`SMOKE` settings for its method's family (one round, a few samples), results go to a
 temporary folder (which also stands for the documented ``runs/``), ``make`` never reinstalls the
 venv, and the block, run as one ``bash -e`` script, must exit 0.
@@ -190,6 +190,8 @@ def smoke_command(text: str, out_dir: Path) -> str:
         return _smoke_launch(text, out_dir)
     if words[:2] in (["make", "run"], ["make", "fleet"]):
         return _smoke_make(text, out_dir)
+    if words[:2] == ["pollen", "fleet"] and "--help" not in words and "-h" not in words:
+        return _smoke_fleet(text, out_dir)
     return text
 
 
@@ -204,6 +206,22 @@ def _smoke_launch(text: str, out_dir: Path) -> str:
     smoke = values if resumed else _smoke(values)
     text = RUN_CONFIG_OPTION.sub("", text).rstrip()
     return f"{text}{'' if resumed else f' --out-dir {out_dir}'} --run-config \"{format_run_config(smoke)}\""
+
+
+def _smoke_fleet(text: str, out_dir: Path) -> str:
+    """``pollen fleet``: the run config made tiny as a launch's, its rounds (``--rounds``) the smoke's, results
+    under ``out_dir``. The SuperNodes stay as written: ``--data-dirs`` and ``--public-dirs`` name one folder
+    per node."""
+    text = re.sub(r"\s--(out-dir|rounds)\s+\S+", "", text)
+    found = RUN_CONFIG_OPTION.search(text)
+    values = parse_run_config(found[1]) if found else {}
+    method = re.search(r"\s--method\s+(\S+)", text)
+    smoke = _smoke({"method": method[1], **values} if method else values)
+    rounds = smoke.pop("num-server-rounds")
+    if method:
+        smoke.pop("method", None)  # the option names it
+    text = RUN_CONFIG_OPTION.sub("", text).rstrip()
+    return f"{text} --rounds {rounds} --out-dir {out_dir} --run-config \"{format_run_config(smoke)}\""
 
 
 def _smoke_make(text: str, out_dir: Path) -> str:
@@ -271,7 +289,8 @@ def test_the_pages_print_commands_and_keep_the_skip_list_small():
 
 def test_a_block_run_as_written_keeps_its_commands_and_its_quoted_output(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("```bash\n# a run (as written)\npollen run --out-dir runs --run-config \"num-server-rounds=2\"\n```\n\n"
+    page.write_text("```bash\n# a run (as written)\n"
+                    "pollen run --out-dir runs --run-config \"num-server-rounds=2\"\n```\n\n"
                     "It prints `round 2/2 | accuracy 0.5` and\n`accuracy: 0.25 (1/4)`.\n\nMore text `not this`.\n")
     (block,) = documented_blocks([page])
     assert block.as_written and block.prints == ("round 2/2 | accuracy 0.5", "accuracy: 0.25 (1/4)")
@@ -290,6 +309,16 @@ def test_smoke_rewriting_keeps_the_documented_keys_and_makes_the_run_tiny(tmp_pa
     assert "METHOD=fedprox" in words
     assert "ROUNDS=1" in words and "NUM_SUPERNODES=2" in words
     assert "num-server-rounds" not in next(w for w in words if w.startswith("RUN_CONFIG="))
+    fleet = ("pollen fleet --method fccl --num-supernodes 3 --rounds 2 --data-dirs a,b,c "
+             "--run-config \"task='image-domains' fccl-public-size=200\" --out-dir runs --quiet")
+    words = shlex.split(smoke_command(fleet, tmp_path))
+    assert words[:9] == ["pollen", "fleet", "--method", "fccl", "--num-supernodes", "3", "--data-dirs", "a,b,c",
+                         "--quiet"]
+    assert words.count("--rounds") == 1 and words[words.index("--rounds") + 1] == "1"
+    assert words.count("--out-dir") == 1 and words[words.index("--out-dir") + 1] == str(tmp_path)
+    values = parse_run_config(words[words.index("--run-config") + 1])
+    assert values["task"] == "image-domains" and values["fccl-public-size"] == 40 and values["fccl-solo-epochs"] == 1
+    assert "method" not in values and "num-server-rounds" not in values  # options carry them
     assert smoke_command("ls runs/*/summary.json", tmp_path) == f"ls {tmp_path}/*/summary.json"
     assert split_comment("make run   # FedAvg, 5 clients") == ("make run", "# FedAvg, 5 clients")
     assert split_comment("x --run-config \"a='#b'\" # needs: gpu") == ("x --run-config \"a='#b'\"", "# needs: gpu")

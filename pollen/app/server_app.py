@@ -17,6 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from pollen.app.checkpoints import CheckpointError, latest_checkpoint, save_arrays, write_checkpoint, write_json
 from pollen.app.config import RunConfig, validated_run_config
+from pollen.app.grid_poll import prompt_replies
 from pollen.app.registry import METHODS
 from pollen.app.results import RunRecorder, run_directory
 from pollen.app.run_keys import RESUMABLE_CHANGES
@@ -80,6 +81,7 @@ def record_task(run_dir: Path, cfg: RunConfig) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    grid = prompt_replies(grid)  # a fleet's replies as they arrive, not at Flower's 3 s pull ticks
     cfg = validated_run_config(context.run_config)  # once per process: in-process ClientApps reuse it
     spec = METHODS[cfg.method]
     strategy = spec.make_strategy(cfg)

@@ -186,7 +186,8 @@ def test_sample_mode_builds_only_a_model_the_catalog_does_not_describe(monkeypat
 
     monkeypatch.setitem(MODELS, "my-bn-net", ModelEntry(my_net))
     task = tasks.get_task("uci-dirichlet")
-    monkeypatch.setattr(tasks, "resolve_task", lambda name, opts: dataclasses.replace(task, default_model="my-bn-net"))
+    # the registry entry, not the function: a module imported meanwhile would keep a patched function for good
+    monkeypatch.setitem(tasks.TASKS, "uci-dirichlet", dataclasses.replace(task, default_model="my-bn-net"))
     cfg = config.parse_run_config({"method": "fedavg", "task": "uci-dirichlet", "avg-weighting": "uniform"})
     cfg = dataclasses.replace(cfg, dp_mode="sample")
     with pytest.raises(config.ConfigError, match=r"model 'my-bn-net' has layer '1' \(BatchNorm2d\).*cnn_mnist, lenet"):

@@ -316,7 +316,7 @@ def fedproto_points(records: list[dict], mode: str, get) -> list[tuple[float, fl
 
 def plot(records: list[dict]) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     ax = axes[0]
     for mode, marker in (("payload", "o"), ("sample", "s")):
         for key, style in (("accuracy-client-mean", "-"), ("proto-accuracy-client-mean", "--")):
@@ -361,6 +361,18 @@ def plot(records: list[dict]) -> None:
     ax.set_xlabel("noise multiplier σ")
     ax.set_title("GLFC: gradient inversion vs noise")
     ax.legend(loc="upper right", fontsize=8)
+    ax = axes[3]
+    fccl = _group(records, "fccl")
+    for key, style in (("inter-accuracy-client-mean", "-o"), ("intra-accuracy-client-mean", "--s")):
+        pts = sorted((INF_X if arm == "off" else float(arm.removeprefix("payload-eps")),
+                      100 * sum(r["evaluate"][key] for r in group) / len(group)) for arm, group in fccl.items())
+        if pts:
+            ax.plot(*zip(*pts), style, label=key.split("-")[0] + " AVG")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("target ε over 10 rounds (rightmost: no DP)")
+    ax.set_ylabel("test accuracy %")
+    ax.set_title("FCCL offline Digits: payload")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, REPORT_PNG, 110)
 

@@ -1,14 +1,19 @@
 """pollen.launch.fab: ``flwr run`` gets a copy of the files it packs, so it never lists a checkout's
-``.venv`` — and packs the same FAB, byte for byte, as from the app folder itself."""
+``.venv`` — and packs the same FAB, byte for byte, as from the app folder itself, less the top-level
+``bench/``, ``docs/`` and ``tests/`` folders that no node runs."""
 
 from __future__ import annotations
 
+import io
 import os
+import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
 from flwr.cli.build import build_fab_from_disk
 from flwr.cli.utils import collect_files, filter_paths_for_publish
+from flwr.common.constant import FAB_MAX_SIZE
 
 from pollen.launch import fab
 from tests.conftest import PROJECT_ROOT
@@ -113,3 +118,49 @@ def test_an_app_flower_cannot_list_is_handed_over_as_it_is(tmp_path):
 def test_the_checkout_lists_the_files_flower_lists():
     """This checkout, `.venv` and run folders included, as Flower's own walk sees it."""
     assert fab.fab_sources(PROJECT_ROOT) == filter_paths_for_publish(collect_files(PROJECT_ROOT))
+
+
+def _fab_names(fab_bytes: bytes) -> set[str]:
+    return set(zipfile.ZipFile(io.BytesIO(fab_bytes)).namelist())
+
+
+def test_folders_no_node_runs_are_left_out_unless_a_component_lives_there(app, tmp_path):
+    for folder in fab.NOT_FOR_NODES:
+        _write(app / folder / "helper.py")
+        _write(app / folder / "results" / "study.json", "{}\n")
+    _write(app / "conf" / "preset.toml", "a = 1\n")
+    with fab.staged_app(app) as staged:
+        staged_fab = build_fab_from_disk(staged)
+    # the same bytes as Flower's own FAB of the app without those folders
+    bare = tmp_path / "bare" / app.name
+    shutil.copytree(app, bare, symlinks=True)
+    for folder in fab.NOT_FOR_NODES:
+        shutil.rmtree(bare / folder)
+    assert staged_fab == build_fab_from_disk(bare)
+    names = _fab_names(staged_fab)
+    assert "conf/preset.toml" in names and "tinyapp/server.py" in names
+    assert not [n for n in names if n.split("/")[0] in fab.NOT_FOR_NODES]
+
+    # an app whose ClientApp lives in tests/ (a derived test app) keeps that folder
+    pyproject = app / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('"tinyapp.client:app"', '"tests.helper:app"'))
+    with fab.staged_app(app) as staged:
+        names = _fab_names(build_fab_from_disk(staged))
+    assert "tests/helper.py" in names and "tests/results/study.json" in names
+    assert "bench/helper.py" not in names and "docs/helper.py" not in names
+
+
+def test_the_checkout_packs_only_what_nodes_run_and_stays_far_from_flowers_limit():
+    """What `pollen run` submits holds the package and presets, not the benchmarks' results; and what a
+    bare `flwr run .` of this checkout packs keeps a tenth of Flower's limit free (past the limit every
+    `flwr run .` is refused: prune bench/results or leave more of it to the `.gitignore`)."""
+    with fab.staged_app(PROJECT_ROOT) as staged:
+        staged_fab = build_fab_from_disk(staged)
+    names = _fab_names(staged_fab)
+    assert "pollen/app/server_app.py" in names and "conf/fedproto-mnist-n3.toml" in names
+    assert not [n for n in names if n.split("/")[0] in fab.NOT_FOR_NODES]
+    assert len(staged_fab) < FAB_MAX_SIZE / 4, len(staged_fab)
+    with fab.staged_app(PROJECT_ROOT, leave_out=()) as whole:
+        whole_fab = build_fab_from_disk(whole)
+    assert any(n.startswith("bench/results/") for n in _fab_names(whole_fab))
+    assert len(whole_fab) < 0.9 * FAB_MAX_SIZE, f"{len(whole_fab) / 2**20:.1f} MiB of Flower's 10 MiB"

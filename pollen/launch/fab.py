@@ -12,6 +12,12 @@ from ``flwr.cli``), but never enters a folder those rules exclude whole, copies 
 into a temporary folder and hands that to ``flwr run``: the same files, so the same FAB, byte for byte
 (``tests/test_fab.py``). Where this Flower lacks those rules, or cannot list the app, ``flwr run`` gets
 the app folder itself, as before.
+
+The copy leaves out the top-level folders no node runs (:data:`NOT_FOR_NODES`: benchmarks and their
+results, documentation, the test suite) unless an app component's module lives there. Flower refuses a
+FAB over 10 MiB, and this checkout's ``bench/results/`` alone is 6 MB and grows with every study; its own
+``fab-exclude`` key cannot do this, since Flower refuses a pattern that matches nothing, and every app
+derived from Pollen's ``pyproject.toml`` would inherit the key.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+#: Top-level folders of an app that its nodes never import or read; :func:`staged_app` leaves them out.
+NOT_FOR_NODES = ("bench", "docs", "tests")
 
 
 def fab_sources(app_dir: Path) -> dict[str, Path] | None:
@@ -61,16 +70,39 @@ def fab_sources(app_dir: Path) -> dict[str, Path] | None:
     return {k: v for k, v in filter_paths_for_publish(files).items() if isinstance(v, Path)}
 
 
+def component_packages(app_dir: Path) -> set[str]:
+    """The top-level package or module of each component ``pyproject.toml`` names (``pollen`` for
+    ``pollen.app.server_app:app``); empty when the file cannot be read — then Flower names the problem."""
+    import tomllib
+
+    try:
+        app = tomllib.loads((Path(app_dir) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+        return {str(ref).split(":")[0].split(".")[0] for ref in app["components"].values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
+def node_files(files: dict[str, Path], app_dir: Path,
+               leave_out: tuple[str, ...] = NOT_FOR_NODES) -> dict[str, Path]:
+    """``files`` without those under the top-level folders ``leave_out`` names, except a folder that
+    holds one of the app's components."""
+    dropped = set(leave_out) - component_packages(app_dir)
+    return {rel: path for rel, path in files.items() if rel.split("/")[0] not in dropped or "/" not in rel}
+
+
 @contextlib.contextmanager
-def staged_app(app_dir: Path) -> Iterator[Path]:
-    """A temporary copy of the files ``flwr run app_dir`` packs (removed on exit), under the app
-    folder's own name; ``app_dir`` itself when they cannot be listed or copied — then Flower lists them,
-    and reports any problem with the app, itself."""
+def staged_app(app_dir: Path, leave_out: tuple[str, ...] = NOT_FOR_NODES) -> Iterator[Path]:
+    """A temporary copy of the files ``flwr run app_dir`` packs, less the top-level folders ``leave_out``
+    names (see :func:`node_files`), under the app folder's own name, removed on exit; ``app_dir`` itself
+    when they cannot be listed or copied — then Flower lists them, and reports any problem with the app,
+    itself."""
     app_dir = Path(app_dir)
     try:
         files = fab_sources(app_dir)
     except Exception:  # e.g. a path too deep for Flower: its own build says so, naming the app
         files = None
+    if files:
+        files = node_files(files, app_dir, leave_out)
     staged, tmp = app_dir, None
     if files and "pyproject.toml" in files:
         try:

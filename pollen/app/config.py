@@ -23,8 +23,6 @@ from pollen.app.errors import ConfigError
 from pollen.app.run_keys import COMMON
 from pollen.privacy.config import PrivacyConfig
 from pollen.protocol.identity import parse_partition_pins
-from pollen.protocol.screening import PayloadBounds
-from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION
 
 if TYPE_CHECKING:
     from pollen.models import ModelSpec
@@ -82,19 +80,19 @@ class RunConfig:
     shot_split: str
     avg_weighting: str
     fedprox_mu: float
-    max_empty_rounds: int = 0
-    sample_by_partition: bool = True
-    checkpoint_every: int = 1
-    checkpoint_keep: int = 2
-    resume_from: str = ""
-    run_name: str = ""
+    max_empty_rounds: int = DEFAULTS["max-empty-rounds"]
+    sample_by_partition: bool = DEFAULTS["sample-by-partition"]
+    checkpoint_every: int = DEFAULTS["checkpoint-every"]
+    checkpoint_keep: int = DEFAULTS["checkpoint-keep"]
+    resume_from: str = DEFAULTS["resume-from"]
+    run_name: str = DEFAULTS["run-name"]
     # Hostile nodes: how accepted values combine, the payload bounds, operator-pinned partitions.
-    aggregation: str = "mean"
-    trim_fraction: float = DEFAULT_TRIM_FRACTION
-    max_update_norm: float = PayloadBounds.max_update_norm
-    max_logit_abs: float = PayloadBounds.max_logit_abs
-    max_grad_norm: float = PayloadBounds.max_grad_norm
-    partition_pins: str = ""  # as given: "partition:node-id,..." (checked by parse_partition_pins)
+    aggregation: str = DEFAULTS["aggregation"]
+    trim_fraction: float = DEFAULTS["trim-fraction"]
+    max_update_norm: float = DEFAULTS["max-update-norm"]
+    max_logit_abs: float = DEFAULTS["max-logit-abs"]
+    max_grad_norm: float = DEFAULTS["max-grad-norm"]
+    partition_pins: str = DEFAULTS["partition-pins"]  # as given: "partition:node-id,..."
     # Differential privacy (docs/privacy.md); PrivacyConfig checks the rules between the keys.
     dp_mode: str = DEFAULTS["dp-mode"]
     dp_clip: float = DEFAULTS["dp-clip"]
@@ -104,14 +102,14 @@ class RunConfig:
     dp_max_epsilon: float = DEFAULTS["dp-max-epsilon"]
     leak_audit: bool = DEFAULTS["leak-audit"]
     # Your own data (tasks image-folder, array): the folder, agreed classes and input format.
-    data_dir: str = ""
-    classes: str = ""  # as given: "a,b,c" or a file path (class_names holds the parsed names)
-    test_fraction: float = 0.2
-    image_size: int = 0
-    image_channels: int = 0
-    image_mean: str = ""
-    image_std: str = ""
-    data_split: str = "iid"
+    data_dir: str = DEFAULTS["data-dir"]
+    classes: str = DEFAULTS["classes"]  # as given: "a,b,c" or a file (class_names: the parsed names)
+    test_fraction: float = DEFAULTS["test-fraction"]
+    image_size: int = DEFAULTS["image-size"]
+    image_channels: int = DEFAULTS["image-channels"]
+    image_mean: str = DEFAULTS["image-mean"]
+    image_std: str = DEFAULTS["image-std"]
+    data_split: str = DEFAULTS["data-split"]
     class_names: tuple[str, ...] = ()
     # Method-specific keys (prefixed in the run config) that a method module validates itself.
     extra: Mapping[str, Any] = field(default_factory=dict)

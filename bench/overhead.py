@@ -10,10 +10,27 @@ of this shape pays on this machine, so (A + C) / A is the lowest CPU ratio B cou
 The runs are **interleaved** (A B C A B C …) so that a shared machine's load hits all alike; each
 run's CPU-seconds cover every process it started: each run has a cpuacct cgroup of its own, so the
 kernel counts orphans too (without cgroup access: the reaped children's rusage; this script is a
-child subreaper, so orphaned Ray and Flower processes are reaped here). Prints and writes
-``bench/results/overhead.{json,md}``: per pair the CPU-second and wall ratios B / A, then min and
-median, per Pollen run the round-time breakdown (round 1, steady rounds, start-up and teardown),
-and the floor.
+child subreaper, so orphaned Ray and Flower processes are reaped here).
+
+**Fixed and steady CPU, apart.** One total mixes what a run pays once (Python, torch and Flower
+imports, SuperLink, SuperNodes and Ray start, the ClientApp actors' start in round 1, the final
+evaluation, teardown) with what it pays every round, and the two scale differently: with more rounds
+the fixed part fades, the per-round part does not. So each run's output is streamed (into its log as
+well) and at each round's line (``ROUND_MARKER``: A's ``[ref] … round k/K``, printed every round here,
+B's ``[pollen] round k/K`` through the launcher's log stream, C's ``[floor] round k/K``) the run's CPU
+counter is read: the same cgroup counter as the total (without a cgroup: the run's live processes'
+``/proc`` times plus the children reaped here, said in the row). Per run, ``steady-round-cpu-s`` =
+the median of the per-round increments after round 1, ``fixed-cpu-s`` = total − rounds × steady
+(``split_cpu``; the final evaluation, in B's last round and after A's and C's, stays out of the median
+and in fixed). Per pair, against the issue's targets: fixed above the floor = B's fixed − C's
+(< 10 CPU-s) and the steady ratio = (B's steady − C's) / A's (≤ 1.15). B's and C's round lines come
+through Flower's log stream, polled about every 0.5 s: a single increment jitters by up to a poll's CPU
+(C's near-empty rounds can arrive together), the median of many rounds far less, the total not at all.
+
+Prints and writes ``bench/results/overhead.{json,md}`` (``--report`` rewrites the Markdown from the
+JSON): per pair the CPU-second and wall ratios B / A, then min and median, per Pollen run the
+round-time breakdown (round 1, steady rounds, start-up and teardown), the floor, and the fixed /
+steady split with both targets met or not (by the median over pairs).
 
     python -m bench.overhead --data-root ../shared/data --pairs 3 --rounds 15
 """
@@ -26,12 +43,14 @@ import ctypes
 import json
 import os
 import platform
+import re
 import resource
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -101,41 +120,125 @@ class CpuGroup:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         reap_all(timeout=5.0)
-        used = int((self.path / "cpuacct.usage").read_text()) / 1e9
+        used = self.usage()
         with contextlib.suppress(OSError):
             self.path.rmdir()
         return used, left
+
+    def usage(self) -> float | None:
+        """CPU-seconds the group has used so far (its processes may still run); None without a group."""
+        return None if self.path is None else int((self.path / "cpuacct.usage").read_text()) / 1e9
 
     def _pids(self) -> list[int]:
         assert self.path is not None
         return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
 
 
-def measured(cmd: list[str], env: dict[str, str], log: Path) -> dict:
+ROUND_MARKER = re.compile(r"\[(?:pollen|floor|ref)\] (?:ways \d+ seed \d+: )?round (\d+)/(\d+)\b")
+"""A finished round in a run's output: Pollen's ServerApp line (through the launcher's log stream), the floor
+app's, and the plain loop's ``progress_every=1`` line."""
+
+
+def tree_cpu(root: int) -> float:
+    """CPU-seconds of ``root``'s live descendants from ``/proc``, each with the children it has reaped
+    (``utime + stime + cutime + cstime``): the per-round fallback without a cgroup."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on; the name may hold spaces
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        used[pid] = sum(int(x) for x in fields[11:15]) / tick
+    below, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        for child in (c for c, p in parent.items() if p == pid and c not in below):
+            below.add(child)
+            todo.append(child)
+    return sum(used[pid] for pid in below)
+
+
+def split_cpu(total: float, at_rounds: list[float], rounds: int) -> dict:
+    """A run's CPU-seconds split into a steady per-round cost and a fixed cost, from the CPU counter read at
+    each round's marker (``at_rounds[k - 1]``: when round k's line arrived). *steady* = the median of the
+    per-round increments after round 1 (round k − round k − 1, k ≥ 2): round 1 carries start-up work (Pollen's
+    ClientApp actors) and the last round may carry the final evaluation, the median takes neither;
+    *fixed* = ``total − rounds × steady``: everything a run pays once (start-up before round 1, round 1's
+    excess, the final evaluation, teardown). Both None with fewer than 2 rounds or a missing marker."""
+    if rounds < 2 or len(at_rounds) != rounds:
+        return {"steady-round-cpu-s": None, "fixed-cpu-s": None}
+    steady = statistics.median(b - a for a, b in zip(at_rounds, at_rounds[1:]))
+    return {"steady-round-cpu-s": round(steady, 3), "fixed-cpu-s": round(total - rounds * steady, 2)}
+
+
+def measured(cmd: list[str], env: dict[str, str], log: Path, rounds: int | None = None) -> dict:
     """Run ``cmd`` to the end; wall and CPU-seconds of its whole tree (its own cpuacct group, else the
-    children reaped here)."""
+    children reaped here). Its output is streamed into ``log``; at each :data:`ROUND_MARKER` line the
+    tree's CPU so far is read (the group's counter, else :func:`tree_cpu` plus the children reaped here),
+    which with ``rounds`` splits the total into fixed and steady (:func:`split_cpu`)."""
     reap_all()
     group = CpuGroup()
     cpu0, t0 = children_cpu(), time.perf_counter()
-    with log.open("w") as out:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=group.enter)
+    marks: list[tuple[int, float, float]] = []  # (round, CPU-s so far, wall-s so far)
+
+    def cpu_now() -> float:
+        used = group.usage()
+        return used if used is not None else children_cpu() - cpu0 + tree_cpu(os.getpid())
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            encoding="utf-8", errors="replace", preexec_fn=group.enter)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        with log.open("w") as out:
+            for line in proc.stdout:
+                found = ROUND_MARKER.search(line)
+                if found:
+                    marks.append((int(found.group(1)), cpu_now(), time.perf_counter() - t0))
+                out.write(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    rc = proc.wait()
     wall = time.perf_counter() - t0
+    reader.join(timeout=30.0)  # the pipe ends with the command unless a leftover process holds it
     group_cpu, strays = group.cpu_s()
+    reader.join(timeout=5.0)  # leftovers killed
     reap_all()  # orphans of the run (Ray, Flower) finish here
     rusage_cpu = children_cpu() - cpu0
-    return {"rc": proc.returncode, "wall-s": round(wall, 2),
-           "cpu-s": round(group_cpu if group_cpu is not None else rusage_cpu, 2),
+    total = group_cpu if group_cpu is not None else rusage_cpu
+    row = {"rc": rc, "wall-s": round(wall, 2), "cpu-s": round(total, 2),
            "cpu-counted-by": "cgroup" if group_cpu is not None else "rusage", "rusage-cpu-s": round(rusage_cpu, 2),
            "strays-killed": len(strays),
-           "max-rss-mb-one-process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)}
+           "max-rss-mb-one-process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+           "cpu-at-rounds": [round(c, 2) for _, c, _ in marks], "wall-at-rounds-s": [round(w, 2) for _, _, w in marks],
+           "cpu-at-rounds-counted-by": "cgroup" if group_cpu is not None else
+           "proc-tree (live descendants with their reaped children, plus the children reaped here)"}
+    if [k for k, _, _ in marks] != list(range(1, len(marks) + 1)):
+        row["round-markers"] = [k for k, _, _ in marks]  # out of order: no split
+        marks.clear()
+    if rounds is not None:
+        row.update(split_cpu(total, [c for _, c, _ in marks], rounds))
+        if marks:
+            row["to-round-1-cpu-s"] = round(marks[0][1], 2)
+            row["after-last-round-cpu-s"] = round(total - marks[-1][1], 2)
+    return row
 
 
 def plain_loop(args, env: dict[str, str], log: Path) -> dict:
     code = ("import json, torch; torch.set_num_threads(1); "
             "from bench.fedproto_reference import run; "
-            f"r = run({args.ways}, {args.seed}, {args.rounds}, {str(args.data_root)!r}, num_clients={args.clients}); "
+            f"r = run({args.ways}, {args.seed}, {args.rounds}, {str(args.data_root)!r}, num_clients={args.clients}, "
+            "progress_every=1); "
             "print('RESULT ' + json.dumps({k: r[k] for k in ('local-mean', 'proto-mean', 'wall-time-s')}))")
-    row = measured([sys.executable, "-c", code], env, log)
+    row = measured([sys.executable, "-c", code], env, log, args.rounds)
     for line in log.read_text().splitlines():
         if line.startswith("RESULT "):
             row.update(json.loads(line[len("RESULT "):]))
@@ -159,7 +262,7 @@ def pollen_run(args, env: dict[str, str], log: Path, out_dir: Path) -> dict:
     config = format_run_config(run_config(args))
     cmd = [sys.executable, "-m", "pollen.launch.launcher", "--num-supernodes", str(args.clients),
            "--data-root", str(args.data_root), "--out-dir", str(out_dir), "--run-config", config]
-    row = measured(cmd, env, log)
+    row = measured(cmd, env, log, args.rounds)
     runs = run_folders(out_dir)
     if runs:
         lines = read_metrics(runs[-1])
@@ -269,7 +372,24 @@ def floor_command(folder: Path, nodes: int, rounds: int, sampled: int = 0, evalu
 
 def floor_run(args, env: dict[str, str], log: Path, app_dir: Path) -> dict:
     """The Flower floor (module docstring): same launcher, SuperNodes, rounds and message pattern."""
-    return measured(floor_command(app_dir, args.clients, args.rounds), env, log)
+    return measured(floor_command(app_dir, args.clients, args.rounds), env, log, args.rounds)
+
+
+FIXED_TARGET_CPU_S = 10.0
+"""The issue's target: Pollen's fixed CPU-s above the floor's, below this."""
+STEADY_TARGET_RATIO = 1.15
+"""The issue's target: (Pollen's − the floor's steady CPU-s per round) / the plain loop's, at most this."""
+
+
+def pair_split(pair: dict) -> tuple[float, float] | None:
+    """A pair's (fixed CPU-s above the floor = Pollen's fixed − the floor's, steady ratio = (Pollen's − the
+    floor's steady CPU-s per round) / the plain loop's); None without a floor run or a split of each run."""
+    runs = [pair.get(r, {}) for r in ("plain", "pollen", "floor")]
+    if any(r.get("steady-round-cpu-s") is None or r.get("fixed-cpu-s") is None for r in runs):
+        return None
+    plain, pollen, floor = runs
+    return (pollen["fixed-cpu-s"] - floor["fixed-cpu-s"],
+            (pollen["steady-round-cpu-s"] - floor["steady-round-cpu-s"]) / plain["steady-round-cpu-s"])
 
 
 def summarise(pairs: list[dict]) -> dict:
@@ -285,7 +405,64 @@ def summarise(pairs: list[dict]) -> dict:
                     "floor-wall-s-median": round(statistics.median(p["floor"]["wall-s"] for p in floors), 2),
                     "reachable-cpu-ratio-min": round(min(reach), 3),
                     "reachable-cpu-ratio-median": round(statistics.median(reach), 3)})
+    splits = [x for x in map(pair_split, pairs) if x is not None]
+    if splits:
+        fixed, steady = [f for f, _ in splits], [r for _, r in splits]
+        out.update({"fixed-above-floor-cpu-s-min": round(min(fixed), 2),
+                    "fixed-above-floor-cpu-s-median": round(statistics.median(fixed), 2),
+                    "steady-ratio-min": round(min(steady), 3),
+                    "steady-ratio-median": round(statistics.median(steady), 3),
+                    "split-pairs": len(splits)})
     return out
+
+
+def _cell(value, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def split_markdown(data: dict) -> list[str]:
+    """The fixed / steady section of the report (runs recorded before the split have none)."""
+    cfg, s = data["config"], data["summary"]
+    if not any("steady-round-cpu-s" in p["pollen"] for p in data["pairs"]):
+        return []
+    counted = {x.get("cpu-at-rounds-counted-by") for p in data["pairs"] for x in p.values()}
+    lines = ["", "## Fixed and steady CPU", "",
+             "Each run's CPU counter (the one its total comes from) is read as each round's line arrives "
+             "(`[ref] … round k/K`, `[pollen] round k/K` through the launcher's log stream, `[floor] round k/K`). "
+             "*steady* = the median of the per-round increments after round 1 (round k − round k − 1, k ≥ 2); "
+             f"*fixed* = total − {cfg['rounds']} × steady: start-up before round 1, round 1's excess over a steady "
+             "round (Pollen: the ClientApp actors start), the final evaluation (after the last round's line in the "
+             "plain loop and the floor, inside Pollen's last round: the median leaves it out of steady in all "
+             "three) and teardown. Start-up and the steady state are measured apart because they scale apart: "
+             "fixed is paid once per run, steady once per round. Pollen's and the floor's lines come through "
+             "Flower's log stream, polled about every 0.5 s: single increments jitter by that, the median of many "
+             "rounds far less. Targets: fixed above the floor = Pollen − floor "
+             f"< {FIXED_TARGET_CPU_S:g} CPU-s; steady ratio = (Pollen − floor) / plain per round ≤ "
+             f"{STEADY_TARGET_RATIO:g}." +
+             ("" if counted <= {"cgroup"} else " Per-round counter: " + "; ".join(sorted(map(str, counted))) + "."),
+             "", "| pair | plain fixed CPU s | plain steady CPU s / round | Pollen fixed CPU s | "
+             "Pollen steady CPU s / round | floor fixed CPU s | floor steady CPU s / round | fixed above floor CPU s | "
+             "steady ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(data["pairs"], 1):
+        runs = [p.get(r, {}) for r in ("plain", "pollen", "floor")]
+        cells = [c for r in runs for c in (_cell(r.get("fixed-cpu-s")), _cell(r.get("steady-round-cpu-s"), 3))]
+        split = pair_split(p)
+        cells += ["–", "–"] if split is None else [f"{split[0]:.2f}", f"{split[1]:.3f}"]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    if "steady-ratio-median" not in s:
+        return lines + ["", "**Targets not judged: no pair has a floor run and a split of each run.**"]
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "not met"
+
+    lines += ["", f"**(a) Fixed cost above the floor: min {s['fixed-above-floor-cpu-s-min']}, median "
+                  f"{s['fixed-above-floor-cpu-s-median']} CPU-s; target < {FIXED_TARGET_CPU_S:g} CPU-s: "
+                  f"{met(s['fixed-above-floor-cpu-s-median'] < FIXED_TARGET_CPU_S)} (median of "
+                  f"{s['split-pairs']} pairs).**", "",
+              f"**(b) Steady ratio (Pollen − floor) / plain per round: min {s['steady-ratio-min']}, median "
+              f"{s['steady-ratio-median']}; target ≤ {STEADY_TARGET_RATIO:g}: "
+              f"{met(s['steady-ratio-median'] <= STEADY_TARGET_RATIO)} (median of {s['split-pairs']} pairs).**"]
+    return lines
 
 
 def markdown(data: dict) -> str:
@@ -331,6 +508,7 @@ def markdown(data: dict) -> str:
         lines += ["", f"**Floor: median {s['floor-cpu-s-median']} CPU-s, {s['floor-wall-s-median']} s wall; lowest "
                       f"reachable CPU ratio: min {s['reachable-cpu-ratio-min']}, median "
                       f"{s['reachable-cpu-ratio-median']}.**"]
+    lines += split_markdown(data)
     return "\n".join(lines) + "\n"
 
 

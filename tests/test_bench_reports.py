@@ -167,3 +167,84 @@ def test_committed_scale_report_is_its_run_files(tmp_path):
         shutil.copytree(RESULTS / folder, tmp_path / folder)
     scale.report(tmp_path)
     assert (tmp_path / "scale.md").read_text() == (RESULTS / "scale.md").read_text()
+
+
+# --- bench/overhead.py: fixed and steady CPU apart ---------------------------------------------------------
+
+def test_overhead_split_takes_the_median_round_after_round_1_and_leaves_the_rest_fixed():
+    """Synthetic counter: 20 CPU-s of start-up, rounds of 3 CPU-s, round 1 with 5 more (actor start), the last
+    with 2 more (the final evaluation), 4 of teardown after the last marker."""
+    from bench.overhead import split_cpu
+
+    steps = [3 + 5, 3, 3, 3, 3 + 2]
+    at, used = [], 20.0
+    for step in steps:
+        used += step
+        at.append(used)
+    total = at[-1] + 4
+    split = split_cpu(total, at, len(steps))
+    assert split == {"steady-round-cpu-s": 3, "fixed-cpu-s": 20 + 5 + 2 + 4}
+    assert split["fixed-cpu-s"] + len(steps) * split["steady-round-cpu-s"] == pytest.approx(total)
+    # two rounds: the one increment after round 1 is the steady round (the evaluation in it included)
+    assert split_cpu(40.0, [25.0, 30.0], 2) == {"steady-round-cpu-s": 5, "fixed-cpu-s": 30}
+
+
+@pytest.mark.parametrize("at, rounds", [([25.0], 1), ([], 1), ([], 0), ([25.0, 30.0], 3), ([25.0], 2)])
+def test_overhead_split_needs_two_rounds_and_every_marker(at, rounds):
+    """One round has no increment after round 1, so nothing to call steady; a missing marker splits nothing."""
+    from bench.overhead import split_cpu
+
+    assert split_cpu(40.0, at, rounds) == {"steady-round-cpu-s": None, "fixed-cpu-s": None}
+
+
+def _run(fixed, steady, **extra):
+    return {"rc": 0, "wall-s": 1.0, "cpu-s": fixed + 3 * steady, "cpu-counted-by": "cgroup",
+            "cpu-at-rounds-counted-by": "cgroup", "fixed-cpu-s": fixed, "steady-round-cpu-s": steady, **extra}
+
+
+def test_overhead_report_judges_both_targets_per_pair_and_by_the_median():
+    from bench import overhead as s
+
+    pairs = [{"plain": _run(2.0, 10.0), "pollen": _run(f, st), "floor": _run(20.0, 1.0)}
+             for f, st in ((28.0, 12.0), (31.0, 12.5), (35.0, 13.0))]
+    assert s.pair_split(pairs[0]) == pytest.approx((8.0, 1.1))
+    data = {"config": {"clients": 4, "ways": 3, "rounds": 3, "seed": 0, "cores": 2, "date": "d", "load-at-start": 0},
+            "pairs": pairs, "summary": s.summarise(pairs)}
+    summary = data["summary"]
+    assert (summary["fixed-above-floor-cpu-s-min"], summary["fixed-above-floor-cpu-s-median"]) == (8.0, 11.0)
+    assert (summary["steady-ratio-min"], summary["steady-ratio-median"]) == (1.1, 1.15)
+    report = s.markdown(data)
+    assert "| 1 | 2.00 | 10.000 | 28.00 | 12.000 | 20.00 | 1.000 | 8.00 | 1.100 |" in report
+    assert "median 11.0 CPU-s; target < 10 CPU-s: not met" in report
+    assert "median 1.15; target ≤ 1.15: met" in report
+    # a pair without a floor run: shown, not judged
+    del pairs[1]["floor"]
+    assert s.pair_split(pairs[1]) is None and s.summarise(pairs)["split-pairs"] == 2
+
+
+@pytest.mark.parametrize("cgroup", [True, False])
+def test_overhead_measured_reads_the_cpu_counter_at_each_round_line(tmp_path, monkeypatch, cgroup):
+    """A real command: three rounds of about 0.3 CPU-s each, a marker after each. With a cgroup, or with the
+    ``/proc`` fallback (no cgroup here), the counter rises from marker to marker and the split adds up."""
+    import os
+    import sys
+
+    from bench import overhead as s
+
+    if not cgroup:
+        monkeypatch.setattr(s, "CPUACCT", tmp_path / "no-cgroup")
+    elif s.CpuGroup().path is None:
+        pytest.skip("no cpuacct cgroup to create here")
+    code = ("import time\n"
+            "def burn(s):\n t = time.process_time()\n while time.process_time() - t < s: pass\n"
+            "burn(0.2)\n"
+            "for k in range(1, 4):\n burn(0.3)\n print(f'[floor] round {k}/3: x', flush=True)\n"
+            "burn(0.1)\n")
+    row = s.measured([sys.executable, "-c", code], dict(os.environ), tmp_path / "run.log", 3)
+    assert row["rc"] == 0 and row["cpu-counted-by"] == ("cgroup" if cgroup else "rusage")
+    assert row["cpu-at-rounds-counted-by"].startswith("cgroup" if cgroup else "proc-tree")
+    assert (tmp_path / "run.log").read_text().count("[floor] round") == 3
+    at = row["cpu-at-rounds"]
+    assert len(at) == 3 and 0 < at[0] < at[1] < at[2] <= row["cpu-s"]
+    assert 0.2 < row["steady-round-cpu-s"] < 0.6 and row["fixed-cpu-s"] > 0
+    assert row["fixed-cpu-s"] + 3 * row["steady-round-cpu-s"] == pytest.approx(row["cpu-s"], abs=0.02)

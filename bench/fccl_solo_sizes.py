@@ -32,23 +32,24 @@ def solo_accuracy(domain: str, size: int, seed: int, args) -> dict:
     """Pretrain (or load from the cache) one domain's SOLO model; its intra-domain test accuracy."""
     import torch
 
-    from pollen.datasets.domain_tasks import domain_client_data, get_domain_task
-    from pollen.datasets.tasks import TaskOptions
+    from pollen.datasets.domain_tasks import domain_client_data
+    from pollen.datasets.tasks import TaskOptions, get_task
     from pollen.methods.logit_settings import FCCL, LogitOptions, resolve_settings
     from pollen.methods.logits import LogitRound, domain_accuracies, solo_cache_file
     from pollen.models import build_model, to_channels_last
 
     torch.set_num_threads(1)
-    task = get_domain_task(TASK)
-    pid = task.domains.index(domain)
-    sizes = [1] * len(task.domains)
+    task = get_task(TASK, "domains")
+    domains = task.domain_facts().names
+    pid = domains.index(domain)
+    sizes = [1] * len(domains)
     sizes[pid] = size
     options = LogitOptions(train_sizes=",".join(map(str, sizes)), test_size=args.test_size,
                            solo_epochs=args.solo_epochs, solo_cache=str(args.cache))
     settings = resolve_settings(options, "quick", task)
-    data = domain_client_data(TASK, TaskOptions(data_root=args.data_root, seed=seed), pid, len(task.domains),
+    data = domain_client_data(TASK, TaskOptions(data_root=args.data_root, seed=seed), pid, len(domains),
                               settings.train_sizes, settings.test_size)
-    model_name = task.models[pid]
+    model_name = task.model_for(pid)
     device = torch.device("cpu")
 
     def new_model():

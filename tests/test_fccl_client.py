@@ -7,7 +7,6 @@ import torch
 from pollen.app.config import ConfigError, parse_node_config, parse_run_config
 from pollen.app.methods_logits import settings
 from pollen.app.registry import METHODS
-from pollen.datasets.domain_tasks import get_domain_task
 from pollen.methods.logits import public_view, topk_accuracy
 from tests.conftest import make_context
 
@@ -148,7 +147,7 @@ def test_paper_tasks_need_their_files(tmp_path):
     from pollen.datasets.sources import DatasetMissingError
     from pollen.datasets.tasks import TaskError, TaskOptions, get_task
 
-    assert get_domain_task("office-home").top_k == 5 and get_domain_task("digits").top_k == 1
+    assert get_task("office-home").top_k == 5 and get_task("digits").top_k == 1
     assert get_task("digits").model_for(2) == "efficientnet_b0" and get_task("office-home").num_classes == 65
     with pytest.raises(DatasetMissingError, match="usps"):
         domain_client_data("digits", TaskOptions(data_root=str(tmp_path)), 1, 4)

@@ -69,6 +69,41 @@ def test_every_task_declares_its_kind_and_methods_refuse_the_kinds_they_do_not_r
     assert not {"x-other", "x-stream", "x-none"} & set(TASKS)
 
 
+def test_one_registry_holds_every_kind_with_its_facts():
+    """Domain tasks and streams are TaskSpecs of their kind: their facts hang off the spec, a lookup by kind
+    names the tasks of that kind, and a spec whose facts do not match its kind is refused."""
+    from pollen.datasets.spec import USER_DATA_FIELDS
+    from pollen.datasets.tasks import TASKS, TaskSpec, register_task
+
+    for name, spec in TASKS.items():
+        assert (spec.domains is not None) == (spec.kind == "domains"), name
+        assert (spec.stream is not None) == (spec.kind == "class-incremental"), name
+    office = get_task("office-home", "domains")
+    assert office.top_k == 5 and office.domain_facts().names == ("Art", "Clipart", "Product", "Real_World")
+    assert office.fixed_partitions == 4 and office.domain_facts().loader == "officehome"
+    assert get_task("image-domains").domain_facts().names == ()  # the run's folders
+    assert get_task("cifar100-cil", "class-incremental").stream.augment
+    assert not get_task("mnist-fmnist-cil").stream.augment
+    with pytest.raises(TaskError, match="'mnist-shot' is not a domain-per-client task; allowed: digits-offline, "
+                                        "digits, office-home, image-domains"):
+        get_task("mnist-shot", "domains")
+    with pytest.raises(TaskError, match="'nope' is not a class-incremental stream; allowed: mnist-fmnist-cil"):
+        get_task("nope", "class-incremental")
+    with pytest.raises(TaskError, match="not a domain-per-client task"):
+        get_task("uci-dirichlet").domain_facts()
+    plain = get_task("uci-dirichlet")
+    with pytest.raises(ValueError, match="DomainFacts"):
+        register_task(TaskSpec(**{**plain.__dict__, "name": "x-domains", "kind": "domains"}))
+    with pytest.raises(ValueError, match="StreamFacts"):
+        register_task(TaskSpec(**{**plain.__dict__, "name": "x-facts", "stream": get_task("cifar100-cil").stream}))
+    assert not {"x-domains", "x-facts"} & set(TASKS)
+    # a task other than the run's (pollen predict --task) is built without the run's own data's options
+    full = TaskOptions(seed=4, shots=7, data_dir="/d", node_data_dir="/n", classes=("a",), image_size=8,
+                       image_mean=(0.5,), data_split="dirichlet", test_fraction=0.3)
+    assert full.without_user_data() == TaskOptions(seed=4, shots=7)
+    assert set(USER_DATA_FIELDS) <= set(TaskOptions.__dataclass_fields__)
+
+
 def test_partition_data_takes_domain_sizes_only_where_a_task_has_built_in_domains(data_root):
     """One function builds any task's partition; the domain tasks' sizes reach the domain split, and a
     task without built-in domains refuses per-domain training sizes rather than ignoring them."""

@@ -29,7 +29,8 @@ from pollen.app.adapters import ClientAdapter
 from pollen.app.errors import ConfigError
 from pollen.app.method_spec import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key, check
-from pollen.datasets.incremental import SOURCES, StreamConfig, StreamError, plan_stream, stream_data
+from pollen.datasets.incremental import StreamConfig, StreamError, plan_stream, stream_data
+from pollen.datasets.tasks import get_task
 from pollen.methods.glfc_settings import GlfcOptions, IncrementalSettings
 from pollen.methods.settings import declared_keys, from_values
 from pollen.protocol import glfc as protocol
@@ -89,7 +90,7 @@ def validate_glfc(cfg: RunConfig) -> None:
         stream = stream_config(cfg)
     except StreamError as err:
         raise ConfigError(f"glfc stream keys: {err}") from err
-    total = SOURCES[cfg.task].num_classes
+    total = get_task(cfg.task, "class-incremental").num_classes
     if stream.total_classes > total:
         raise ConfigError(f"run config keys 'glfc-tasks' × 'glfc-classes-per-task' = {stream.total_classes} "
                           f"exceeds the {total} classes of task {cfg.task!r}")
@@ -150,7 +151,7 @@ def _test_set(cfg: RunConfig):
 def _model_factory(cfg: RunConfig):
     from pollen.methods.glfc import build_stream_model  # torch: models are built on the server
 
-    name = cfg.model or SOURCES[cfg.task].default_model
+    name = cfg.model or get_task(cfg.task).default_model
     width = cfg.width_for(name)
     return lambda n: build_stream_model(cfg.task, name, n, width)
 
@@ -160,7 +161,7 @@ def make_strategy(cfg: RunConfig) -> IncrementalFedAvg:
     from pollen.methods.training import pick_device
 
     s = settings_for(cfg)
-    src = SOURCES[cfg.task]
+    src = get_task(cfg.task)
     o = options(cfg)
     return IncrementalFedAvg(
         plan=plan_stream(s.stream), rounds_per_task=s.rounds_per_task, clients_per_round=s.clients_per_round,

@@ -28,9 +28,8 @@ from pollen.app.adapters import (
 from pollen.app.errors import ConfigError
 from pollen.app.method_spec import MethodSpec, register_method, strategy_options
 from pollen.app.run_keys import Key
-from pollen.datasets.domain_tasks import get_domain_task
 from pollen.datasets.public import PUBLIC_FOLDER
-from pollen.datasets.tasks import resolve_task
+from pollen.datasets.tasks import get_task, resolve_task
 from pollen.datasets.user_data import UserDataError, count_unlabeled_images
 from pollen.methods.logit_settings import (
     FCCL,
@@ -82,7 +81,7 @@ LOGITS = ClientAdapter(_logit_train, lambda client, content: evaluate_reply(clie
 
 def settings(cfg: RunConfig) -> LogitSettings:
     """The run's logit settings, resolved against its profile and task."""
-    return resolve_settings(from_values(LogitOptions, cfg.extra), cfg.profile, get_domain_task(cfg.task))
+    return resolve_settings(from_values(LogitOptions, cfg.extra), cfg.profile, get_task(cfg.task, "domains"))
 
 
 def data_sizes(cfg: RunConfig) -> tuple[tuple[int, ...] | None, int]:

@@ -16,7 +16,7 @@ import numpy as np
 from flwr.common import Context
 
 from pollen.clients.base import PollenClient, _state_keys
-from pollen.datasets.incremental import SOURCES
+from pollen.datasets.tasks import get_task
 from pollen.methods.glfc import IncrementalRound, build_stream_model
 from pollen.methods.glfc_settings import IncrementalSettings
 from pollen.methods.training import model_arrays
@@ -33,11 +33,11 @@ class IncrementalClient(PollenClient):
 
     @property
     def stream_model_name(self) -> str:
-        return self.node.model or self.cfg.model or SOURCES[self.settings.task].default_model
+        return self.node.model or self.cfg.model or get_task(self.settings.task).default_model
 
     def state_keys(self) -> list[str]:
         """Names of this client's model state in ``state_dict`` order (the head size does not change them)."""
-        src = SOURCES[self.settings.task]
+        src = get_task(self.settings.task)
         name = self.stream_model_name
         return list(_state_keys(name, self.settings.stream.classes_per_task, src.fmt.channels, src.fmt.size,
                                 self.cfg.width_for(name)))

@@ -11,7 +11,7 @@ import numpy as np
 from flwr.common import Context, NDArrays, Scalar
 
 from pollen.clients.base import PollenClient
-from pollen.datasets.domain_tasks import PublicSet, get_domain_task, public_set
+from pollen.datasets.domain_tasks import PublicSet, public_set
 from pollen.datasets.public import PUBLIC_FOLDER
 from pollen.methods.logit_settings import FCCL, LogitOptions, Recipe, resolve_settings
 from pollen.methods.logits import LogitRound, solo_cache_file
@@ -29,8 +29,7 @@ class LogitClient(PollenClient):
     def __init__(self, cfg, node, context: Context, recipe: Recipe = FCCL):
         super().__init__(cfg, node, context)
         self.recipe = recipe
-        self.domain_task = get_domain_task(cfg.task)
-        self.settings = resolve_settings(from_values(LogitOptions, cfg.extra), cfg.profile, self.domain_task)
+        self.settings = resolve_settings(from_values(LogitOptions, cfg.extra), cfg.profile, self.task)
 
     def data_sizes(self) -> tuple[tuple[int, ...] | None, int]:
         """The resolved settings' sizes (``fccl-train-sizes``, ``fccl-test-size`` or the profile's); the
@@ -42,7 +41,7 @@ class LogitClient(PollenClient):
         """X0, normalised as this client's own data; node config ``public-dir`` beats run key ``fccl-public-dir``."""
         s = self.settings
         folder = (self.node.public_dir or s.public_dir or None) if s.public == PUBLIC_FOLDER else None
-        fmt = self.data.fmt or self.domain_task.fmt
+        fmt = self.data.fmt or self.task.fmt
         return public_set(s.public, self.node.data_root or self.cfg.data_root, s.public_size, self.cfg.seed, fmt,
                           folder)
 
@@ -62,7 +61,7 @@ class LogitClient(PollenClient):
     @functools.cached_property
     def core(self) -> LogitRound:
         return LogitRound(self.recipe, self.settings, self.state, self.data, self.x_public, self.task.num_classes,
-                          self.domain_task.top_k, self.device, self.new_model, self.cfg.seed, self.partition_id,
+                          self.task.top_k, self.device, self.new_model, self.cfg.seed, self.partition_id,
                           self._solo_cache_path(), self.payload_privacy())
 
     def contributed(self, config: dict) -> bool:

@@ -16,9 +16,10 @@ become 3×32×32 with ImageNet statistics (:data:`DIGITS_FORMAT`), with no augme
 [FCCL code]. Each client's :attr:`ClientData.extra_tests` holds every *other* domain's test set, for
 inter-domain accuracy.
 
+Each is a :class:`~pollen.datasets.spec.TaskSpec` of kind ``domains`` whose
+:class:`~pollen.datasets.spec.DomainFacts` name its domains, sizes, public set and loader.
 ``image-domains`` (registered with the other user-data tasks in :mod:`pollen.datasets.user_tasks`)
-has no fixed domains: :data:`USER_DOMAINS` describes it to the logit methods, with empty
-``domains`` and ``train_sizes`` meaning "whatever the folders hold".
+has no fixed domains: its facts' empty ``names`` and ``train_sizes`` mean "whatever the folders hold".
 """
 
 from __future__ import annotations
@@ -28,56 +29,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pollen.datasets.domains import load_domain, seeded_subset
-from pollen.datasets.public import PUBLIC_FOLDER, load_public, public_digest
+from pollen.datasets.public import load_public, public_digest
 from pollen.datasets.sources import ImageSet, load_source
-from pollen.datasets.spec import DOMAIN_MODELS, ClientData, TaskError, TaskOptions, TaskSpec, register_task
+from pollen.datasets.spec import (
+    DOMAIN_MODELS,
+    ClientData,
+    DomainFacts,
+    TaskError,
+    TaskOptions,
+    TaskSpec,
+    get_task,
+    register_task,
+)
 from pollen.datasets.transforms import DIGITS_FORMAT, ImageFormat, to_model_input
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(frozen=True)
-class DomainTask:
-    """A domain-per-client task: its domains, paper training sizes, public set and top-k metric."""
-
-    name: str
-    domains: tuple[str, ...]
-    train_sizes: tuple[int, ...]
-    public_default: str
-    num_classes: int
-    models: tuple[str, ...]
-    top_k: int = 1
-    fmt: ImageFormat = DIGITS_FORMAT
-    kind: str = "digits"  # "digits" (load_domain) or "officehome" (load_source with a domain)
-
-    def domain_of(self, partition_id: int) -> str:
-        return self.domains[partition_id]
-
-
-DOMAIN_TASKS: dict[str, DomainTask] = {
-    "digits-offline": DomainTask("digits-offline", ("mnist", "uci", "mnistm", "syn"), (150, 80, 5000, 1800),
-                                 "fashion_mnist", 10, DOMAIN_MODELS),
-    "digits": DomainTask("digits", ("mnist", "usps", "svhn", "syndigits"), (150, 80, 5000, 1800),
-                         "cifar100", 10, DOMAIN_MODELS),
-    "office-home": DomainTask("office-home", ("Art", "Clipart", "Product", "Real_World"), (1400, 2000, 2500, 2000),
-                              "cifar100", 65, ("resnet10", "resnet12", "resnet18", "resnet34"), top_k=5,
-                              kind="officehome"),
-}
-
-
-# Your own domains (task image-domains): as many as there are folders, every image of each, a public
-# folder of your own; input format and classes come from the run (pollen.datasets.user_tasks).
-USER_DOMAINS = DomainTask("image-domains", (), (), PUBLIC_FOLDER, 0, DOMAIN_MODELS)
-
-
-def get_domain_task(name: str) -> DomainTask:
-    if name == USER_DOMAINS.name:
-        return USER_DOMAINS
-    if name not in DOMAIN_TASKS:
-        raise TaskError(f"task {name!r} is not a domain-per-client task; allowed: "
-                        f"{', '.join([*DOMAIN_TASKS, USER_DOMAINS.name])}")
-    return DOMAIN_TASKS[name]
 
 
 @functools.lru_cache(maxsize=32)
@@ -104,23 +71,24 @@ def domain_client_data(task: str, opts: TaskOptions, partition_id: int, num_part
     further; ``test_size`` (0 = the whole test split) caps every test set. Raises
     :class:`TaskError` for a wrong client count or sizes larger than a domain holds.
     """
-    spec = get_domain_task(task)
-    k = len(spec.domains)
+    spec = get_task(task, "domains")
+    facts = spec.domain_facts()
+    k = len(facts.names)
     if num_partitions != k:
         raise TaskError(f"task {task!r} has one client per domain: num-partitions must be {k}, got {num_partitions}")
     if not 0 <= partition_id < k:
         raise TaskError(f"partition id {partition_id} outside 0..{k - 1}")
-    sizes = spec.train_sizes if train_sizes is None else tuple(train_sizes)
+    sizes = facts.train_sizes if train_sizes is None else tuple(train_sizes)
     if len(sizes) != k or any(s < 1 for s in sizes):
         raise TaskError(f"task {task!r} needs {k} positive training sizes (one per domain), got {sizes}")
-    domain = spec.domain_of(partition_id)
+    domain = facts.names[partition_id]
     size = sizes[partition_id]
     if opts.max_train_samples > 0:
         size = min(size, opts.max_train_samples)
     try:
-        train = _domain_split(spec.kind, domain, opts.data_root, "train", opts.seed, size)
-        tests = {d: _domain_split(spec.kind, d, opts.data_root, "test", opts.seed, test_size or None)
-                 for d in spec.domains}
+        train = _domain_split(facts.loader, domain, opts.data_root, "train", opts.seed, size)
+        tests = {d: _domain_split(facts.loader, d, opts.data_root, "test", opts.seed, test_size or None)
+                 for d in facts.names}
     except ValueError as err:
         raise TaskError(f"task {task!r}, domain {domain!r}: {err}") from err
     if len(train) < size:
@@ -151,20 +119,24 @@ def public_set(name: str, root: str | None, size: int, seed: int, fmt: ImageForm
     return PublicSet(to_model_input(images, fmt), public_digest(images))
 
 
-def _builder(task: str):
+def _register(name: str, description: str, facts: DomainFacts, num_classes: int, models: tuple[str, ...],
+              top_k: int = 1) -> None:
+    """One client per domain, each domain's model by partition, images as :data:`DIGITS_FORMAT`."""
     def build(opts: TaskOptions, partition_id: int, num_partitions: int) -> ClientData:
-        return domain_client_data(task, opts, partition_id, num_partitions)
-    return build
+        return domain_client_data(name, opts, partition_id, num_partitions)
+
+    register_task(TaskSpec(name=name, description=description, num_classes=num_classes, fmt=DIGITS_FORMAT,
+                           default_model=models[0], needs_data_root=True, build=build, kind="domains",
+                           fixed_partitions=len(facts.names), partition_models=models, top_k=top_k, domains=facts))
 
 
-for _spec in DOMAIN_TASKS.values():
-    _descr = {
-        "digits-offline": "FCCL offline Digits: MNIST / UCI / MNIST-M / SYN domains, one per client, 3x32x32 "
-                          "(needs data-root with MNIST)",
-        "digits": "FCCL Digits: MNIST / USPS / SVHN / SynDigits, one per client (needs all four under data-root)",
-        "office-home": "FCCL Office-Home: Art / Clipart / Product / Real World, 65 classes, top-5 "
-                       "(needs Office-Home under data-root)",
-    }[_spec.name]
-    register_task(TaskSpec(name=_spec.name, description=_descr, num_classes=_spec.num_classes, fmt=_spec.fmt,
-                           default_model=_spec.models[0], needs_data_root=True, build=_builder(_spec.name),
-                           fixed_partitions=len(_spec.domains), partition_models=_spec.models, kind="domains"))
+_register("digits-offline", "FCCL offline Digits: MNIST / UCI / MNIST-M / SYN domains, one per client, 3x32x32 "
+                            "(needs data-root with MNIST)",
+          DomainFacts(("mnist", "uci", "mnistm", "syn"), (150, 80, 5000, 1800), "fashion_mnist"), 10, DOMAIN_MODELS)
+_register("digits", "FCCL Digits: MNIST / USPS / SVHN / SynDigits, one per client (needs all four under data-root)",
+          DomainFacts(("mnist", "usps", "svhn", "syndigits"), (150, 80, 5000, 1800), "cifar100"), 10, DOMAIN_MODELS)
+_register("office-home", "FCCL Office-Home: Art / Clipart / Product / Real World, 65 classes, top-5 "
+                         "(needs Office-Home under data-root)",
+          DomainFacts(("Art", "Clipart", "Product", "Real_World"), (1400, 2000, 2500, 2000), "cifar100",
+                      loader="officehome"),
+          65, ("resnet10", "resnet12", "resnet18", "resnet34"), top_k=5)

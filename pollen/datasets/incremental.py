@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pollen.datasets.sources import ImageSet, load_source
-from pollen.datasets.spec import UCI_FORMAT, TaskError, TaskSpec, register_task
+from pollen.datasets.spec import UCI_FORMAT, StreamFacts, TaskError, TaskSpec, get_task, register_task
 from pollen.datasets.transforms import CIFAR100_FORMAT, ImageFormat, to_model_input
 
 if TYPE_CHECKING:
@@ -182,37 +182,27 @@ def client_task_indices(plan: StreamPlan, labels: np.ndarray, client: int, task:
 
 
 # ----------------------------------------------------------------------------------------------
-# sources
-
-
-@dataclass(frozen=True)
-class StreamSource:
-    """A labelled image pool ordered into classes 0..C-1 and the model input format."""
-
-    name: str
-    num_classes: int
-    fmt: ImageFormat
-    default_model: str
-    description: str
-    augment: bool = False  # GLFC's CIFAR pipeline: RandomCrop(32, 4), HFlip, ColorJitter(brightness 0.247)
-    needs_data_root: bool = True
+# the streams: their specs in the one registry, and their image pools
 
 
 # MNIST digits are stream classes 0-9, Fashion-MNIST items 10-19; statistics of the 120k union.
 MNIST_FMNIST_FORMAT = ImageFormat(1, 28, (0.2084,), (0.3403,))
 
-SOURCES: dict[str, StreamSource] = {
-    "mnist-fmnist-cil": StreamSource(
-        "mnist-fmnist-cil", 20, MNIST_FMNIST_FORMAT, "resnet18",
-        "Class-incremental MNIST (classes 0-9) + Fashion-MNIST (10-19), for the GLFC family (needs data-root)"),
-    "uci-digits-cil": StreamSource(
-        "uci-digits-cil", 10, UCI_FORMAT, "resnet18",
-        "Class-incremental UCI digits (embedded in scikit-learn, 8x8 upsampled to 28x28), for the GLFC family; "
-        "needs no files (tests, demos)", needs_data_root=False),
-    "cifar100-cil": StreamSource(
-        "cifar100-cil", 100, CIFAR100_FORMAT, "resnet18",
-        "Class-incremental CIFAR-100 (GLFC's setting), for the GLFC family (needs data-root)", augment=True),
-}
+
+def _register(name: str, description: str, num_classes: int, fmt: ImageFormat, augment: bool = False,
+              needs_data_root: bool = True) -> None:
+    """A stream's spec: no build function (its clients read the stream plan), ResNet-18 by default."""
+    register_task(TaskSpec(name=name, description=description, num_classes=num_classes, fmt=fmt,
+                           default_model="resnet18", needs_data_root=needs_data_root, build=None,
+                           kind="class-incremental", stream=StreamFacts(augment=augment)))
+
+
+_register("mnist-fmnist-cil", "Class-incremental MNIST (classes 0-9) + Fashion-MNIST (10-19), for the GLFC family "
+                              "(needs data-root)", 20, MNIST_FMNIST_FORMAT)
+_register("uci-digits-cil", "Class-incremental UCI digits (embedded in scikit-learn, 8x8 upsampled to 28x28), for "
+                            "the GLFC family; needs no files (tests, demos)", 10, UCI_FORMAT, needs_data_root=False)
+_register("cifar100-cil", "Class-incremental CIFAR-100 (GLFC's setting), for the GLFC family (needs data-root)",
+          100, CIFAR100_FORMAT, augment=True)
 
 
 def load_stream_images(name: str, root: str | None, split: str, download: bool = False) -> ImageSet:
@@ -228,7 +218,8 @@ def load_stream_images(name: str, root: str | None, split: str, download: bool =
     if name == "uci-digits-cil":
         s = load_source("uci_digits", None, split)
         return ImageSet(s.images, s.labels, 10, name)
-    raise TaskError(f"unknown class-incremental task {name!r}; available: {', '.join(sorted(SOURCES))}")
+    get_task(name, "class-incremental")  # another task: refused, naming the streams
+    raise TaskError(f"class-incremental task {name!r} has no image pool in load_stream_images")
 
 
 def class_permutation(num_classes: int, order: str, seed: int) -> np.ndarray:
@@ -263,9 +254,7 @@ def stream_data(name: str, root: str | None, split: str, order: str = "label", s
                 download: bool = False) -> StreamData:
     """A split with labels remapped to the stream order (cached per process)."""
     import torch
-    src = SOURCES.get(name)
-    if src is None:
-        raise TaskError(f"unknown class-incremental task {name!r}; available: {', '.join(sorted(SOURCES))}")
+    src = get_task(name, "class-incremental")
     pool = load_stream_images(name, root, split, download)
     perm = class_permutation(src.num_classes, order, seed)
     inverse = np.empty_like(perm)
@@ -282,8 +271,3 @@ def client_task_data(name: str, plan: StreamPlan, root: str | None, client: int,
     x, y = train.select(idx)
     return x, y, idx
 
-
-for _src in SOURCES.values():
-    register_task(TaskSpec(name=_src.name, description=_src.description, num_classes=_src.num_classes,
-                           fmt=_src.fmt, default_model=_src.default_model,
-                           needs_data_root=_src.needs_data_root, build=None, kind="class-incremental"))

@@ -1,17 +1,21 @@
 """What a task is: the options it reads, the data a client gets, its static facts, and the registry.
 
-Task modules (:mod:`pollen.datasets.tasks` for the partitioned datasets, :mod:`~pollen.datasets.domain_tasks`,
-:mod:`~pollen.datasets.incremental`, :mod:`~pollen.datasets.user_tasks`) build on this module and register
-their tasks here; none of them imports another, so the catalog has no import circle. They import torch
-inside the functions that load or convert data, never at module level, so the catalog (names, kinds,
-formats, sizes) imports without torch: the launcher and numpy-only ServerApps read it (issue 30:
+:data:`TASKS` is the one registry of every task, whatever its kind: a domain-per-client task or a
+class-incremental stream is a :class:`TaskSpec` too, its kind's own facts hanging off it
+(:class:`DomainFacts`, :class:`StreamFacts`), so a caller asks :func:`get_task` and no second table can
+disagree with the first. Task modules (:mod:`pollen.datasets.tasks` for the partitioned datasets,
+:mod:`~pollen.datasets.domain_tasks`, :mod:`~pollen.datasets.incremental`, :mod:`~pollen.datasets.user_tasks`)
+build on this module and register their tasks here; none of them imports another, so the catalog has no
+import circle (look tasks up through :mod:`pollen.datasets.tasks`, which imports every task module). They
+import torch inside the functions that load or convert data, never at module level, so the catalog (names,
+kinds, formats, sizes) imports without torch: the launcher and numpy-only ServerApps read it (issue 30:
 start-up cost; ``tests/test_torch_free_imports.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +51,17 @@ class TaskOptions:
     image_std: tuple[float, ...] = ()
     data_split: str = "iid"  # how data_dir is split across partitions: iid | dirichlet
 
+    def without_user_data(self) -> TaskOptions:
+        """These options with the user-data fields at their defaults: what a task other than the run's is
+        built with (``pollen predict --task``), as the run's folder, classes and format describe its own data."""
+        plain = TaskOptions()
+        return replace(self, **{name: getattr(plain, name) for name in USER_DATA_FIELDS})
+
+
+# The TaskOptions fields only the user-data tasks read (pollen.datasets.user_tasks).
+USER_DATA_FIELDS = ("data_dir", "node_data_dir", "classes", "test_fraction", "image_size", "image_channels",
+                    "image_mean", "image_std", "data_split")
+
 
 @dataclass(frozen=True)
 class ClientData:
@@ -78,6 +93,23 @@ TASK_KINDS = {
 
 
 @dataclass(frozen=True)
+class DomainFacts:
+    """What a domain-per-client task adds to its spec: its domains, and the logit family's defaults on them."""
+
+    names: tuple[str, ...]  # one per client, in partition order; () = the run's own folders (image-domains)
+    train_sizes: tuple[int, ...]  # the paper's private training set per domain; () = every image
+    public_default: str  # the public set X0 when run key fccl-public is empty
+    loader: str = "digits"  # how a domain is read: "digits" (domains.load_domain) or "officehome" (sources)
+
+
+@dataclass(frozen=True)
+class StreamFacts:
+    """What a class-incremental stream adds to its spec (its classes, format and model are the spec's)."""
+
+    augment: bool = False  # GLFC's CIFAR pipeline: RandomCrop(32, 4), HFlip, ColorJitter(brightness 0.247)
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     """Static facts about a task: enough to build models and validate sizes without loading data.
 
@@ -100,6 +132,15 @@ class TaskSpec:
     # Tasks whose classes and input format come from the run (user data): options -> the concrete spec.
     resolve: Callable[[TaskOptions], TaskSpec] | None = None
     class_names: tuple[str, ...] = ()  # names in index order, when the task knows them
+    top_k: int = 1  # the accuracy its results report: top-1 (Office-Home: top-5, as the FCCL paper)
+    domains: DomainFacts | None = None  # kind "domains" only
+    stream: StreamFacts | None = None  # kind "class-incremental" only
+
+    def domain_facts(self) -> DomainFacts:
+        """The domains of this domain-per-client task; another kind is refused, naming the tasks that have them."""
+        if self.domains is None:
+            raise wrong_kind(self.name, "domains")
+        return self.domains
 
     def model_for(self, partition_id: int) -> str:
         if self.partition_models:
@@ -138,5 +179,25 @@ def register_task(spec: TaskSpec) -> TaskSpec:
     if spec.build is not None and spec.kind == "class-incremental":
         raise ValueError(f"task {spec.name!r}: a class-incremental task takes its data from the stream plan, "
                          "not from a build function")
+    if (spec.domains is not None) != (spec.kind == "domains"):
+        raise ValueError(f"task {spec.name!r}: a domain-per-client task, and only one, has DomainFacts")
+    if (spec.stream is not None) != (spec.kind == "class-incremental"):
+        raise ValueError(f"task {spec.name!r}: a class-incremental task, and only one, has StreamFacts")
     TASKS[spec.name] = spec
     return spec
+
+
+def get_task(name: str, kind: str | None = None) -> TaskSpec:
+    """The registered task ``name``; with ``kind``, only a task of that kind (the error names those that are)."""
+    spec = TASKS.get(name)
+    if kind is not None and (spec is None or spec.kind != kind):
+        raise wrong_kind(name, kind)
+    if spec is None:
+        raise TaskError(f"unknown task {name!r}; available tasks: {', '.join(sorted(TASKS))}")
+    return spec
+
+
+def wrong_kind(name: str, kind: str) -> TaskError:
+    """Task ``name`` is not of ``kind``: the error that says which tasks are."""
+    allowed = [n for n, t in TASKS.items() if t.kind == kind]
+    return TaskError(f"task {name!r} is not {TASK_KINDS[kind][0]}; allowed: {', '.join(allowed)}")

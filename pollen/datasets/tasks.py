@@ -15,13 +15,14 @@ from pollen.datasets.partition import PartitionError, dirichlet, iid, n_way_k_sh
 from pollen.datasets.sources import ImageSet, load_source
 from pollen.datasets.spec import (  # the task abstraction, also offered from here, the catalog's face
     TASK_KINDS,
-    TASKS,
+    TASKS,  # noqa: F401  (the registry, offered here with every task registered)
     UCI_FORMAT,
     ClientData,
     TaskError,
     TaskOptions,
     TaskSpec,
     cap_indices,
+    get_task,
     register_task,
 )
 from pollen.datasets.transforms import CIFAR10_FORMAT, MNIST_FORMAT, ImageFormat, to_model_input
@@ -134,12 +135,6 @@ register_task(TaskSpec(
     build=_shot_task("fashion_mnist", FMNIST_FORMAT)))
 
 
-def get_task(name: str) -> TaskSpec:
-    if name not in TASKS:
-        raise TaskError(f"unknown task {name!r}; available tasks: {', '.join(sorted(TASKS))}")
-    return TASKS[name]
-
-
 def resolve_task(name: str, opts: TaskOptions | None) -> TaskSpec:
     """The task's spec with classes and input format fixed for these options (user-data tasks take
     them from the run config or detect them); other tasks' specs are static and returned as they are."""
@@ -177,7 +172,8 @@ def partition_data(task: str, opts: TaskOptions, partition_id: int, num_partitio
     no such sizes: ``test_size`` is then not read (a caller that resolved it for every task may pass it
     regardless), and ``train_sizes`` must be ``None`` or empty, or :class:`TaskError` says so.
     """
-    if task in domain_tasks.DOMAIN_TASKS:
+    domains = get_task(task).domains
+    if domains is not None and domains.names:  # built-in domains (not image-domains: the run's folders)
         if train_sizes is None and not test_size:
             return build_client_data(task, opts, partition_id, num_partitions)
         return domain_tasks.domain_client_data(task, opts, partition_id, num_partitions,
@@ -190,5 +186,5 @@ def partition_data(task: str, opts: TaskOptions, partition_id: int, num_partitio
 from pollen.datasets import (
     domain_tasks,  # noqa: E402,F401  (registers digits-offline, digits, office-home)
     incremental,  # noqa: E402,F401  (registers mnist-fmnist-cil, uci-digits-cil, cifar100-cil)
-    user_tasks,  # noqa: E402,F401  (registers image-folder, array)
+    user_tasks,  # noqa: E402,F401  (registers image-folder, array, image-domains)
 )

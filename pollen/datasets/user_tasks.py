@@ -36,8 +36,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pollen.datasets.partition import PartitionError, dirichlet, iid
+from pollen.datasets.public import PUBLIC_FOLDER
 from pollen.datasets.sources import ImageSet
-from pollen.datasets.spec import DOMAIN_MODELS, ClientData, TaskError, TaskOptions, TaskSpec, cap_indices, register_task
+from pollen.datasets.spec import (
+    DOMAIN_MODELS,
+    ClientData,
+    DomainFacts,
+    TaskError,
+    TaskOptions,
+    TaskSpec,
+    cap_indices,
+    register_task,
+)
 from pollen.datasets.transforms import ImageFormat, to_model_input
 from pollen.datasets.user_data import (
     UserDataError,
@@ -225,4 +235,6 @@ USER_SPECS["image-domains"] = register_task(TaskSpec(
                                       "run key data-dir with one sub-folder per domain; public set: a folder "
                                       "of unlabeled images (docs/data.md)",
     num_classes=0, fmt=_UNRESOLVED, default_model="resnet10", needs_data_root=False, build=_build_domains,
-    resolve=_resolver("image-domains"), partition_models=DOMAIN_MODELS, kind="domains"))
+    resolve=_resolver("image-domains"), partition_models=DOMAIN_MODELS, kind="domains",
+    # as many domains as folders, every image of each, a public folder of your own
+    domains=DomainFacts(names=(), train_sizes=(), public_default=PUBLIC_FOLDER)))

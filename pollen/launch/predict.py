@@ -92,24 +92,11 @@ def _parse_set(items: Sequence[str]) -> dict[str, Any]:
 
 
 def input_format(task_name: str):
-    """The :class:`ImageFormat` the task's *data* is normalised with (what its clients train on).
-
-    Partitioned tasks declare it on their ``TaskSpec``; domain and stream tasks on their own tables.
-    """
-    from pollen.datasets.domain_tasks import DOMAIN_TASKS
+    """The :class:`ImageFormat` the task's *data* is normalised with (what its clients train on), as its
+    ``TaskSpec`` declares it, whatever the task's kind."""
     from pollen.datasets.tasks import get_task
 
-    spec = get_task(task_name)
-    if task_name in DOMAIN_TASKS:
-        return DOMAIN_TASKS[task_name].fmt
-    try:
-        from pollen.datasets.incremental import SOURCES
-
-        if task_name in SOURCES:
-            return SOURCES[task_name].fmt
-    except ImportError:  # pragma: no cover - incremental tasks always ship with Pollen
-        pass
-    return spec.fmt
+    return get_task(task_name).fmt
 
 
 # ---------------------------------------------------------------------------------- models
@@ -380,21 +367,16 @@ def task_split(loaded: LoadedModel, task_name: str, partition: int, num_partitio
     data is the task's business, and a client would also set threads, a device and state."""
     from pollen.app.config import NodeConfig
     from pollen.app.registry import METHODS
-    from pollen.datasets.tasks import TaskOptions, get_task, partition_data
+    from pollen.datasets.tasks import get_task, partition_data
 
     cfg = loaded.cfg
     get_task(task_name)
+    node = NodeConfig(partition_id=partition, num_partitions=num_partitions, data_root=data_root, data_dir=data_dir)
     if task_name == cfg.task:
-        node = NodeConfig(partition_id=partition, num_partitions=num_partitions, data_root=data_root,
-                          data_dir=data_dir)
         train_sizes, test_size = METHODS[cfg.method].data_sizes(cfg)
         data = partition_data(task_name, cfg.task_options(node), partition, num_partitions, train_sizes, test_size)
-    else:
-        opts = TaskOptions(data_root=data_root or cfg.data_root, download=cfg.download, seed=cfg.seed,
-                           dirichlet_alpha=cfg.dirichlet_alpha, ways=cfg.shot_ways, shots=cfg.shot_shots,
-                           stdev=cfg.shot_stdev, test_per_class=cfg.shot_test_per_class,
-                           shot_split=cfg.shot_split, max_train_samples=cfg.max_train_samples)
-        data = partition_data(task_name, opts, partition, num_partitions)
+    else:  # another task: the run's options, less those of the run's own data (its folder, classes, format)
+        data = partition_data(task_name, cfg.task_options(node).without_user_data(), partition, num_partitions)
     x, y = (data.x_test, data.y_test) if split == "test" else (data.x_train, data.y_train)
     if data_dir:
         names = [f"{data_dir}/{split}/{i}" for i in range(len(y))]
@@ -710,11 +692,9 @@ def run(args: argparse.Namespace) -> int:
                             f"{task_name!r} data, normalised as that task's")
     if overrides:
         loaded.notes.append(f"run-config overrides (--set): {overrides}")
-    from pollen.datasets.domain_tasks import DOMAIN_TASKS
-
     if args.top_k is not None and args.top_k < 1:
         raise PredictError(f"--top-k {args.top_k}: must be >= 1")
-    top_k = args.top_k or (DOMAIN_TASKS[task_name].top_k if task_name in DOMAIN_TASKS else 1)
+    top_k = args.top_k or TASKS[task_name].top_k
     if args.top_k and args.top_k > 1 and args.prototypes is not None:
         raise PredictError("--top-k counts the classifier's k largest logits; it has no meaning with --prototypes")
     if args.images is not None:

@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from pollen.datasets.incremental import (
-    SOURCES,
     client_task_data,
     plan_stream,
     shard_indices,
     stream_data,
 )
+from pollen.datasets.tasks import get_task
 from pollen.datasets.transforms import augment
 from pollen.methods.glfc_settings import IncrementalSettings  # declared without torch (the registry reads it)
 from pollen.methods.incremental_losses import (
@@ -72,14 +72,14 @@ from pollen.protocol.glfc import TrainInstruction
 Named = dict[str, np.ndarray]  # a model state or a gradient set, by name
 
 def build_stream_model(task: str, model_name: str, num_classes: int, width: float) -> SplitModel:
-    src = SOURCES[task]
+    src = get_task(task)
     return build_model(model_name, num_classes, in_channels=src.fmt.channels, image_size=src.fmt.size,
                        width=width)
 
 
 def build_lenet(task: str, seed: int) -> LeNet:
     """The proxy's fixed LeNet: one output per stream class, weights from the run seed (both sides)."""
-    src = SOURCES[task]
+    src = get_task(task)
     return LeNet(src.num_classes, in_channels=src.fmt.channels, image_size=src.fmt.size, seed=seed)
 
 
@@ -249,7 +249,8 @@ class IncrementalRound:
             old = (self._old_model(slot) if slot == 2 else None) or self._old_model(1)
         learned = list(st["learned"])
 
-        augment_batch = SOURCES[s.task].augment
+        stream = get_task(s.task).stream
+        augment_batch = stream is not None and stream.augment
 
         def loss_fn(m, xb, yb):
             if augment_batch:

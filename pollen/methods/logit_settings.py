@@ -15,7 +15,7 @@ from pollen.datasets.public import PUBLIC_CHOICES
 from pollen.methods.settings import setting
 
 if TYPE_CHECKING:
-    from pollen.datasets.domain_tasks import DomainTask
+    from pollen.datasets.spec import TaskSpec
 
 COLLABORATIVE = ("col", "l1", "kl")
 TARGETS = ("mean", "leave-one-out")
@@ -133,23 +133,24 @@ def _int_list(text: str, key: str, length: int) -> tuple[int, ...]:
     return values
 
 
-def resolve_settings(o: LogitOptions, profile: str, task: DomainTask) -> LogitSettings:
+def resolve_settings(o: LogitOptions, profile: str, task: TaskSpec) -> LogitSettings:
     """The options with 0 / "" replaced by the profile's (``quick`` or ``paper``) or the task's value.
 
     A task without fixed domains (your own, ``image-domains``) takes one epoch count for every node
     and all of each node's images (``train_sizes`` empty; cap them with ``max-train-samples``).
     """
-    k = len(task.domains) or 1
+    domains = task.domain_facts()
+    k = len(domains.names) or 1
     prof = QUICK if profile == "quick" else PAPER
     if o.local_epochs:
         local = _int_list(o.local_epochs, "fccl-local-epochs", k)
-    elif not task.domains:
+    elif not domains.names:
         local = (USER_LOCAL_EPOCHS,)
     elif profile == "quick":
         local = QUICK["local-epochs"][:k]
     else:
         local = PAPER_LOCAL_EPOCHS[task.name]
-    if not task.domains:
+    if not domains.names:
         if o.train_sizes:
             raise ValueError(f"run config key 'fccl-train-sizes' is for the built-in domain tasks; task "
                              f"{task.name!r} trains on every image of each node's folder (cap them with "
@@ -162,9 +163,9 @@ def resolve_settings(o: LogitOptions, profile: str, task: DomainTask) -> LogitSe
         sizes = _int_list(o.train_sizes, "fccl-train-sizes", k)
     else:
         cap = prof["train-cap"]
-        sizes = tuple(min(s, cap) if cap else s for s in task.train_sizes)
+        sizes = tuple(min(s, cap) if cap else s for s in domains.train_sizes)
     return LogitSettings(
-        public=o.public or task.public_default, public_dir=o.public_dir,
+        public=o.public or domains.public_default, public_dir=o.public_dir,
         public_size=o.public_size or prof["public-size"],
         public_batch_size=o.public_batch_size or prof["public-batch-size"],
         public_epochs=o.public_epochs or PAPER_PUBLIC_EPOCHS.get(task.name, USER_PUBLIC_EPOCHS),

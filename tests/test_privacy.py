@@ -73,6 +73,31 @@ def test_mixed_and_sampled_releases_match_dp_accounting():
     assert ledger.epsilon() <= ledger.epsilon_rdp()
 
 
+def test_a_dp_sgd_ledger_composes_each_mechanism_once_however_many_rounds(monkeypatch):
+    """A sample-mode prototype client alternates its DP-SGD release with its prototype release, so its
+    ledger keeps one DP-SGD row per round; ε must still be the composition of all of them (checked
+    against the independent accountant, event by event), computed with one composition per mechanism."""
+    rounds, steps = 30, 20
+    ledger = Ledger(DELTA)
+    for _ in range(rounds):
+        ledger.add(Release(1.5, 0.02, steps))
+        ledger.add(Release(6.0))
+    assert len(ledger.releases) == 2 * rounds  # not consecutive: no run-length merging
+    expected = independent_pld([(1.5, 0.02)] * (rounds * steps) + [(6.0, 1.0)] * rounds)
+    assert ledger.epsilon() == pytest.approx(expected, rel=2e-3)
+    assert ledger.epsilon() <= ledger.epsilon_rdp()
+
+    composed = []
+    real_compose = pld_privacy_accountant.PLDAccountant.compose
+    monkeypatch.setattr(pld_privacy_accountant.PLDAccountant, "compose",
+                        lambda self, event, count=1: composed.append(event) or real_compose(self, event, count))
+    eps = ledger.epsilon()
+    assert len(composed) == 2  # the Gaussians on all the data as one, the DP-SGD steps as one
+    ledger.add(Release(1.5, 0.02, steps))
+    composed.clear()
+    assert ledger.epsilon() > eps and len(composed) == 2
+
+
 def test_a_ledger_resumed_from_json_reaches_the_same_epsilon():
     plan = [Release(4.0)] * 6 + [Release(2.5)] * 3 + [Release(1.0, 0.1, 20)] * 2
     whole = Ledger(DELTA)

@@ -66,6 +66,21 @@ def _full_gaussian_sigma(releases: Iterable[Release]) -> float | None:
     return 1.0 / math.sqrt(inverse) if inverse > 0 else None
 
 
+def _same_mechanisms_together(releases: Iterable[Release]) -> list[Release]:
+    """The releases with every mechanism's invocations summed into one release, in first-seen order.
+    Composition does not depend on order, so this is the same composition; but the PLD accountant
+    self-composes n invocations of one mechanism at once, while composing them release by release costs
+    one convolution each. A DP-SGD client alternates its training release with its prototype release,
+    so its ledger holds one training release per round: composed one by one, ε cost more with every
+    round (minutes per round after 70 rounds of the privacy study), together it costs the same at
+    round 100 as at round 1, and the same ε to 1e-8 relative."""
+    counts: dict[tuple[float, float], int] = {}
+    for r in releases:
+        key = (r.noise_multiplier, r.sampling_probability)
+        counts[key] = counts.get(key, 0) + r.count
+    return [Release(sigma, q, n) for (sigma, q), n in counts.items()]
+
+
 def composed_epsilon(releases: Iterable[Release], delta: float) -> float:
     """ε at ``delta`` of all ``releases`` composed (0 for none): exact for Gaussians on all the data,
     by the PLD accountant once any release is subsampled."""
@@ -74,7 +89,7 @@ def composed_epsilon(releases: Iterable[Release], delta: float) -> float:
 
     releases = list(releases)
     sigma = _full_gaussian_sigma(releases)
-    sampled = [r for r in releases if r.sampling_probability < 1.0]
+    sampled = _same_mechanisms_together(r for r in releases if r.sampling_probability < 1.0)
     if not sampled:
         return 0.0 if sigma is None else float(gaussian_mechanism.get_epsilon_gaussian(sigma, delta))
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
@@ -94,7 +109,7 @@ def rdp_epsilon(releases: Iterable[Release], delta: float) -> float:
     from dp_accounting.rdp import rdp_privacy_accountant
 
     accountant = rdp_privacy_accountant.RdpAccountant()
-    for r in releases:
+    for r in _same_mechanisms_together(releases):
         accountant.compose(r.event())
     return float(accountant.get_epsilon(delta))
 

@@ -30,12 +30,14 @@ def test_fedavg_simulation_completes_and_writes_results(tmp_path):
     assert 0.2 < summary["final-accuracy"]["mean"] <= 1.0  # 10 classes: well above chance after 2 rounds
     assert (run_dir / "curves.png").stat().st_size > 0
     assert "[pollen] round 2/2" in outcome.log
+    assert outcome.status_from == "app"  # the app's summary ended the wait, not Flower's wind-down
+    assert "[pollen] done in" in outcome.log  # its closing line was still read
 
 
 def test_failed_server_app_is_reported_as_failed(tmp_path):
     outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=2,
                        run_config="method='no-such-method' num-server-rounds=1", timeout=300, echo=False)
-    assert outcome.status == "finished:failed"
+    assert outcome.status == "finished:failed" and outcome.status_from == "flower"  # it wrote no summary
     assert not outcome.completed
     # what the user sees: the key, the bad value and what exists
     assert "run config key 'method' = 'no-such-method' is invalid: expected one of" in outcome.log

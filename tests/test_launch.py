@@ -139,6 +139,30 @@ def test_ray_goes_local_unless_an_address_is_given(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
+def test_the_wait_ends_on_this_runs_summary_and_the_apps_closing_line(tmp_path, monkeypatch):
+    """A run folder's summary.json ends the launcher's wait only when it names this Flower run and the
+    ServerApp's own end (completed or failed): an earlier launch's summary (a resumed folder) or the
+    launcher's own interrupted one does not. The app's closing line then ends it at once, or the grace."""
+    from pollen.app.results import write_stopped_summary
+
+    clock = [100.0]
+    monkeypatch.setattr(launch.time, "monotonic", lambda: clock[0])
+    ended = launch.AppEnd(tmp_path, run_id=7)
+    assert not ended.over()  # no summary yet
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "completed", "flower-run-id": 6}))
+    assert not ended.over() and ended.summary is None  # the previous launch's
+    write_stopped_summary(tmp_path, "interrupted", "Ctrl-C", flower_run_id=7)
+    assert not ended.over() and ended.summary is None  # written by a launcher, not by the app
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "flower-run-id": 7, "x": 1}))
+    assert not ended.over() and ended.summary["status"] == "failed"  # found: the closing line may follow
+    clock[0] += launch.AppEnd.grace + 0.1
+    assert ended.over()  # no closing line within the grace
+    closing = launch.AppEnd(tmp_path, run_id=7)
+    closing.saw(f"[pollen] run failed: boom; summary: {tmp_path / 'summary.json'}\n")
+    assert closing.over()
+    assert not launch.AppEnd(None, run_id=7).over()  # no run folder known: Flower's status decides
+
+
 def test_process_tree_stops_a_process_that_left_the_session_and_its_parent(tmp_path):
     """What ``flwr-serverapp`` and Ray daemons do: a new session, the parent gone. Found by the mark."""
     tree = processes.ProcessTree("test")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pollen.app.checkpoints import write_json
+from pollen.app.checkpoints import atomic_write, write_json
 from pollen.strategies.base import RoundReport
 
 STATUSES = ("completed", "failed", "interrupted")
@@ -75,7 +75,7 @@ def write_stopped_summary(run_dir: Path, status: str, reason: str, flower_run_id
                "flower-run-id": flower_run_id, "method": config.get("method"), "task": config.get("task"),
                "num-server-rounds": config.get("num-server-rounds"), "run-dir": str(run_dir)}
     run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    atomic_write(path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
     return summary
 
 
@@ -227,8 +227,9 @@ class RunRecorder:
         spent = privacy_spent(self.rounds)
         if spent:
             summary["privacy"] = spent
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         plot_curves(self.rounds, self.run_dir / "curves.png", title=f"{summary['method']} on {summary['task']}")
+        # Last and whole: a launcher that sees this run's summary knows the ServerApp has nothing left to write.
+        atomic_write(self.run_dir / "summary.json", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
         if status == "completed":
             self._print(f"[pollen] done in {summary['wall-time-s']:.1f}s; summary: {self.run_dir / 'summary.json'}")
         else:

@@ -622,6 +622,7 @@ class RunOutcome:
     processes: list[str] = field(default_factory=list)  # "name(pid)" of every process the launch saw
     leftover: list[int] = field(default_factory=list)  # PIDs still alive after teardown (should be empty)
     teardown_s: float | None = None  # stopping the SuperLink and the rest of the tree
+    status_from: str = "flower"  # "app": the ServerApp's summary.json ended the wait (see AppEnd)
 
     @property
     def completed(self) -> bool:
@@ -729,6 +730,8 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     run_id = int(out["run-id"])
     if on_run_id is not None:
         on_run_id(run_id)
+    results_dir = Path(run_dir) if run_dir is not None else (Path(out_dir) / str(run_id) if out_dir else None)
+    ended = AppEnd(results_dir, run_id)
     lines: list[str] = []
     stream = subprocess.Popen([flower_bin("flwr"), "log", str(run_id), connection, "--stream"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -747,23 +750,28 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
                 with contextlib.suppress(Exception):
                     flwr_call(["stop", str(run_id), connection], env, timeout=30, watch=watch)
                 raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f}s (stopped it)")
+            if ended.over():
+                break
             try:
-                line = queue.get(timeout=min(remaining, 1.0))
+                line = queue.get(timeout=min(remaining, ended.poll_s))
             except Empty:
                 continue
             if line is None:
                 break
             lines.append(line)
+            ended.saw(line)
             if echo:
                 progress.line(line)
-        # The stream can end a moment before the status is final; poll briefly.
-        for _ in range(60):
-            if watch is not None:
-                watch()
-            status, details = run_status_details(run_id, connection, env, watch=watch)
-            if status.startswith("finished"):
-                break
-            time.sleep(1.0)
+        if ended.summary is not None:  # the app's own word; Flower's wind-down is not waited for
+            status = "finished:completed" if ended.summary["status"] == "completed" else "finished:failed"
+        else:  # the stream can end a moment before the status is final; poll briefly
+            for _ in range(60):
+                if watch is not None:
+                    watch()
+                status, details = run_status_details(run_id, connection, env, watch=watch)
+                if status.startswith("finished"):
+                    break
+                time.sleep(1.0)
     except (LaunchInterrupted, KeyboardInterrupt):
         if tree is not None:  # Ctrl-C: the simulation stops at once, not after the SuperLink's grace period
             tree.kill_named(ENGINE_PROCESSES)
@@ -772,12 +780,57 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
         progress.__exit__()
         stop_process(stream, grace=2.0)
     log = "".join(lines)
-    results_dir = Path(run_dir) if run_dir is not None else (Path(out_dir) / str(run_id) if out_dir else None)
     summary = read_summary(results_dir)
-    outcome = RunOutcome(run_id, status, time.monotonic() - started, log, summary=summary, results_dir=results_dir)
+    outcome = RunOutcome(run_id, status, time.monotonic() - started, log, summary=summary, results_dir=results_dir,
+                         status_from="app" if ended.summary is not None else "flower")
     if not outcome.completed:
         outcome.failure_reason = failure_reason(summary, details, log)
     return outcome
+
+
+class AppEnd:
+    """Whether a Pollen ServerApp has finished its run, from its run folder.
+
+    Its last act is an atomic ``summary.json`` naming the Flower run, after every model, checkpoint and
+    plot, so once that file names this run the launcher stops waiting: Flower's own wind-down (the
+    simulation's Ray shutdown, the log stream's end, the final status) costs seconds and writes nothing of
+    the run's. The app's closing line (``...; summary: <path>``) is still read from the stream, for at most
+    ``grace`` seconds. An app that writes no such summary (not Pollen's) is waited for as before.
+    """
+
+    grace = 2.0
+
+    def __init__(self, results_dir: Path | None, run_id: int):
+        self.path = None if results_dir is None else Path(results_dir) / "summary.json"
+        self.run_id = run_id
+        self.summary: dict[str, Any] | None = None
+        self._found_at = 0.0
+        self._closing_line = False
+        self._seen: tuple[int, int, int] | None = None
+        self.poll_s = 0.25 if self.path is not None else 1.0
+
+    def saw(self, line: str) -> None:
+        if line.startswith("[pollen] ") and line.rstrip().endswith("summary.json"):
+            self._closing_line = True
+
+    def over(self) -> bool:
+        if self.path is None:
+            return False
+        if self.summary is None:
+            try:
+                stat = self.path.stat()
+            except OSError:
+                return False
+            seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+            if seen == self._seen:
+                return False
+            self._seen = seen
+            found = read_summary(self.path.parent)
+            if not found or found.get("flower-run-id") != self.run_id or found.get("status") not in ("completed",
+                                                                                                    "failed"):
+                return False
+            self.summary, self._found_at = found, time.monotonic()
+        return self._closing_line or time.monotonic() - self._found_at > self.grace
 
 
 def _pump_lines(proc: subprocess.Popen, queue: Queue[str | None]) -> None:

@@ -166,9 +166,11 @@ class ProcessTree:
             self._sweep_late_spawns()
             return sorted(set(self.members()) | set(self.alive()))
 
-    def _sweep_late_spawns(self, quiet: float = 2.0, limit: float = 15.0) -> None:
+    def _sweep_late_spawns(self, quiet: float = 0.6, limit: float = 15.0) -> None:
         """Kill members that appear after the main pass (a process forked while its parent was being
-        stopped, e.g. a Ray worker), until no member has been seen for ``quiet`` seconds."""
+        stopped, e.g. a Ray worker), until no member has been seen for ``quiet`` seconds. A child exists
+        in ``/proc`` as soon as its parent's fork returns, and every parent is gone by now, so a few
+        scans with nothing found are enough; each scan that finds one starts the wait again."""
         deadline = time.monotonic() + limit
         calm_since = time.monotonic()
         while time.monotonic() < deadline and time.monotonic() - calm_since < quiet:

@@ -576,7 +576,7 @@ def superlink(flwr_home: Path, *, simulation: bool, port: int | None = None,
         yield connection, chosen, proc
     finally:
         with signals_held():
-            if proc is not None:
+            if proc is not None and own_tree:  # else the caller's ProcessTree.terminate stops it with the rest
                 stop_process(proc)
             if own_tree:
                 left = tree.terminate()

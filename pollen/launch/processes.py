@@ -145,17 +145,22 @@ class ProcessTree:
         return killed
 
     def terminate(self, grace: float = 10.0, patience: float = 5.0) -> list[int]:
-        """Stop the whole tree: SIGTERM the roots' groups, then every member left, then SIGKILL.
+        """Stop the whole tree: SIGTERM the roots' groups and every member at once (each shuts down in
+        parallel: the SuperLink's graceful stop alone takes about a second), wait ``patience`` for them
+        and up to ``grace`` for the roots, SIGTERM what is left, then SIGKILL.
 
         Returns the PIDs still alive afterwards (empty when everything is gone). Signals are held off
         meanwhile when called from the main thread, so a second Ctrl-C cannot cut the teardown short.
         """
         with signals_held():
-            self.members()  # records every current member (and its start time) in self.seen
+            members = self.members()  # records every current member (and its start time) in self.seen
             roots = self.alive(self.roots)  # a root already gone: its PID may belong to someone else now
             for pid in roots:
-                signal_group(pid, signal.SIGTERM)  # the SuperLink first: it stops its own children
-            self._wait_gone(roots, grace)
+                signal_group(pid, signal.SIGTERM)
+            for pid in members:
+                self._signal(pid, signal.SIGTERM)
+            self._wait_gone(sorted(set(roots) | set(members)), patience)
+            self._wait_gone(roots, max(0.0, grace - patience))
             for sig, wait in ((signal.SIGTERM, patience), (signal.SIGKILL, 5.0)):
                 live = set(self.members()) | set(self.alive())  # alive(): every process ever seen, even
                 if not live:                                     # one its dying parent left to PID 1

@@ -303,8 +303,14 @@ num-server-rounds = 3
 num-nodes = 20
 sampled = 0
 evaluate-every-round = false
+work-ms = 0
 """,
-    "flower_floor.py": '''"""Flower with nothing in it: sampled nodes train (and evaluate), answering at once."""
+    "flower_floor.py": '''"""Flower with nothing in it: sampled nodes train (and evaluate), answering at once.
+
+Unless ``work-ms`` > 0: then each ClientApp's train and evaluate first spin the CPU (no sleep) until the process's
+CPU time has advanced by that many milliseconds, then answer: clients that work per message, as Pollen's do,
+with no Pollen and no torch.
+"""
 import random
 import time
 
@@ -340,34 +346,45 @@ def main(grid: Grid, context: Context) -> None:
         line = ask(MessageType.TRAIN, r)
         if cfg["evaluate-every-round"]:
             line += " " + ask(MessageType.EVALUATE, r)
-        print(f"[floor] round {r}/{rounds}: {line}", flush=True)
+        print(f"[floor] round {r}/{rounds}: {line} (ended {time.time():.3f})", flush=True)
     if not cfg["evaluate-every-round"]:
         print(f"[floor] final {ask(MessageType.EVALUATE, rounds)}", flush=True)
 
 
+def work(context: Context) -> None:
+    """Busy-spin until this process's CPU time has advanced by ``work-ms`` milliseconds (0: nothing)."""
+    seconds = float(context.run_config.get("work-ms", 0)) / 1000
+    start = time.process_time()
+    while seconds > 0 and time.process_time() - start < seconds:
+        pass
+
+
 @client.train()
 def train(msg: Message, context: Context) -> Message:
+    work(context)
     return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
 
 
 @client.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
+    work(context)
     return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
 ''',
 }
 
 
 def floor_command(folder: Path, nodes: int, rounds: int, sampled: int = 0, evaluate_every_round: bool = False,
-                  extra: tuple[str, ...] = ()) -> list[str]:
+                  extra: tuple[str, ...] = (), work_ms: float = 0) -> list[str]:
     """Write ``FLOOR_APP`` into ``folder`` (once) and return the launcher command that runs it: ``nodes``
-    SuperNodes, ``rounds`` rounds of ``sampled`` nodes (0: all), evaluating every round or once at the end."""
+    SuperNodes, ``rounds`` rounds of ``sampled`` nodes (0: all), evaluating every round or once at the end,
+    each ClientApp spending ``work_ms`` CPU milliseconds per message before it answers (0: answering at once)."""
     if not folder.is_dir():
         folder.mkdir(parents=True)
         for name, text in FLOOR_APP.items():
             (folder / name).write_text(text)
     return [sys.executable, "-m", "pollen.launch.launcher", "--app", str(folder), "--num-supernodes", str(nodes),
             "--run-config", f"num-server-rounds={rounds} num-nodes={nodes} sampled={sampled} "
-            f"evaluate-every-round={str(evaluate_every_round).lower()}", *extra]
+            f"evaluate-every-round={str(evaluate_every_round).lower()} work-ms={float(work_ms):g}", *extra]
 
 
 def floor_run(args, env: dict[str, str], log: Path, app_dir: Path) -> dict:

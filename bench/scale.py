@@ -11,6 +11,8 @@ finished N is skipped when the study is run again (``--force`` reruns it). ``sca
 
     python -m bench.scale --data-root ../shared/data                  # 10 100 1000 10000
     python -m bench.scale --data-root ../shared/data --clients 10 100  # a quick look
+    python -m bench.scale --data-root ../shared/data --clients --floor 1000 --floor-work-ms 20
+                                        # the Flower floor only, each ClientApp spending 20 CPU-ms per message
     python -m bench.scale --report                                     # tables and plot only
 """
 
@@ -163,31 +165,50 @@ def sampled(n: int) -> int:
     return max(2, min(100, n // 10))
 
 
+def floor_file(out: Path, n: int, work_ms: float) -> Path:
+    """``scale/floor/{n}.json`` for clients answering at once, ``scale/floor/{n}-work{MS}.json`` with work."""
+    return out / "scale" / "floor" / (f"{n}.json" if not work_ms else f"{n}-work{work_ms:g}.json")
+
+
 def run_floor(n: int, args) -> dict:
     """The Flower floor in this shape: ``bench/overhead.py``'s app with no Pollen and no torch, N nodes,
-    the same k sampled for train and evaluate each round, every node answering at once."""
+    the same k sampled for train and evaluate each round, every node answering at once, or after
+    ``args.floor_work_ms`` CPU milliseconds per message. The busiest ClientApp actor's CPU per round is
+    traced as in :func:`run_one`, each round ending at the wall-clock time its ``[floor] round k/K`` line
+    says (``(ended <unix time>)``; the line itself comes through Flower's log stream 0.1-0.4 s later), else
+    when the line arrives."""
     from bench.overhead import floor_command
 
-    k = sampled(n)
-    with tempfile.TemporaryDirectory(prefix=f"pollen-floor-{n}-") as tmp:
+    k, work_ms = sampled(n), args.floor_work_ms
+    work_ms = int(work_ms) if work_ms == int(work_ms) else work_ms  # 20, not 20.0, in the row
+    with tempfile.TemporaryDirectory(prefix=f"pollen-floor-{n}-") as tmp, TreeMemory() as memory:
         cmd = floor_command(Path(tmp) / "floor-app", n, args.rounds, sampled=k, evaluate_every_round=True,
-                            extra=("--timeout", str(args.timeout)))
+                            extra=("--timeout", str(args.timeout)), work_ms=work_ms)
         load = os.getloadavg()[0]
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines: list[tuple[float, str]] = []  # (seconds since launch, line): the round lines as they come
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=memory.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        lines: list[tuple[float, str]] = []  # (monotonic time, line): the round lines as they come
         assert proc.stdout is not None
         for line in proc.stdout:
-            lines.append((time.monotonic() - started, line))
+            lines.append((time.monotonic(), line))
         proc.wait()
         wall = time.monotonic() - started
     rounds = [(at, line) for at, line in lines if line.startswith("[floor] round ")]
     walls = [sum(float(t) for t in re.findall(r"replies ([0-9.]+)s", line)) for _, line in rounds]
-    row = {"clients": n, "sampled-per-round": k, "rounds": args.rounds, "rc": proc.returncode,
-           "launch-wall-s": round(wall, 1), "load-1min": round(load, 2), "round-wall-s": [round(w, 2) for w in walls],
+    wall_clock = time.time() - time.monotonic()  # the ServerApp's time.time() on this machine, as monotonic
+    round_ends = [float(m.group(1)) - wall_clock if (m := re.search(r"\(ended ([0-9.]+)\)", line)) else at
+                  for at, line in rounds]
+    row = {"clients": n, "sampled-per-round": k, "rounds": args.rounds, "client-work-ms": work_ms,
+           "rc": proc.returncode, "launch-wall-s": round(wall, 1), "load-1min": round(load, 2),
+           "round-wall-s": [round(w, 2) for w in walls],
            "ms-per-message": [round(1000 * w / (2 * k), 1) for w in walls]}
-    if rounds:  # as Pollen's: when round 1's line appeared, less round 1's own wall
-        row["time-to-round-1-s"] = round(rounds[0][0] - walls[0], 1)
+    if rounds:  # as Pollen's: when round 1 ended, less round 1's own wall
+        row["time-to-round-1-s"] = round(round_ends[0] - started - walls[0], 1)
+    busiest = [memory.busiest_actor_cpu(end - w, end) for end, w in zip(round_ends, walls)]
+    row["busiest-actor-cpu-s"] = [None if b is None else round(b, 2) for b in busiest]
+    row["round-wall-per-busiest-actor"] = [None if not b else round(w / b, 2) for w, b in zip(walls, busiest)]
+    row["cpu-by-role-s"] = [memory.cpu_by_role(end - w, end) for end, w in zip(round_ends, walls)]
     if proc.returncode != 0:
         row["log-tail"] = "".join(line for _, line in lines)[-3000:]
     return row
@@ -300,19 +321,29 @@ def report(out: Path) -> None:
                      f"{r['peak-pss-mb']} | {r['processes-at-peak']} | {r['launch-wall-s']} | "
                      f"{r.get('load-1min', '–')} |")
     floors = sorted((json.loads(p.read_text()) for p in (out / "scale" / "floor").glob("*.json")),
-                    key=lambda r: r["clients"])
+                    key=lambda r: (r["clients"], r.get("client-work-ms", 0)))
     if floors:
         lines += ["", "## The Flower floor", "",
                   "The same launch of a Flower app with no Pollen and no torch (`FLOOR_APP` in "
                   "`bench/overhead.py`): N SuperNodes, the same k sampled for train and then evaluate each round, "
                   "every node answering at once. Its round wall is what Flower's dispatch alone costs in this shape.",
-                  "", "| N | sampled | exit | time to round 1 s | round 1 ends s | round wall s (1 / 2 / 3) | "
-                  "ms/message (1 / 2 / 3) | launch wall s | load |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "",
+                  "*Client work ms/message* > 0 (`--floor-work-ms`): the same engine with ClientApps that spend CPU "
+                  "per message as Pollen's do (each train and evaluate spins until its process's CPU time has advanced "
+                  "that much, then answers), to see what Flower's dispatch costs when messages stay pending; 0: "
+                  "answering at once. *Busiest actor* as above, each round ending at the time its "
+                  "`[floor] round k/K` line says it ended (– in rows run before the column existed, whose time to "
+                  "round 1 counts from the line's arrival through Flower's log stream, 0.1–0.4 s later).",
+                  "", "| N | sampled | client work ms/message | exit | time to round 1 s | round 1 ends s | "
+                  "round wall s (1 / 2 / 3) | ms/message (1 / 2 / 3) | busiest actor CPU s (1 / 2 / 3) | "
+                  "round wall / busiest actor (1 / 2 / 3) | launch wall s | load |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in floors:
-            lines.append(f"| {r['clients']:,} | {r['sampled-per-round']} | {r['rc']} | "
-                         f"{r.get('time-to-round-1-s', '–')} | {round_one_ends(r)} | "
+            lines.append(f"| {r['clients']:,} | {r['sampled-per-round']} | {r.get('client-work-ms', 0):g} | "
+                         f"{r['rc']} | {r.get('time-to-round-1-s', '–')} | {round_one_ends(r)} | "
                          f"{per_round(r.get('round-wall-s'))} | {per_round(r.get('ms-per-message'))} | "
+                         f"{per_round(r.get('busiest-actor-cpu-s'))} | "
+                         f"{per_round(r.get('round-wall-per-busiest-actor'))} | "
                          f"{r['launch-wall-s']} | {r.get('load-1min', '–')} |")
     pairs = sorted((json.loads(p.read_text()) for p in (out / "scale-identity").glob("*.json")),
                    key=lambda r: (r["clients"], r["order"]))
@@ -394,6 +425,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--floor", type=int, nargs="*", default=[],
                         help="N for which to run the Flower floor too (same shape, no Pollen, no torch)")
+    parser.add_argument("--floor-work-ms", type=float, default=0.0, metavar="MS",
+                        help="CPU milliseconds each floor ClientApp spends per train / evaluate message before it "
+                             "answers (0: at once); results in scale/floor/{N}-work{MS}.json")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--force", action="store_true", help="rerun an N that already has a result file")
@@ -414,15 +448,16 @@ def main(argv=None) -> int:
             write_json(path, row, indent=2)
             print(f"[scale] N = {n}: {json.dumps({k: v for k, v in row.items() if k != 'log-tail'})}", flush=True)
         for n in args.floor:
-            path = args.out / "scale" / "floor" / f"{n}.json"
+            path = floor_file(args.out, n, args.floor_work_ms)
             if path.exists() and not args.force:
-                print(f"[scale] floor N = {n}: done already ({path})", flush=True)
+                print(f"[scale] floor {path.stem}: done already ({path})", flush=True)
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
-            print(f"[scale] floor N = {n}: running", flush=True)
+            print(f"[scale] floor {path.stem}: running", flush=True)
             row = run_floor(n, args)
             write_json(path, row, indent=2)
-            print(f"[scale] floor N = {n}: {json.dumps({k: v for k, v in row.items() if k != 'log-tail'})}", flush=True)
+            shown = {k: v for k, v in row.items() if k != "log-tail"}
+            print(f"[scale] floor {path.stem}: {json.dumps(shown)}", flush=True)
     report(args.out)
     return 0
 

@@ -169,6 +169,32 @@ def test_committed_scale_report_is_its_run_files(tmp_path):
     assert (tmp_path / "scale.md").read_text() == (RESULTS / "scale.md").read_text()
 
 
+def test_scale_floor_with_client_work_has_its_own_file_and_columns(tmp_path):
+    """``--floor-work-ms``: its own result file beside the at-once floor's, passed to the app as ``work-ms``, and
+    its row in the floor table with the work and the busiest actor's CPU (– for rows recorded before)."""
+    from bench import scale
+    from bench.overhead import floor_command
+
+    assert scale.floor_file(tmp_path, 1000, 0) == tmp_path / "scale" / "floor" / "1000.json"
+    assert scale.floor_file(tmp_path, 1000, 20.0) == tmp_path / "scale" / "floor" / "1000-work20.json"
+    assert scale.floor_file(tmp_path, 1000, 2.5).name == "1000-work2.5.json"
+    cmd = floor_command(tmp_path / "app", 10, 2, sampled=2, work_ms=20)
+    assert "work-ms=20" in cmd[cmd.index("--run-config") + 1].split()
+    assert "work-ms = 0" in (tmp_path / "app" / "pyproject.toml").read_text()
+    shutil.copytree(RESULTS / "scale", tmp_path / "scale", dirs_exist_ok=True)
+    row = {"clients": 1000, "sampled-per-round": 100, "rounds": 3, "client-work-ms": 20, "rc": 0,
+           "launch-wall-s": 40.0, "load-1min": 1.0, "round-wall-s": [9.0, 3.0, 3.2],
+           "ms-per-message": [45.0, 15.0, 16.0], "time-to-round-1-s": 6.0, "busiest-actor-cpu-s": [3.5, 2.0, 2.1],
+           "round-wall-per-busiest-actor": [2.57, 1.5, 1.52]}
+    scale.floor_file(tmp_path, 1000, 20).write_text(json.dumps(row))
+    scale.report(tmp_path)
+    table = [x for x in (tmp_path / "scale.md").read_text().splitlines() if x.startswith("| 1,000 | 100 |")]
+    assert table[-2:] == [
+        "| 1,000 | 100 | 0 | 0 | – | – | 9.92 / 1.72 / 1.54 | 49.6 / 8.6 / 7.7 | – | – | 27.1 | – |",
+        "| 1,000 | 100 | 20 | 0 | 6.0 | 15.0 | 9.0 / 3.0 / 3.2 | 45.0 / 15.0 / 16.0 | 3.5 / 2.0 / 2.1 | "
+        "2.57 / 1.5 / 1.52 | 40.0 | 1.0 |"]
+
+
 # --- bench/overhead.py: fixed and steady CPU apart ---------------------------------------------------------
 
 def test_overhead_split_takes_the_median_round_after_round_1_and_leaves_the_rest_fixed():

@@ -22,6 +22,12 @@ if os.environ.get("CI"):
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
+# The e2e launches give Ray one CPU, so one ClientApp actor runs their (tiny) clients one after another:
+# a second actor's start (a Ray worker importing torch, Pollen and the data: ~3.5 CPU-s, measured) costs
+# more than it saves at these sizes, and the suite is CPU-bound on CI's two cores. Several actors are
+# exercised by the documented commands, make run's determinism test and the cluster tests.
+RAY_CPUS = 1
+
 # Every test starts from these seeds (the autouse fixture below), so an unseeded draw is the same run to run.
 TEST_SEED = 20240601
 

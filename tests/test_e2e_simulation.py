@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pollen.launch.launcher import simulate
-from tests.conftest import PROJECT_ROOT
+from tests.conftest import PROJECT_ROOT, RAY_CPUS
 
 pytestmark = pytest.mark.e2e
 
@@ -16,7 +16,7 @@ def _run_dir(out_dir, run_id):
 
 def test_fedavg_simulation_completes_and_writes_results(tmp_path):
     out = tmp_path / "runs"
-    outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=3,
+    outcome = simulate(ray_cpus=RAY_CPUS, app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=3,
                        run_config=f"num-server-rounds=2 out-dir='{out}' local-epochs=1", timeout=600,
                        echo=False)
     assert outcome.completed, outcome.log[-4000:]
@@ -35,7 +35,7 @@ def test_fedavg_simulation_completes_and_writes_results(tmp_path):
 
 
 def test_failed_server_app_is_reported_as_failed(tmp_path):
-    outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=2,
+    outcome = simulate(ray_cpus=RAY_CPUS, app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=2,
                        run_config="method='no-such-method' num-server-rounds=1", timeout=300, echo=False)
     assert outcome.status == "finished:failed" and outcome.status_from == "flower"  # it wrote no summary
     assert not outcome.completed
@@ -76,7 +76,7 @@ def test_more_min_clients_than_supernodes_fails_fast_naming_both_numbers(tmp_pat
 
     out = tmp_path / "runs"
     t0 = time.monotonic()
-    outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=2,
+    outcome = simulate(ray_cpus=RAY_CPUS, app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=2,
                        run_config=f"min-available-clients=5 num-server-rounds=1 out-dir='{out}'", timeout=300,
                        echo=False)
     assert outcome.status == "finished:failed"

@@ -62,7 +62,8 @@ def launch(project: str, tmp: Path, **run_config):
 
     report = tmp / f"{project}-report.json"
     started = time.monotonic()
-    outcome = simulate(app_dir=EXTERNAL / project, flwr_home=tmp / "flwr-home", num_supernodes=NODES,
+    # ray_cpus=1: one ClientApp actor, the cheapest launch for these tiny runs (tests/conftest.py, RAY_CPUS)
+    outcome = simulate(ray_cpus=1, app_dir=EXTERNAL / project, flwr_home=tmp / "flwr-home", num_supernodes=NODES,
                        run_config={"report-path": str(report), **run_config}, timeout=RUN_TIMEOUT_S, echo=False)
     seconds = time.monotonic() - started
     print(f"{project}: {outcome.status} in {seconds:.1f}s (run {outcome.run_id})")

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pollen.launch.launcher import simulate
-from tests.conftest import PROJECT_ROOT
+from tests.conftest import PROJECT_ROOT, RAY_CPUS
 from tests.faults import faulty_app_dir
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +24,7 @@ def _run(tmp_path, data_root, extra, *, faulty: int | None = None):
     out = tmp_path / "runs"
     app_dir = PROJECT_ROOT if faulty is None else faulty_app_dir(tmp_path, PROJECT_ROOT, partition=faulty,
                                                                  kind="logits-shape")
-    outcome = simulate(app_dir=app_dir, flwr_home=tmp_path / "flwr", num_supernodes=4,
+    outcome = simulate(ray_cpus=RAY_CPUS, app_dir=app_dir, flwr_home=tmp_path / "flwr", num_supernodes=4,
                        run_config=f"{TINY} data-root='{data_root}' out-dir='{out}' {extra}", timeout=600, echo=False)
     assert outcome.completed, outcome.log[-4000:]
     run_dir = out / str(outcome.run_id)

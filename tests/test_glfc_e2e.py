@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pollen.launch.launcher import simulate
-from tests.conftest import PROJECT_ROOT
+from tests.conftest import PROJECT_ROOT, RAY_CPUS
 from tests.faults import faulty_app_dir
 
 pytestmark = pytest.mark.e2e
@@ -24,8 +24,8 @@ def test_glfc_simulation_two_tasks_with_joining_clients_and_a_bad_gradient(tmp_p
                   "glfc-eval-per-class=20 model-width=0.125 local-epochs=1 lr=0.5 "
                   "momentum=0.0")
     app_dir = faulty_app_dir(tmp_path, PROJECT_ROOT, partition=1, kind="proto-grads-nan")  # tests/faults.py
-    outcome = simulate(app_dir=app_dir, flwr_home=tmp_path / "flwr", num_supernodes=5, run_config=run_config,
-                       timeout=600, echo=False)
+    outcome = simulate(ray_cpus=RAY_CPUS, app_dir=app_dir, flwr_home=tmp_path / "flwr", num_supernodes=5,
+                       run_config=run_config, timeout=600, echo=False)
     assert outcome.completed, outcome.log[-4000:]
     rounds = [json.loads(x) for x in (out / str(outcome.run_id) / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2, 3, 4]

@@ -24,7 +24,7 @@ import pytest
 from pollen.launch import launcher as launch
 from pollen.launch import processes
 from pollen.launch.launcher import EXIT_TIMEOUT, EXIT_USAGE
-from tests.conftest import PROJECT_ROOT
+from tests.conftest import PROJECT_ROOT, RAY_CPUS
 
 HAS_PROC = Path("/proc/self/environ").exists()
 
@@ -78,6 +78,9 @@ def test_unknown_key_is_refused_before_anything_starts(tmp_path, capsys, nothing
     (["--run-config", "out-dir='/a'", "--out-dir", "/b"], r"'out-dir' given twice"),
     (["--num-supernodes", "0"], r"--num-supernodes 0"),
     (["--timeout", "0"], r"--timeout 0"),
+    (["--ray-cpus", "0"], r"--ray-cpus 0: expected at least --cpus-per-client \(1\)"),
+    (["--ray-cpus", "2", "--cpus-per-client", "4"], r"--ray-cpus 2: expected at least --cpus-per-client \(4\)"),
+    (["--ray-cpus", "2", "--ray-address", "10.0.0.5:6379"], r"a cluster's CPUs are set where its nodes start"),
 ])
 def test_bad_options_are_refused_before_anything_starts(argv, message, capsys, nothing_starts):
     assert launch.main(argv) == EXIT_USAGE
@@ -181,6 +184,32 @@ def test_process_tree_stops_a_process_that_left_the_session_and_its_parent(tmp_p
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(orphan, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
+def test_killing_a_tree_takes_what_ignores_sigterm_at_once(tmp_path):
+    """What two Ray agents do once their driver is gone: ignore SIGTERM. ``terminate`` waits its patience
+    for them; ``kill`` (a launch whose work is on disk) takes them, and the rest of the tree, at once."""
+    tree = processes.ProcessTree("test")
+    env = tree.mark(dict(os.environ))
+    pid_file = tmp_path / "pid"
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+    code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[2]], "
+            "start_new_session=True); open(sys.argv[1], 'w').write(str(p.pid)); p.wait()")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(pid_file), stubborn], env=env, start_new_session=True)
+    tree.add_root(parent.pid)
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    try:
+        assert child in tree.members() and parent.pid in tree.members()
+        assert tree.kill() == []
+        assert tree.alive([child, parent.pid]) == []
+        assert parent.wait(timeout=5) == -signal.SIGKILL  # terminate() would have sent SIGTERM first
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
@@ -319,7 +348,7 @@ class TreeWatcher:
 
 
 def _launch_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pollen.launch.launcher", "--num-supernodes", "2", *args]
+    return [sys.executable, "-m", "pollen.launch.launcher", "--num-supernodes", "2", "--ray-cpus", str(RAY_CPUS), *args]
 
 
 def _after(watcher: TreeWatcher, grace: float = 15.0) -> str:
@@ -450,7 +479,8 @@ def test_resume_continues_a_finished_run_with_more_rounds(tmp_path):
     first_summary = json.loads((run_dir / "summary.json").read_text())
     assert first_summary["status"] == "completed" and first_summary["last-round"] == 1
     assert f"run {first_summary['flower-run-id']}: finished:completed" in first.stdout
-    again = subprocess.run([sys.executable, "-m", "pollen.launch.launcher", "--resume", str(run_dir), "--run-config",
+    again = subprocess.run([sys.executable, "-m", "pollen.launch.launcher", "--ray-cpus", str(RAY_CPUS), "--resume",
+                            str(run_dir), "--run-config",
                             "num-server-rounds=2", "--timeout", "300"],
                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]

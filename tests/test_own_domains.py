@@ -31,7 +31,7 @@ from pollen.datasets.public import load_public, public_digest
 from pollen.datasets.sources import load_source
 from pollen.datasets.tasks import TaskError, build_client_data, resolve_task
 from pollen.datasets.user_data import UserDataError, count_unlabeled_images, read_unlabeled_folder
-from tests.conftest import PROJECT_ROOT, require_real_data
+from tests.conftest import PROJECT_ROOT, RAY_CPUS, require_real_data
 from tests.test_user_data import write_image_folder
 
 CLASSES = {"zero": 0, "one": 1, "two": 2}
@@ -164,7 +164,8 @@ def test_fccl_simulation_on_your_own_domains(domains, public, tmp_path):
 
     out = tmp_path / "runs"
     keys = " ".join(f"{k}={json.dumps(v)}" for k, v in AGREED.items())
-    outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=3, timeout=900, echo=False,
+    outcome = simulate(ray_cpus=RAY_CPUS, app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=3,
+                       timeout=900, echo=False,
                        run_config=f"num-server-rounds=2 data-dir='{domains}' "
                                   f"fccl-public-dir='{public}' out-dir='{out}' {keys}")
     assert outcome.completed, outcome.log[-4000:]

@@ -14,7 +14,7 @@ import pytest
 from dp_accounting.pld import pld_privacy_accountant
 
 from pollen.launch.launcher import simulate
-from tests.conftest import PROJECT_ROOT
+from tests.conftest import PROJECT_ROOT, RAY_CPUS
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,7 @@ UCI = {"task": "uci-dirichlet", "max-train-samples": 40, "batch-size": 8, "num-s
 
 def _private_run(tmp_path, run_config: dict, supernodes: int) -> tuple[list[dict], dict]:
     out = tmp_path / "runs"
-    outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=supernodes,
+    outcome = simulate(ray_cpus=RAY_CPUS, app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=supernodes,
                        run_config={**run_config, "out-dir": str(out)}, timeout=600, echo=False)
     assert outcome.completed, outcome.log[-4000:]
     run_dir = out / str(outcome.run_id)

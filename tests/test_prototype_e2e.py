@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pollen.launch.launcher import simulate
-from tests.conftest import PROJECT_ROOT, real_data_root
+from tests.conftest import PROJECT_ROOT, RAY_CPUS, real_data_root
 from tests.faults import faulty_app_dir
 
 pytestmark = pytest.mark.e2e
@@ -28,7 +28,7 @@ def _run(tmp_path, method: str, extra: str, *, faulty: int, fault: str):
     out = tmp_path / "runs"
     task, shot = _task_keys()
     app_dir = faulty_app_dir(tmp_path, PROJECT_ROOT, partition=faulty, kind=fault)
-    outcome = simulate(app_dir=app_dir, flwr_home=tmp_path / "flwr", num_supernodes=4,
+    outcome = simulate(ray_cpus=RAY_CPUS, app_dir=app_dir, flwr_home=tmp_path / "flwr", num_supernodes=4,
                        run_config=f"method='{method}' {task} num-server-rounds=2 batch-size=8 lr=0.05 "
                                   f"out-dir='{out}' {extra}", timeout=600, echo=False)
     assert outcome.completed, outcome.log[-4000:]

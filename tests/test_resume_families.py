@@ -38,7 +38,7 @@ import torch
 from pollen.app.checkpoints import list_checkpoints, load_arrays, state_rounds
 from pollen.app.config import parse_node_config, parse_run_config
 from pollen.app.registry import METHODS
-from tests.conftest import PROJECT_ROOT, make_context, require_real_data
+from tests.conftest import PROJECT_ROOT, RAY_CPUS, make_context, require_real_data
 from tests.test_launch import HAS_PROC, TreeWatcher
 from tests.test_run_regression import without_timings
 
@@ -116,7 +116,8 @@ class Launch:
     def __init__(self, args: list[str], watcher: TreeWatcher, ray_tmp: Path):
         self.lines: list[str] = []
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "pollen.cli", "run", *args, "--timeout",
+        self.proc = subprocess.Popen([sys.executable, "-m", "pollen.cli", "run", "--ray-cpus", str(RAY_CPUS), *args,
+                                      "--timeout",
                                       str(LAUNCH_TIMEOUT)], cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                      env=watcher.env(RAY_TMPDIR=str(ray_tmp)))

@@ -879,6 +879,17 @@ def _tree_watch(tree: ProcessTree, proc: subprocess.Popen, log_path: Path | None
     return watch
 
 
+def check_ray_cpus(ray_cpus: int, cpus_per_client: int, ray_address: str | None) -> None:
+    """``--ray-cpus`` sizes a private Ray instance: at least one ClientApp must fit, and a cluster is
+    not resized by a run that attaches to it."""
+    if ray_address not in (None, "local"):
+        raise LaunchConfigError(f"--ray-cpus {ray_cpus} with --ray-address {ray_address}: a cluster's CPUs are "
+                                "set where its nodes start (ray start --num-cpus); leave --ray-cpus out")
+    if ray_cpus < cpus_per_client:
+        raise LaunchConfigError(f"--ray-cpus {ray_cpus}: expected at least --cpus-per-client ({cpus_per_client}), "
+                                "or no ClientApp could run")
+
+
 def ray_line(ray_address: str | None) -> str:
     if ray_address and ray_address != "local":
         return f"[pollen] Ray: attaching to the cluster at {ray_address} (--ray-address)"
@@ -892,15 +903,16 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
              cpus_per_client: int = 1, gpus_per_client: float = 0.0,
              run_config: str | Mapping[str, Any] = "", timeout: float = DEFAULT_TIMEOUT_S, echo: bool = True,
              out_dir: str | Path | None = None, data_root: str | Path | None = None,
-             ray_address: str | None = None, run_dir: Path | None = None,
+             ray_address: str | None = None, ray_cpus: int | None = None, run_dir: Path | None = None,
              lock_fd: int | None = None) -> RunOutcome:
     """One simulation run on a fresh, owned SuperLink, its whole process tree stopped afterwards.
 
     The run config is checked against the app's keys first (:class:`LaunchConfigError`, nothing
     started). ``flwr_home`` defaults to a private temporary folder, removed at the end; a given one is
     kept. ``ray_address`` ``None``/``"local"`` starts a private Ray instance, anything else attaches to
-    that cluster. Raises :class:`TimeoutError`, :class:`SuperLinkDied` or :class:`LaunchInterrupted`
-    (under :func:`signals_raise`) after stopping everything.
+    that cluster. ``ray_cpus`` caps the private instance's CPUs (Flower's ``init-args-num-cpus``): one
+    ClientApp actor per ``cpus_per_client`` of them. Raises :class:`TimeoutError`, :class:`SuperLinkDied`
+    or :class:`LaunchInterrupted` (under :func:`signals_raise`) after stopping everything.
 
     ``run_dir`` is the run's folder when the caller chose it (the CLI: a named run, or ``--resume``),
     else ``out-dir/<run-id>``. A :class:`~pollen.launch.processes.Watchdog` (holding ``lock_fd``, the run
@@ -909,9 +921,12 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
     """
     app_dir = (Path(app_dir) if app_dir is not None else default_app_dir()).resolve()
     values, results_root = compose_run_config(app_dir, run_config, out_dir=out_dir, data_root=data_root)
+    ray_address = ray_address or "local"
     fed = (f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client} "
            f"client-resources-num-gpus={gpus_per_client}")
-    ray_address = ray_address or "local"
+    if ray_cpus is not None:
+        check_ray_cpus(ray_cpus, cpus_per_client, ray_address)
+        fed += f" init-args-num-cpus={ray_cpus}"
     private_home = flwr_home is None
     home = (Path(tempfile.mkdtemp(prefix="pollen-flwr-")) if flwr_home is None else Path(flwr_home)).resolve()
     tree = ProcessTree()
@@ -969,7 +984,8 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
                               flush=True)
                 raise
             finally:
-                left = tree.terminate()
+                # A run whose ServerApp wrote its summary has everything on disk: nothing to stop gracefully.
+                left = tree.kill() if outcome is not None and outcome.status_from == "app" else tree.terminate()
                 if outcome is not None:
                     outcome.teardown_s = round(time.monotonic() - teardown_from, 2) if teardown_from else None
                     outcome.processes = [f"{name or '?'}({pid})" for pid, (_s, name) in sorted(tree.seen.items())]
@@ -1084,6 +1100,10 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--data-root", default=None,
                         help="dataset root, the 'data-root' run key (default: the run config's, else "
                              "$POLLEN_DATA_ROOT as the app reads it)")
+    parser.add_argument("--ray-cpus", type=int, default=None,
+                        help="CPUs the private Ray instance may use (default: all it finds); at most "
+                             "RAY_CPUS / cpus-per-client ClientApps run at once, each in an actor of its own "
+                             "that imports torch once. Not with --ray-address: a cluster has its own")
     parser.add_argument("--ray-address", default=None,
                         help="attach the simulation to this Ray cluster (default: start a private local Ray, "
                              "RAY_ADDRESS=local, ignoring any cluster recorded on this machine)")
@@ -1107,6 +1127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise LaunchConfigError(f"--num-supernodes {args.num_supernodes}: expected at least 1")
         if args.cpus_per_client is not None and args.cpus_per_client < 1:
             raise LaunchConfigError(f"--cpus-per-client {args.cpus_per_client}: expected at least 1")
+        if args.ray_cpus is not None:
+            check_ray_cpus(args.ray_cpus, args.cpus_per_client or 1, args.ray_address)
         if args.gpus_per_client is not None and not 0.0 <= args.gpus_per_client:
             raise LaunchConfigError(f"--gpus-per-client {args.gpus_per_client}: expected >= 0")
         if not args.timeout > 0:
@@ -1223,7 +1245,7 @@ def _launch(args: argparse.Namespace, app_dir: Path, values: dict[str, Any], run
             outcome = simulate(app_dir=app_dir, flwr_home=args.flwr_home, num_supernodes=args.num_supernodes,
                                cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                                run_config=values, timeout=args.timeout, echo=not args.quiet,
-                               ray_address=args.ray_address, run_dir=run_dir,
+                               ray_address=args.ray_address, ray_cpus=args.ray_cpus, run_dir=run_dir,
                                lock_fd=lock.fd if lock is not None else None)
         except LaunchInterrupted as err:
             print(f"[pollen] {err}: stopped every process of the run after {time.monotonic() - started:.1f}s",

@@ -145,22 +145,17 @@ class ProcessTree:
         return killed
 
     def terminate(self, grace: float = 10.0, patience: float = 5.0) -> list[int]:
-        """Stop the whole tree: SIGTERM the roots' groups and every member at once (each shuts down in
-        parallel: the SuperLink's graceful stop alone takes about a second), wait ``patience`` for them
-        and up to ``grace`` for the roots, SIGTERM what is left, then SIGKILL.
+        """Stop the whole tree: SIGTERM the roots' groups, then every member left, then SIGKILL.
 
         Returns the PIDs still alive afterwards (empty when everything is gone). Signals are held off
         meanwhile when called from the main thread, so a second Ctrl-C cannot cut the teardown short.
         """
         with signals_held():
-            members = self.members()  # records every current member (and its start time) in self.seen
+            self.members()  # records every current member (and its start time) in self.seen
             roots = self.alive(self.roots)  # a root already gone: its PID may belong to someone else now
             for pid in roots:
-                signal_group(pid, signal.SIGTERM)
-            for pid in members:
-                self._signal(pid, signal.SIGTERM)
-            self._wait_gone(sorted(set(roots) | set(members)), patience)
-            self._wait_gone(roots, max(0.0, grace - patience))
+                signal_group(pid, signal.SIGTERM)  # the SuperLink first: it stops its own children
+            self._wait_gone(roots, grace)
             for sig, wait in ((signal.SIGTERM, patience), (signal.SIGKILL, 5.0)):
                 live = set(self.members()) | set(self.alive())  # alive(): every process ever seen, even
                 if not live:                                     # one its dying parent left to PID 1
@@ -168,6 +163,20 @@ class ProcessTree:
                 for pid in live:
                     self._signal(pid, sig)
                 self._wait_gone(sorted(live), wait)
+            self._sweep_late_spawns()
+            return sorted(set(self.members()) | set(self.alive()))
+
+    def kill(self) -> list[int]:
+        """SIGKILL the whole tree at once, for a launch whose work is all on disk: a graceful stop only
+        costs time then (the simulation's Ray shutdown holds Ray's daemons for ~3 s, and two Ray agents
+        ignore SIGTERM once their driver is gone). Returns the PIDs still alive afterwards."""
+        with signals_held():
+            live = set(self.members()) | set(self.alive(self.roots))
+            for pid in self.alive(self.roots):
+                signal_group(pid, signal.SIGKILL)
+            for pid in live:
+                self._signal(pid, signal.SIGKILL)
+            self._wait_gone(sorted(live), 5.0)
             self._sweep_late_spawns()
             return sorted(set(self.members()) | set(self.alive()))
 

@@ -372,15 +372,21 @@ def report(out: Path) -> None:
                          f"{r.get('time-to-round-1-s', '–')} | {round_one_ends(r)} | "
                          f"{per_round(r.get('round-wall-s'))} | {r['launch-wall-s']} | {per_round(accuracy)} |")
     with_roles = [r for r in rows if any(r.get("cpu-by-role-s") or [])]
-    if with_roles:
+    floor_roles = [r for r in floors if any(r.get("cpu-by-role-s") or [])] if floors else []
+    if with_roles or floor_roles:
         lines += ["", "## Where the CPU went in the last round", "",
                   "CPU-seconds per part of the run within the last round (same /proc trace); the machine has "
-                  f"{os.cpu_count()} cores, so a round of wall *w* has at most {os.cpu_count()}·*w* CPU-seconds.", "",
-                  "| N | round wall s | " + " | ".join(f"{role} CPU s" for role in ROLES) + " |",
-                  "|---|---|" + "---|" * len(ROLES)]
-        for r in with_roles:
+                  f"{os.cpu_count()} cores, so a round of wall *w* has at most {os.cpu_count()}·*w* CPU-seconds. "
+                  "Floor rows: the Flower floor with that client work per message; where its clients spend "
+                  "CPU as Pollen's do, the simulation engine's CPU (its polling of every stored message for "
+                  "every node) is what it is in Pollen's run: that part is Flower's.", "",
+                  "| N | run | round wall s | " + " | ".join(f"{role} CPU s" for role in ROLES) + " |",
+                  "|---|---|---|" + "---|" * len(ROLES)]
+        labelled = [("Pollen", r) for r in with_roles] + [
+            (f"floor, {r.get('client-work-ms', 0):g} ms/message", r) for r in floor_roles]
+        for label, r in sorted(labelled, key=lambda x: x[1]["clients"]):
             roles = r["cpu-by-role-s"][-1] or {}
-            lines.append(f"| {r['clients']:,} | {r['round-wall-s'][-1]} | "
+            lines.append(f"| {r['clients']:,} | {label} | {r['round-wall-s'][-1]} | "
                          + " | ".join(str(roles.get(role, "–")) for role in ROLES) + " |")
     write_atomic(out / "scale.md", "\n".join(lines) + "\n")
     ok = [r for r in rows if r.get("round-wall-s")]

@@ -181,7 +181,11 @@ def test_scale_floor_with_client_work_has_its_own_file_and_columns(tmp_path):
     cmd = floor_command(tmp_path / "app", 10, 2, sampled=2, work_ms=20)
     assert "work-ms=20" in cmd[cmd.index("--run-config") + 1].split()
     assert "work-ms = 0" in (tmp_path / "app" / "pyproject.toml").read_text()
-    shutil.copytree(RESULTS / "scale", tmp_path / "scale", dirs_exist_ok=True)
+    (tmp_path / "scale" / "floor").mkdir(parents=True)
+    shutil.copy(RESULTS / "scale" / "10.json", tmp_path / "scale" / "10.json")  # a Pollen row: a report to write
+    before = {"clients": 1000, "sampled-per-round": 100, "rounds": 3, "rc": 0, "launch-wall-s": 27.1,
+              "round-wall-s": [9.92, 1.72, 1.54], "ms-per-message": [49.6, 8.6, 7.7]}  # recorded before the columns
+    scale.floor_file(tmp_path, 1000, 0).write_text(json.dumps(before))
     row = {"clients": 1000, "sampled-per-round": 100, "rounds": 3, "client-work-ms": 20, "rc": 0,
            "launch-wall-s": 40.0, "load-1min": 1.0, "round-wall-s": [9.0, 3.0, 3.2],
            "ms-per-message": [45.0, 15.0, 16.0], "time-to-round-1-s": 6.0, "busiest-actor-cpu-s": [3.5, 2.0, 2.1],

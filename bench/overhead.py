@@ -487,7 +487,7 @@ def markdown(data: dict) -> str:
     lines = ["# Overhead: Pollen's Flower app vs the plain loop", "",
              f"FedProto MNIST, {cfg['clients']} clients, {cfg['ways']}-way 100-shot (official split), {cfg['rounds']} "
              f"rounds, seed {cfg['seed']}; plain loop = `bench/fedproto_reference.py` (1 process, 1 thread); "
-             f"Pollen = `python -m pollen.app.launch --num-supernodes {cfg['clients']}` (1 CPU per client, "
+             f"Pollen = `python -m pollen.launch.launcher --num-supernodes {cfg['clients']}` (1 CPU per client, "
              f"{cfg['cores']} cores), evaluation after the last round only in both, prototypes from the training "
              "pass and averaged unweighted in both (`proto-local-protos='training'`, `proto-weighting='uniform'`). "
              "Interleaved pairs, plain "

@@ -280,7 +280,8 @@ def report(out: Path) -> None:
         print("[scale] no results yet")
         return
     lines = ["# Scale: FedAvg on MNIST (Dirichlet), N simulated clients on one machine", "",
-             "One `python -m pollen.app.launch` run per N, 3 rounds, `clip(N/10, 2, 100)` clients sampled per round "
+             "One `python -m pollen.launch.launcher` run per N, 3 rounds, `clip(N/10, 2, 100)` clients sampled per "
+             "round "
              "for training and evaluation, 1 CPU per client, this machine's cores. *ms/message*: round wall / messages "
              "that round (train + evaluate). *Peak PSS*: proportional set size of the launch's whole "
              "process tree (SuperLink, ServerApp, Ray and its workers), summed, shared pages counted once. "

@@ -54,6 +54,11 @@ def last_round(run_dir: Path) -> int:
     return max(rounds, default=0)
 
 
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """``summary.json``, whole or not at all: the launcher ends its wait on it (``AppEnd``)."""
+    atomic_write(path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+
+
 def write_stopped_summary(run_dir: Path, status: str, reason: str, flower_run_id: int | None = None,
                           since: float | None = None) -> dict[str, Any] | None:
     """``summary.json`` of a run that ended where its ServerApp could not write one (interrupted, killed,
@@ -75,7 +80,7 @@ def write_stopped_summary(run_dir: Path, status: str, reason: str, flower_run_id
                "flower-run-id": flower_run_id, "method": config.get("method"), "task": config.get("task"),
                "num-server-rounds": config.get("num-server-rounds"), "run-dir": str(run_dir)}
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+    write_summary(path, summary)
     return summary
 
 
@@ -229,7 +234,7 @@ class RunRecorder:
             summary["privacy"] = spent
         plot_curves(self.rounds, self.run_dir / "curves.png", title=f"{summary['method']} on {summary['task']}")
         # Last and whole: a launcher that sees this run's summary knows the ServerApp has nothing left to write.
-        atomic_write(self.run_dir / "summary.json", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+        write_summary(self.run_dir / "summary.json", summary)
         if status == "completed":
             self._print(f"[pollen] done in {summary['wall-time-s']:.1f}s; summary: {self.run_dir / 'summary.json'}")
         else:

@@ -28,14 +28,21 @@ from pollen.privacy import calibrate_noise_multiplier
 from pollen.protocol import prototypes as proto_protocol
 from pollen.strategies.base import NoTrainingError
 from pollen.testing import InProcessGrid, clientapp_node, set_task_identity
+from tests.numerics import REFERENCE, on_this_platform
 
 torch.set_num_threads(1)
 
 UCI = {"task": "uci-dirichlet", "max-train-samples": 48, "batch-size": 8}
 PAYLOAD = {"method": "fedproto", **UCI, "dp-mode": "payload", "dp-noise-multiplier": 2.0, "dp-clip": 1.0}
 # SHA-256 of the round-1 train reply of partition 1 of 3 (UCI, 48 samples, batch 8) before dp-mode existed
-REPLY_BEFORE_DP = {"fedproto": "20fc070f19806c1ea36b6778b6fb217bab60e7c629f9b15c73327cd61fa76a54",
-                   "fedavg": "e63429f52ce658a799e8da317168c30f01eb423037e255dd9d54e29a71916cc4"}
+# (commit 545f108), per numeric platform (tests/numerics.py): each computed by that commit on the platform
+REPLY_BEFORE_DP_BY_PLATFORM = {
+    REFERENCE: {"fedproto": "20fc070f19806c1ea36b6778b6fb217bab60e7c629f9b15c73327cd61fa76a54",
+                "fedavg": "e63429f52ce658a799e8da317168c30f01eb423037e255dd9d54e29a71916cc4"},
+    "AuthenticAMD-AVX2": {"fedproto": "e3278aa1cbd7d2146bdbc27215a853430722565a7ccf53461ff8f4707d18303e",
+                          "fedavg": "03c20f4eb6f88754e5de4e535b234cfd10d01f46da6b30adc0a2280789e58e48"},
+}
+REPLY_BEFORE_DP = on_this_platform(REPLY_BEFORE_DP_BY_PLATFORM)
 
 
 def train_message(server_round: int, arrays: ArrayRecord | None = None, node_id: int = 101) -> Message:

@@ -107,6 +107,7 @@ def bench_methods(args) -> None:
         print(f"[glfc bench] {name}", flush=True)
         plan = plan_stream(StreamConfig(num_tasks=args.tasks, classes_per_task=20 // args.tasks,
                                         initial_clients=args.initial_clients, new_clients=args.new_clients,
+                                        old_fraction=0.1, class_fraction=0.6, duplicate=False, max_per_class=0,
                                         seed=args.seed))
         rounds = run_inprocess(rc) if args.engine == "inprocess" else run_flwr(rc, plan.num_clients)
         results[name] = {**summarise(rounds, args.tasks, args.rounds_per_task),

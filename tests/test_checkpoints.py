@@ -308,7 +308,7 @@ def test_resumed_fccl_run_ends_with_the_metrics_of_an_uninterrupted_one(tmp_path
 def test_a_key_added_after_a_run_started_counts_as_its_default_on_resume():
     """A run folder from before a key existed resumes while that key keeps its default; set otherwise,
     or any other key changed, is refused by name."""
-    from pollen.app.run_keys import all_defaults
+    from pollen.app.registry import all_defaults
     from pollen.app.server_app import config_differences
 
     now = {**all_defaults(), "method": "fedavg", "task": "uci-dirichlet"}

@@ -4,7 +4,13 @@ import pytest
 
 from pollen.app.config import DEFAULTS, ConfigError, parse_node_config, parse_run_config
 from pollen.app.registry import METHODS, method_defaults
+from pollen.datasets.tasks import get_task
+from pollen.models.spec import choose_model
 from tests.conftest import PROJECT_ROOT
+
+
+def _width(cfg, name):
+    return choose_model(cfg, get_task(cfg.task), name=name).width
 
 
 def test_defaults_mirror_pyproject():
@@ -21,9 +27,9 @@ def test_no_federations_section_in_pyproject():
 def test_defaults_parse():
     cfg = parse_run_config({})
     assert cfg.method == "fedavg" and cfg.task == "uci-dirichlet" and cfg.num_server_rounds == 10
-    assert cfg.width_for("resnet18") == 0.25 and cfg.width_for("cnn_mnist") == 1.0
-    assert parse_run_config({"profile": "paper"}).width_for("resnet18") == 1.0
-    assert parse_run_config({"model-width": 0.5}).width_for("cnn_mnist") == 0.5
+    assert _width(cfg, "resnet18") == 0.25 and _width(cfg, "cnn_mnist") == 1.0
+    assert _width(parse_run_config({"profile": "paper"}), "resnet18") == 1.0
+    assert _width(parse_run_config({"model-width": 0.5}), "cnn_mnist") == 0.5
 
 
 def test_unknown_method_lists_allowed_values():
@@ -92,21 +98,21 @@ def test_sample_by_partition_reaches_the_strategy():
     ("float in [0, 1)", [0.0, 0.999], [1.0, -0.001]),
     ("float in [0, 0.9]", [0.9, 0], [0.91]),
 ])
-def test_the_one_validator_reads_the_range_notation(spec, inside, outside, monkeypatch):
+def test_the_one_validator_reads_the_range_notation(spec, inside, outside):
     """Hand-picked values on both sides of each bound, for each form of the notation."""
-    from pollen.app import run_keys
+    from pollen.settings import Key, check_value
 
-    monkeypatch.setitem(run_keys.COMMON, "some-key", run_keys.Key(0, spec, "a key for this test"))
+    key = Key(0, spec, "a key for this test")
     for value in inside:
-        assert run_keys.check("some-key", value) == value
-        assert type(run_keys.check("some-key", value)) is (int if spec.startswith("int") else float)
+        assert check_value("some-key", key, value) == value
+        assert type(check_value("some-key", key, value)) is (int if spec.startswith("int") else float)
     for value in outside:
         with pytest.raises(ConfigError, match=r"run config key 'some-key' = .* is invalid: expected"):
-            run_keys.check("some-key", value)
+            check_value("some-key", key, value)
 
 
 def test_the_one_validator_refuses_unknown_notation():
-    from pollen.app.run_keys import parse_range
+    from pollen.settings import parse_range
 
     for bad in ("int >=1", "integer >= 1", "float in [0, 1", "number"):
         with pytest.raises(ValueError, match="not a range"):
@@ -124,12 +130,12 @@ def test_the_recorded_config_holds_the_shared_keys_and_the_methods_own_only():
 
 
 def test_every_common_key_is_one_run_config_field_and_back():
-    """A common key is declared once (run_keys.COMMON) and read by rule into the field of its name, so a
-    key without a field (or a field without a key) fails here rather than being silently dropped."""
+    """A common key is declared once (a setting() field of RunConfig's sections) and read by rule into the
+    field of its name, so a key without a field (or a field without a key) fails here rather than being
+    silently dropped."""
     import dataclasses
 
-    from pollen.app.config import RunConfig, field_name
-    from pollen.app.run_keys import COMMON
+    from pollen.settings import COMMON, RunConfig, field_name
 
     fields = {f.name for f in dataclasses.fields(RunConfig)} - {"extra", "class_names"}
     assert {field_name(k) for k in COMMON} == fields

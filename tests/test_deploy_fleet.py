@@ -122,14 +122,14 @@ def test_client_errors_are_read_from_supernode_logs(tmp_path):
     fleet = Fleet(tmp_path)
     log = tmp_path / "a.log"
     log.write_text("INFO: Starting\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
-                   "pollen.app.errors.ConfigError: node config is missing 'partition-id': start ...\n"
+                   "pollen.settings.errors.ConfigError: node config is missing 'partition-id': start ...\n"
                    "ERROR: Exit Code: 800\nValueError: bad shape\n"
-                   "pollen.app.errors.ConfigError: node config is missing 'partition-id': start ...\n")
+                   "pollen.settings.errors.ConfigError: node config is missing 'partition-id': start ...\n")
     quiet = tmp_path / "b.log"
     quiet.write_text("INFO: Sent successfully\nno error here: fine\n")
     fleet.supernodes = [SuperNode(NodeSpec("a", {}), None, log), SuperNode(NodeSpec("b", {}), None, quiet)]
     assert fleet.client_errors() == {"a": [
-        "pollen.app.errors.ConfigError: node config is missing 'partition-id': start ...", "ValueError: bad shape"]}
+        "pollen.settings.errors.ConfigError: node config is missing 'partition-id': start ...", "ValueError: bad shape"]}
 
 
 def test_node_ids_are_counted_from_the_supernode_logs(tmp_path):
@@ -262,7 +262,7 @@ def test_method_on_fleet_survives_a_lost_node_and_reports_a_misconfigured_one(ca
     # The misconfigured SuperNode failed at its first message, naming the missing key.
     assert "node config is missing 'partition-id'" in bad_log
     assert list(client_errors) == ["no_partition_id"]
-    assert any(e.startswith("pollen.app.errors.ConfigError: node config is missing 'partition-id'")
+    assert any(e.startswith("pollen.settings.errors.ConfigError: node config is missing 'partition-id'")
                for e in client_errors["no_partition_id"])
 
 

@@ -209,7 +209,8 @@ def _glfc_strategy():
     from pollen.methods.glfc import build_lenet, build_stream_model
     from pollen.strategies.glfc import IncrementalFedAvg
 
-    plan = plan_stream(StreamConfig(num_tasks=2, classes_per_task=5, initial_clients=4, new_clients=2, seed=0))
+    plan = plan_stream(StreamConfig(num_tasks=2, classes_per_task=5, initial_clients=4, new_clients=2,
+                                    old_fraction=0.1, class_fraction=0.6, duplicate=False, max_per_class=0, seed=0))
     test_x = torch.randn(30, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     test_y = torch.arange(30) % 10
     return IncrementalFedAvg(plan=plan, rounds_per_task=1, clients_per_round=PARTITIONS,

@@ -63,7 +63,8 @@ def _strategy(old_model="proxy", clients_per_round=3, schedule=None, **kwargs):
     test_x = torch.randn(20, 1, 28, 28)
     test_y = torch.arange(20) % 10
     if schedule is None:
-        plan = plan_stream(StreamConfig(num_tasks=2, classes_per_task=5, initial_clients=3, new_clients=2, seed=0))
+        plan = plan_stream(StreamConfig(num_tasks=2, classes_per_task=5, initial_clients=3, new_clients=2,
+                                        old_fraction=0.1, class_fraction=0.6, duplicate=False, max_per_class=0, seed=0))
         kwargs.update(plan=plan, rounds_per_task=2)
     else:
         kwargs.update(schedule=schedule)

@@ -17,7 +17,15 @@ from pollen.datasets.incremental import (
 )
 
 CFG = StreamConfig(num_tasks=4, classes_per_task=5, initial_clients=6, new_clients=3, old_fraction=0.2,
-                   class_fraction=0.6, seed=4)
+                   class_fraction=0.6, duplicate=False, max_per_class=0, seed=4)
+
+
+def stream(**given) -> StreamConfig:
+    """A stream of 4 tasks of 5 classes, 4 clients then 2 more each task (the glfc-… keys' defaults but
+    no cap on images per class), with ``given`` instead."""
+    return StreamConfig(**{"num_tasks": 4, "classes_per_task": 5, "initial_clients": 4, "new_clients": 2,
+                           "old_fraction": 0.1, "class_fraction": 0.6, "duplicate": False, "max_per_class": 0,
+                           "seed": 0, **given})
 
 
 def _labels(per_class=30, classes=20):
@@ -88,11 +96,11 @@ def test_duplicated_data_and_cap():
 
 def test_config_errors_and_class_order():
     with pytest.raises(StreamError, match="old_fraction"):
-        StreamConfig(old_fraction=1.0)
+        stream(old_fraction=1.0)
     with pytest.raises(StreamError, match="class_fraction"):
-        StreamConfig(class_fraction=0.0)
+        stream(class_fraction=0.0)
     with pytest.raises(StreamError, match="num_tasks"):
-        StreamConfig(num_tasks=0)
+        stream(num_tasks=0)
     assert class_permutation(5, "label", 0).tolist() == [0, 1, 2, 3, 4]
     perm = class_permutation(20, "shuffled", 3)
     assert sorted(perm.tolist()) == list(range(20)) and perm.tolist() == class_permutation(20, "shuffled", 3).tolist()
@@ -104,8 +112,7 @@ def test_config_errors_and_class_order():
 def test_mnist_fmnist_stream_from_real_files(data_root):
     train = stream_data("mnist-fmnist-cil", data_root, "train")
     assert train.images.shape == (120000, 1, 28, 28) and set(np.unique(train.y.numpy())) == set(range(20))
-    plan = plan_stream(StreamConfig(num_tasks=4, classes_per_task=5, initial_clients=3, new_clients=2,
-                                    max_per_class=40, seed=0))
+    plan = plan_stream(stream(initial_clients=3, max_per_class=40))
     x, y, idx = client_task_data("mnist-fmnist-cil", plan, data_root, 4, 1)
     assert set(y.tolist()) == set(plan.client_classes(4, 1)) and len(y) == 40 * 3
     assert x.shape == (120, 1, 28, 28) and abs(float(x.mean())) < 1.0
@@ -157,6 +164,6 @@ def test_cifar100_stream_and_client_on_fixture_files(tmp_path, monkeypatch):
     assert list(state) == list(model.state_dict())  # the trained state by name
     assert len(grads) == 6 and all({k: g.shape for k, g in gset.items()} == lenet_shapes for gset in grads)
     assert samples == []  # the true perturbed samples travel only under leak-audit
-    plan = plan_stream(StreamConfig(num_tasks=2, classes_per_task=10, initial_clients=2, new_clients=1, seed=0))
+    plan = plan_stream(stream(num_tasks=2, classes_per_task=10, initial_clients=2, new_clients=1))
     # each of its 6 classes has 6 images, split evenly among the clients that drew it
     assert n == sum(6 // len(plan.holders(c)) for c in plan.client_classes(0, 0))

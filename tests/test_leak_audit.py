@@ -15,6 +15,7 @@ from pollen.app.client_app import app as client_app
 from pollen.app.config import ConfigError, parse_run_config
 from pollen.app.registry import METHODS
 from pollen.app.server_app import main as server_main
+from pollen.datasets.spec import TaskOptions
 from pollen.datasets.tasks import build_client_data
 from pollen.privacy.leakage import prototype_audit, softmax_histogram_leak
 from pollen.testing import InProcessGrid, clientapp_node
@@ -27,7 +28,7 @@ PROTO_KEYS = {"leak-hist-tv", "leak-hist-tv-floor", "leak-presence-f1", "leak-pr
 
 def true_counts(rc: dict, partition: int, num_partitions: int) -> np.ndarray:
     cfg = parse_run_config(rc)
-    data = build_client_data(cfg.task, cfg.task_options(), partition, num_partitions)
+    data = build_client_data(cfg.task, TaskOptions.of(cfg), partition, num_partitions)
     return np.bincount(data.y_train.numpy(), minlength=10)
 
 

@@ -19,7 +19,7 @@ import torch
 from flwr.app import Context, RecordDict
 
 from pollen.app.config import parse_run_config
-from pollen.datasets.tasks import build_client_data, resolve_task
+from pollen.datasets.tasks import TaskOptions, build_client_data, resolve_task
 from pollen.methods.prototype_settings import ProtoSettings
 from pollen.methods.prototypes import (
     BD_FEDPROTO,
@@ -27,10 +27,11 @@ from pollen.methods.prototypes import (
     FEDPROTO_PROX,
     PrototypeRound,
 )
-from pollen.methods.settings import declared_keys, from_values, setting
 from pollen.methods.terms import CrossEntropy, LossTerm, Proximal, objective
 from pollen.methods.training import LocalTraining
 from pollen.models import build_model
+from pollen.models.spec import choose_model
+from pollen.settings import declared_keys, from_values, setting
 from pollen.testing import InProcessGrid, clientapp_node
 
 torch.set_num_threads(1)
@@ -39,7 +40,7 @@ torch.set_num_threads(1)
 # settings -------------------------------------------------------------------------------------------
 def test_settings_fields_are_the_run_keys_with_their_defaults():
     keys = declared_keys(ProtoSettings)
-    assert keys["proto-lambda"][:2] == (1.0, "float > 0") and keys["proto-negative"][0] == "hinge"
+    assert keys["proto-lambda"][:2] == (1.0, "float > 0") and keys["proto-negative"].default == "hinge"
     values = {key: default for key, (default, *_) in keys.items()}
     values["proto-beta"] = 0.25
     s = from_values(ProtoSettings, values)
@@ -155,13 +156,13 @@ RC = {"task": "uci-dirichlet", "max-train-samples": 64, "batch-size": 8, "lr": 0
 
 def _round(method, mu: float = 0.0, **proto) -> tuple[PrototypeRound, DictStore]:
     cfg = parse_run_config({**RC, "method": method.name, **proto})
-    task = resolve_task(cfg.task, cfg.task_options())
-    data = build_client_data(cfg.task, cfg.task_options(), 0, 3)
+    task = resolve_task(cfg.task, TaskOptions.of(cfg))
+    data = build_client_data(cfg.task, TaskOptions.of(cfg), 0, 3)
 
     def new_model():
         torch.manual_seed(7)
         return build_model(task.default_model, task.num_classes, in_channels=task.fmt.channels,
-                           image_size=task.fmt.size, width=cfg.width_for(task.default_model))
+                           image_size=task.fmt.size, width=choose_model(cfg, task).width)
 
     store = DictStore()
     training = LocalTraining(epochs=1, batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,

@@ -29,6 +29,7 @@ from PIL import Image, ImageFilter, ImageOps
 from pollen.app.config import ConfigError, parse_node_config, parse_run_config
 from pollen.datasets.public import load_public, public_digest
 from pollen.datasets.sources import load_source
+from pollen.datasets.spec import TaskOptions
 from pollen.datasets.tasks import TaskError, build_client_data, resolve_task
 from pollen.datasets.user_data import UserDataError, count_unlabeled_images, read_unlabeled_folder
 from tests.conftest import PROJECT_ROOT, RAY_CPUS, require_real_data
@@ -125,20 +126,20 @@ def test_bad_public_folders_fail_by_name(tmp_path, public):
 
 def test_domains_task_resolves_from_the_folders_and_each_client_tests_on_all(domains):
     cfg = parse_run_config({**AGREED, "data-dir": str(domains), "fccl-public-dir": "", "classes": ""})
-    spec = resolve_task(cfg.task, cfg.task_options())
+    spec = resolve_task(cfg.task, TaskOptions.of(cfg))
     assert spec.kind == "domains" and spec.fixed_partitions == 3 and spec.class_names == ("one", "two", "zero")
-    data = build_client_data(cfg.task, cfg.task_options(), 1, 3)
+    data = build_client_data(cfg.task, TaskOptions.of(cfg), 1, 3)
     assert data.domain == "plain" and data.num_train == 3 * TRAIN[1] and len(data.y_test) == 3 * TEST[1]
     assert sorted(data.extra_tests) == ["inverted", "thick"]
     assert len(data.extra_tests["thick"][1]) == 3 * TEST[2]
     with pytest.raises(TaskError, match="holds 3 domain folder.*num-partitions must be 3, got 4"):
-        build_client_data(cfg.task, cfg.task_options(), 0, 4)
+        build_client_data(cfg.task, TaskOptions.of(cfg), 0, 4)
 
 
 def test_a_node_reads_only_its_own_domain_folder(domains):
     cfg = parse_run_config(AGREED)  # no path in the run config: classes and format agreed by keys
     node = parse_node_config({"partition-id": 0, "num-partitions": 1, "data-dir": str(domains / "thick")})
-    data = build_client_data(cfg.task, cfg.task_options(node), 0, 1)
+    data = build_client_data(cfg.task, TaskOptions.of(cfg, node), 0, 1)
     assert data.domain == "thick" and data.num_train == 3 * TRAIN[2] and data.extra_tests == {}
 
 

@@ -27,8 +27,8 @@ from pollen.app.checkpoints import load_arrays
 from pollen.app.client_app import app as client_app
 from pollen.app.server_app import main as server_main
 from pollen.launch.predict import LoadedModel, input_format, main, task_split
-from tests.conftest import PROJECT_ROOT, real_data_root, require_real_data
 from pollen.testing import InProcessGrid, clientapp_node
+from tests.conftest import PROJECT_ROOT, real_data_root, require_real_data
 
 PARTITIONS = 3
 ACC = re.compile(r"accuracy: ([0-9.]+) \((\d+)/(\d+)\)")
@@ -212,11 +212,11 @@ def test_task_split_makes_no_client(monkeypatch):
     """The partition's data come from the task alone: with the method's client refused, predict's split is
     still the one the task builds for the run's options and seed."""
     from pollen.app.config import parse_run_config
-    from pollen.datasets.tasks import partition_data
+    from pollen.datasets.tasks import TaskOptions, partition_data
 
     cfg = parse_run_config({"method": "fedavg", "task": "uci-dirichlet", "seed": 5, "max-train-samples": 80})
     _refuse_clients(monkeypatch, "fedavg")
-    data = partition_data("uci-dirichlet", cfg.task_options(), 2, 3)
+    data = partition_data("uci-dirichlet", TaskOptions.of(cfg), 2, 3)
     for split, x, y in (("train", data.x_train, data.y_train), ("test", data.x_test, data.y_test)):
         inputs = _split_of(cfg, 2, 3, split)
         assert torch.equal(inputs.x, x) and torch.equal(inputs.y, y)

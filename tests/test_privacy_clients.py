@@ -24,6 +24,7 @@ from pollen.app.config import ConfigError, parse_run_config
 from pollen.app.registry import METHODS
 from pollen.app.server_app import main as server_main
 from pollen.clients.state import ClientState
+from pollen.datasets.spec import TaskOptions
 from pollen.privacy import calibrate_noise_multiplier
 from pollen.protocol import prototypes as proto_protocol
 from pollen.strategies.base import NoTrainingError
@@ -357,7 +358,7 @@ def clientapp_partition_labels(rc: dict, partition: int) -> np.ndarray:
     from pollen.datasets.tasks import build_client_data
 
     cfg = parse_run_config(rc)
-    return build_client_data(cfg.task, cfg.task_options(), partition, 3).y_train.numpy()
+    return build_client_data(cfg.task, TaskOptions.of(cfg), partition, 3).y_train.numpy()
 
 
 def test_pollen_run_refuses_a_batchnorm_model_in_sample_mode_before_start(tmp_path):

@@ -13,6 +13,7 @@ import dp_accounting
 import pytest
 from dp_accounting.pld import pld_privacy_accountant
 
+from pollen.datasets.spec import TaskOptions
 from pollen.launch.launcher import simulate
 from tests.conftest import PROJECT_ROOT, RAY_CPUS
 
@@ -109,7 +110,7 @@ def _partition_sizes(rc: dict, supernodes: int) -> dict[str, int]:
     from pollen.datasets.tasks import build_client_data
 
     cfg = parse_run_config(rc)
-    return {f"partition {p}": len(build_client_data(cfg.task, cfg.task_options(), p, supernodes).y_train)
+    return {f"partition {p}": len(build_client_data(cfg.task, TaskOptions.of(cfg), p, supernodes).y_train)
             for p in range(supernodes)}
 
 

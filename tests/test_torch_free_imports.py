@@ -18,6 +18,7 @@ import textwrap
 import pytest
 import torch
 
+from pollen.datasets.spec import TaskOptions
 from pollen.models import MODEL_NAMES, build_model
 from pollen.models.catalog import FIRST_BATCHNORM, SMALL_MODELS, feature_dim
 from pollen.models.catalog import MODEL_NAMES as CATALOG_NAMES
@@ -217,13 +218,14 @@ def test_the_prototype_server_reads_d_of_the_first_clients_model():
     from pollen.app.methods_prototypes import embed_dim
     from pollen.datasets.tasks import resolve_task
     from pollen.methods.prototype_settings import heterogeneous_channels
+    from pollen.models.spec import choose_model
 
     for extra in ({"proto-model-heter": True}, {"model": "resnet18", "model-width": 0.125}, {"model": "googlenet"}):
         cfg = parse_run_config({"method": "fedproto", "task": "mnist-shot", **extra})
-        task = resolve_task(cfg.task, cfg.task_options())
-        name = cfg.model or task.model_for(0)
+        task = resolve_task(cfg.task, TaskOptions.of(cfg))
+        name = choose_model(cfg, task).name
         opts = {"channels": heterogeneous_channels(0)} if name == "cnn_mnist" else {}
-        assert embed_dim(cfg) == cfg.model_spec(task, name, **opts).build().feature_dim
+        assert embed_dim(cfg) == choose_model(cfg, task, options=opts).build().feature_dim
 
 
 def test_the_registry_names_the_clients_own_keys_and_methods():

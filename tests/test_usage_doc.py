@@ -1,4 +1,5 @@
-"""docs/usage.md documents every run key, generated from the code, with ranges the validators enforce."""
+"""docs/usage.md and pyproject.toml's run-key table are written from the declarations, with ranges the
+validators enforce."""
 
 from __future__ import annotations
 
@@ -7,37 +8,34 @@ import runpy
 
 import pytest
 
-from pollen.app import run_keys
+from pollen.app import registry
 from pollen.app.config import ConfigError, parse_run_config
 from pollen.app.registry import METHODS
 from pollen.launch.launcher import app_run_config
+from pollen.settings import COMMON
 from tests.conftest import PROJECT_ROOT
 
 GEN = runpy.run_path(str(PROJECT_ROOT / "docs" / "gen_usage.py"))
 
 
-def _declared_keys() -> set[str]:
-    return set(app_run_config(PROJECT_ROOT)) | set(run_keys.all_defaults())
-
-
 def test_every_run_key_is_declared_once_in_the_code_and_in_pyproject():
-    in_code, in_toml = set(run_keys.keys()), set(app_run_config(PROJECT_ROOT))
+    in_code, in_toml = set(registry.all_keys()), set(app_run_config(PROJECT_ROOT))
     missing = sorted(in_toml - in_code)
-    assert not missing, f"pyproject.toml keys without a Key declaration (then run docs/gen_usage.py): {missing}"
+    assert not missing, f"pyproject.toml keys without a setting() declaration: {missing}"
     absent = sorted(in_code - in_toml)
-    assert not absent, f"declared keys missing from pyproject.toml (Flower refuses them): {absent}"
+    assert not absent, f"declared keys missing from pyproject.toml (run docs/gen_usage.py): {absent}"
     families = [set(spec.keys) for spec in {id(s.keys): s for s in METHODS.values()}.values()]
     for i, own in enumerate(families):  # a key belongs to one family, and never shadows a common key
-        assert not own & set(run_keys.COMMON), own & set(run_keys.COMMON)
+        assert not own & set(COMMON), own & set(COMMON)
         for other in families[i + 1:]:
             assert not own & other, own & other
 
 
 def test_every_run_key_has_help_and_a_range():
-    for key, (_default, kind, help_text, _choices) in run_keys.keys().items():
+    for key, (_default, kind, help_text, _choices) in registry.all_keys().items():
         assert help_text.strip() and "\n" not in help_text, key
         if kind == "choice":
-            assert run_keys.choices(key), key
+            assert registry.choices(key), key
         else:
             assert _parse_range(kind) is not None, f"{key}: unreadable range {kind!r}"
 
@@ -45,14 +43,15 @@ def test_every_run_key_has_help_and_a_range():
 def test_usage_page_is_generated_from_the_code():
     page = (PROJECT_ROOT / "docs" / "usage.md").read_text()
     assert GEN["render"]() == page, "run `python docs/gen_usage.py` to refresh docs/usage.md"
-    for key in _declared_keys():
+    for key in registry.all_keys():
         assert f"| `{key}` |" in page, key
 
 
-def test_pyproject_and_code_defaults_agree_for_documented_keys():
-    toml = app_run_config(PROJECT_ROOT)
-    code = run_keys.all_defaults()
-    assert {k: toml[k] for k in code if k in toml} == {k: code[k] for k in code if k in toml}
+def test_pyproject_table_is_generated_from_the_declarations():
+    """Flower reads the defaults from pyproject.toml: the table is the declarations', written out."""
+    text = (PROJECT_ROOT / "pyproject.toml").read_text()
+    assert GEN["pyproject_with_table"](text) == text, "run `python docs/gen_usage.py` to refresh pyproject.toml"
+    assert app_run_config(PROJECT_ROOT) == registry.all_defaults()
 
 
 # --- documented ranges are the validators' ranges -------------------------------------------------------
@@ -100,7 +99,7 @@ def _outside(spec) -> list:
     return [int(v) if kind == "int" and float(v).is_integer() else v for v in bad]
 
 
-CASES = [(key, value) for key, (_d, kind, _h, _c) in run_keys.keys().items() if kind != "choice"
+CASES = [(key, value) for key, (_d, kind, _h, _c) in registry.all_keys().items() if kind != "choice"
          for value in _outside(_parse_range(kind) or ("string",))]
 
 
@@ -110,8 +109,8 @@ def test_a_value_outside_the_documented_range_is_refused_naming_the_key(key, val
         parse_run_config({**_context(key), key: value})
 
 
-@pytest.mark.parametrize("key", [k for k, spec in run_keys.keys().items() if spec.range == "choice"])
+@pytest.mark.parametrize("key", [k for k, spec in registry.all_keys().items() if spec.range == "choice"])
 def test_choice_keys_refuse_other_values_and_accept_the_documented_ones(key):
     with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
         parse_run_config({**_context(key), key: "no-such-value"})
-    assert run_keys.choices(key)
+    assert registry.choices(key)

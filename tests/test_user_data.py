@@ -18,11 +18,12 @@ from pollen.app.client_app import app as client_app
 from pollen.app.config import ConfigError, parse_node_config, parse_run_config
 from pollen.app.server_app import main as server_main
 from pollen.datasets.sources import load_source
+from pollen.datasets.spec import TaskOptions
 from pollen.datasets.tasks import TaskError, build_client_data, resolve_task
 from pollen.datasets.user_data import UserDataError, holdout, parse_classes, read_image_folder
 from pollen.launch.predict import main as predict_main
-from tests.conftest import require_real_data
 from pollen.testing import InProcessGrid, clientapp_node
+from tests.conftest import require_real_data
 
 DIGITS = {"zero": 0, "one": 1, "two": 2}
 
@@ -58,7 +59,7 @@ def digits(tmp_path_factory) -> Path:
 
 def _opts(node: dict | None = None, **keys):
     cfg = parse_run_config({"task": "image-folder", **keys})
-    return cfg, cfg.task_options(parse_node_config({"partition-id": 0, "num-partitions": 1, **(node or {})})
+    return cfg, TaskOptions.of(cfg, parse_node_config({"partition-id": 0, "num-partitions": 1, **(node or {})})
                                  if node else None)
 
 
@@ -138,16 +139,16 @@ def test_array_task_reads_npz_layouts(tmp_path, layout):
     np.savez(tmp_path / "train.npz", x=x[:45], y=y[:45])
     np.savez(tmp_path / "test.npz", x=x[45:], y=y[45:])
     cfg = parse_run_config({"task": "array", "data-dir": str(tmp_path), "classes": "a,b,c"})
-    spec = resolve_task("array", cfg.task_options())
+    spec = resolve_task("array", TaskOptions.of(cfg))
     channels = 3 if layout == "NHWC-float" else 1
     assert (spec.num_classes, spec.fmt.channels, spec.fmt.size) == (3, channels, 28)
-    data = build_client_data("array", cfg.task_options(), 0, 1)
+    data = build_client_data("array", TaskOptions.of(cfg), 0, 1)
     assert data.x_train.shape == (45, channels, 28, 28) and torch.equal(data.y_test, torch.from_numpy(y[45:]))
     # one .npz file as data-dir: detected classes (max label + 1), seeded hold-out
     np.savez(tmp_path / "all.npz", x=x, y=y)
     cfg = parse_run_config({"task": "array", "data-dir": str(tmp_path / "all.npz")})
-    assert resolve_task("array", cfg.task_options()).class_names == ("0", "1", "2")
-    data = build_client_data("array", cfg.task_options(), 0, 1)
+    assert resolve_task("array", TaskOptions.of(cfg)).class_names == ("0", "1", "2")
+    data = build_client_data("array", TaskOptions.of(cfg), 0, 1)
     assert data.num_train + len(data.y_test) == 60 and len(data.y_test) > 0
 
 
@@ -161,7 +162,7 @@ def _copy_folder(src: Path, dst: Path) -> Path:
 
 def _build_error(root: Path, classes: str = "zero,one,two") -> str:
     cfg = parse_run_config({"task": "image-folder", "classes": classes, "image-size": 28, "image-channels": 1})
-    opts = cfg.task_options(parse_node_config({"partition-id": 0, "num-partitions": 1, "data-dir": str(root)}))
+    opts = TaskOptions.of(cfg, parse_node_config({"partition-id": 0, "num-partitions": 1, "data-dir": str(root)}))
     with pytest.raises(TaskError) as err:
         build_client_data("image-folder", opts, 0, 1)
     return str(err.value)
@@ -215,7 +216,7 @@ def test_bad_npz_files_are_named(tmp_path):
     for name, (arrays, text) in cases.items():
         np.savez(tmp_path / name, **arrays)
         cfg = parse_run_config({"task": "array", "classes": "a,b,c", "image-size": 8, "image-channels": 1})
-        opts = cfg.task_options(parse_node_config({"partition-id": 0, "num-partitions": 1,
+        opts = TaskOptions.of(cfg, parse_node_config({"partition-id": 0, "num-partitions": 1,
                                                    "data-dir": str(tmp_path / name)}))
         with pytest.raises(TaskError, match=re.escape(f"{tmp_path / name}: ") + ".*" + re.escape(text)):
             build_client_data("array", opts, 0, 1)

@@ -135,13 +135,13 @@ def test_cuda_request_without_gpu_fails_clearly():
 
 @pytest.fixture
 def count_validations(monkeypatch):
-    """Counts every full check of a run config (whatever entry point: each runs ``_check_user_task`` once),
-    with the once-per-process cache empty before and after."""
+    """Counts every full check of a run config (whatever entry point: each reads it against the
+    declarations once, ``read_run_config``), with the once-per-process cache empty before and after."""
     from pollen.app import config
 
     calls = []
-    check = config._check_user_task
-    monkeypatch.setattr(config, "_check_user_task", lambda cfg, merged: calls.append(cfg) or check(cfg, merged))
+    check = config.read_run_config
+    monkeypatch.setattr(config, "read_run_config", lambda *args: calls.append(args) or check(*args))
     config._validated.cache_clear()
     yield calls
     config._validated.cache_clear()

@@ -27,6 +27,7 @@ from pollen.app.config import ConfigError, NodeConfig, RunConfig, parse_node_con
 from pollen.app.registry import METHODS
 from pollen.app.results import run_directory
 from pollen.log import LOGGER
+from pollen.models.spec import choose_model
 from pollen.protocol.identity import encode_identity_reply
 
 app = ClientApp()
@@ -79,7 +80,7 @@ def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Contex
     save_arrays(folder / f"{FINAL_MODEL}.safetensors", {k: a.numpy() for k, a in record.items()})
     kwargs = client.model_kwargs() if hasattr(client, "model_kwargs") else {}
     meta = {
-        "method": cfg.method, "task": cfg.task, **cfg.model_spec(client.task, client.model_name, **kwargs).to_json(),
+        "method": cfg.method, "task": cfg.task, **choose_model(cfg, client.task, client.node, options=kwargs).to_json(),
         "round": server_round, "partition-id": client.partition_id, "seed": cfg.seed,
         "num-partitions": client.node.num_partitions, "config": cfg.to_dict()}
     if client.task.class_names:  # user data: what pollen.launch.predict needs to read this node's own files

@@ -13,18 +13,16 @@ from typing import TYPE_CHECKING, Any
 from flwr.app import ArrayRecord, Context
 
 from pollen.app.adapters import ClientAdapter
-from pollen.app.errors import ConfigError
-from pollen.datasets.tasks import TASK_KINDS, TASKS, get_task, resolve_task
+from pollen.datasets.tasks import TASK_KINDS, TASKS, TaskOptions, get_task, resolve_task
 from pollen.privacy.bounds import dp_bounds
+from pollen.privacy.config import PrivacyConfig
 from pollen.protocol.identity import parse_partition_pins
 from pollen.protocol.screening import PayloadBounds
+from pollen.settings import ConfigError, Key, NodeConfig, RunConfig
 from pollen.strategies.base import PollenStrategy
 
 if TYPE_CHECKING:
     from flwr.client import NumPyClient
-
-    from pollen.app.config import NodeConfig, RunConfig
-    from pollen.app.run_keys import Key
 
 
 @dataclass(frozen=True)
@@ -39,13 +37,13 @@ class MethodSpec:
     initial_arrays: Callable[[RunConfig], ArrayRecord] = lambda cfg: ArrayRecord()
     # The number of SuperNodes this configuration needs (None: any); the default asks the task.
     required_nodes: Callable[[RunConfig], int | None] = (
-        lambda cfg: resolve_task(cfg.task, cfg.task_options()).fixed_partitions)
+        lambda cfg: resolve_task(cfg.task, TaskOptions.of(cfg)).fixed_partitions)
     # The domain tasks' training sizes and test size its clients build their data with (None, 0: the
     # task's own), for whoever rebuilds a partition without a client (`pollen predict`).
     data_sizes: Callable[[RunConfig], tuple[tuple[int, ...] | None, int]] = lambda cfg: (None, 0)
     # The context.state key of the client's personal model, saved as the node's final-model.safetensors.
     personal_model: str | None = None
-    # Method run keys (prefixed, e.g. "fccl-..."): default, range, help; defaults also in pyproject.toml.
+    # Method run keys (prefixed, e.g. "fccl-..."): the family's settings class, read with declared_keys.
     keys: dict[str, Key] = field(default_factory=dict)
     validate: Callable[[RunConfig], None] | None = None
     # The kinds of task the method runs on (pollen.datasets.tasks.TASK_KINDS), checked before anything starts.
@@ -97,5 +95,5 @@ def strategy_options(cfg: RunConfig) -> dict[str, Any]:
             "identify_nodes": cfg.sample_by_partition,  # Pollen's ClientApp answers QUERY
             "aggregation": cfg.aggregation, "trim_fraction": cfg.trim_fraction,
             "bounds": PayloadBounds(cfg.max_update_norm, cfg.max_logit_abs, cfg.max_grad_norm,
-                                    dp_bounds(cfg.privacy, cfg.num_server_rounds)),  # σ as the clients size it
+                                    dp_bounds(PrivacyConfig.of(cfg), cfg.num_server_rounds)),  # σ as clients size it
             "partition_pins": parse_partition_pins(cfg.partition_pins)}

@@ -20,27 +20,22 @@ proxy server and its evaluation run models) and its initial model (issue 30: sta
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
 from pollen.app.adapters import ClientAdapter
-from pollen.app.errors import ConfigError
 from pollen.app.method_spec import MethodSpec, register_method, strategy_options
-from pollen.app.run_keys import Key, check
 from pollen.datasets.incremental import StreamConfig, StreamError, plan_stream, stream_data
 from pollen.datasets.tasks import get_task
 from pollen.methods.glfc_settings import GlfcOptions, IncrementalSettings
-from pollen.methods.settings import declared_keys, from_values
+from pollen.models.spec import choose_model
 from pollen.protocol import glfc as protocol
+from pollen.settings import ConfigError, Key, RunConfig, declared_keys, from_values
 from pollen.strategies.glfc import IncrementalFedAvg, seeded_model
 
-if TYPE_CHECKING:
-    from pollen.app.config import RunConfig
-
-# The class-incremental family's run keys, from its typed options (pyproject.toml repeats the defaults).
-GLFC_KEYS: dict[str, Key] = {key: Key(*declared) for key, declared in declared_keys(GlfcOptions).items()}
+# The class-incremental family's run keys, declared by its typed options.
+GLFC_KEYS: dict[str, Key] = declared_keys(GlfcOptions)
 
 # method -> (objective, use_gc, use_rd, use_memory, old model source)
 VARIANTS = {
@@ -61,20 +56,16 @@ DESCRIPTIONS = {
 }
 
 
-def _get(cfg: RunConfig, key: str):
-    """A ``glfc-…`` key, checked against its documented range (also before the registry's check: the
-    launcher sizes the population from the stream keys)."""
-    return check(key, cfg.extra[key])
+def options(cfg: RunConfig) -> GlfcOptions:
+    return from_values(GlfcOptions, cfg.extra)
 
 
 def stream_config(cfg: RunConfig) -> StreamConfig:
+    o = options(cfg)
     return StreamConfig(
-        num_tasks=_get(cfg, "glfc-tasks"), classes_per_task=_get(cfg, "glfc-classes-per-task"),
-        initial_clients=_get(cfg, "glfc-initial-clients"), new_clients=_get(cfg, "glfc-new-clients"),
-        old_fraction=_get(cfg, "glfc-old-fraction"),
-        class_fraction=_get(cfg, "glfc-class-fraction"),
-        duplicate=_get(cfg, "glfc-duplicate-data"), max_per_class=_get(cfg, "glfc-max-per-class"),
-        seed=cfg.seed)
+        num_tasks=o.tasks, classes_per_task=o.classes_per_task, initial_clients=o.initial_clients,
+        new_clients=o.new_clients, old_fraction=o.old_fraction, class_fraction=o.class_fraction,
+        duplicate=o.duplicate_data, max_per_class=o.max_per_class, seed=cfg.seed)
 
 
 def final_population(cfg: RunConfig) -> int:
@@ -94,27 +85,22 @@ def validate_glfc(cfg: RunConfig) -> None:
     if stream.total_classes > total:
         raise ConfigError(f"run config keys 'glfc-tasks' × 'glfc-classes-per-task' = {stream.total_classes} "
                           f"exceeds the {total} classes of task {cfg.task!r}")
-    rounds = _get(cfg, "glfc-rounds-per-task")
+    o = options(cfg)
+    rounds = o.rounds_per_task
     if cfg.num_server_rounds != stream.num_tasks * rounds:
         raise ConfigError(f"run config key 'num-server-rounds' = {cfg.num_server_rounds} must equal "
                           f"glfc-tasks × glfc-rounds-per-task = {stream.num_tasks * rounds}")
-    tau = _get(cfg, "glfc-tau")
-    oracle = _get(cfg, "glfc-oracle-boundary")
-    if not oracle and math.log(stream.classes_per_task) <= tau:
+    tau = o.tau
+    if not o.oracle_boundary and math.log(stream.classes_per_task) <= tau:
         raise ConfigError(
             f"run config key 'glfc-tau' = {tau}: with {stream.classes_per_task} classes per task the mean "
             f"softmax entropy on a task's data is at most ln({stream.classes_per_task}) = "
             f"{math.log(stream.classes_per_task):.3f} nats, so the first task can never fire the detector; use "
             "more classes per task, a smaller glfc-tau, or glfc-oracle-boundary = true")
-    iters = _get(cfg, "glfc-proxy-iterations")
-    keep = _get(cfg, "glfc-proxy-keep")
+    iters, keep = o.proxy_iterations, o.proxy_keep
     if keep > iters:
         raise ConfigError(f"run config key 'glfc-proxy-keep' = {keep!r} is invalid: expected an integer <= "
                           f"glfc-proxy-iterations ({iters})")
-
-
-def options(cfg: RunConfig) -> GlfcOptions:
-    return from_values(GlfcOptions, cfg.extra)
 
 
 def settings_for(cfg: RunConfig) -> IncrementalSettings:
@@ -151,9 +137,8 @@ def _test_set(cfg: RunConfig):
 def _model_factory(cfg: RunConfig):
     from pollen.methods.glfc import build_stream_model  # torch: models are built on the server
 
-    name = cfg.model or get_task(cfg.task).default_model
-    width = cfg.width_for(name)
-    return lambda n: build_stream_model(cfg.task, name, n, width)
+    spec = choose_model(cfg, get_task(cfg.task))
+    return lambda n: build_stream_model(cfg.task, spec.name, n, spec.width)
 
 
 def make_strategy(cfg: RunConfig) -> IncrementalFedAvg:

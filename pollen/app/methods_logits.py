@@ -25,11 +25,9 @@ from pollen.app.adapters import (
     named_arrays,
     state_in_client_order,
 )
-from pollen.app.errors import ConfigError
 from pollen.app.method_spec import MethodSpec, register_method, strategy_options
-from pollen.app.run_keys import Key
 from pollen.datasets.public import PUBLIC_FOLDER
-from pollen.datasets.tasks import get_task, resolve_task
+from pollen.datasets.tasks import TaskOptions, get_task, resolve_task
 from pollen.datasets.user_data import UserDataError, count_unlabeled_images
 from pollen.methods.logit_settings import (
     FCCL,
@@ -43,9 +41,9 @@ from pollen.methods.logit_settings import (
     Recipe,
     resolve_settings,
 )
-from pollen.methods.settings import declared_keys, from_values
 from pollen.protocol import logits as logit_protocol
 from pollen.protocol.records import array_record, reply_content
+from pollen.settings import ConfigError, Key, NodeConfig, RunConfig, declared_keys, from_values
 from pollen.strategies.base import PollenStrategy
 from pollen.strategies.logits import LogitAveraging
 from pollen.strategies.weights import LocalOnly
@@ -54,11 +52,9 @@ if TYPE_CHECKING:
     from flwr.app import Context
     from flwr.client import NumPyClient
 
-    from pollen.app.config import NodeConfig, RunConfig
-
-# The logit family's run keys, from its typed options (0 / "" = the profile's value, see
-# pollen.methods.logit_settings.QUICK / PAPER); pyproject.toml repeats the defaults.
-LOGIT_KEYS: dict[str, Key] = {key: Key(*declared) for key, declared in declared_keys(LogitOptions).items()}
+# The logit family's run keys, declared by its typed options (0 / "" = the profile's value, see
+# pollen.methods.logit_settings.QUICK / PAPER).
+LOGIT_KEYS: dict[str, Key] = declared_keys(LogitOptions)
 
 
 # How a logit client's messages reach it: the consensus (and in homogeneous mode the model) in, logits out.
@@ -96,7 +92,15 @@ def _bad(key, value, expected) -> ConfigError:
 
 def validate(cfg: RunConfig) -> None:
     """What the ranges of the ``fccl-…`` keys cannot say, before any training (the registry has checked
-    that the task is a domain-per-client one)."""
+    that the task is a domain-per-client one), and what the family's privacy needs."""
+    if cfg.dp_mode != "off":
+        averaging = from_values(LogitOptions, cfg.extra).average_weights
+        if cfg.method == "solo" and not averaging:
+            raise ConfigError("method 'solo' sends nothing to the server, so dp-mode has nothing to privatize: "
+                              "set dp-mode = 'off'")
+        if averaging:
+            raise ConfigError("run config key 'fccl-average-weights' = true also sends model weights, which "
+                              "dp-mode = 'payload' does not privatize for the logit family: set it to false")
     try:
         s = settings(cfg)
     except ValueError as err:
@@ -124,7 +128,7 @@ def make_strategy(cfg: RunConfig) -> PollenStrategy:
     s = settings(cfg)
     if cfg.method == "solo" and not s.average_weights:
         return LocalOnly(**strategy_options(cfg))
-    num_classes = resolve_task(cfg.task, cfg.task_options()).num_classes  # image-domains: from the run
+    num_classes = resolve_task(cfg.task, TaskOptions.of(cfg)).num_classes  # image-domains: from the run
     return LogitAveraging(num_public=s.public_size, num_classes=num_classes,
                           average_weights=s.average_weights, **strategy_options(cfg))
 

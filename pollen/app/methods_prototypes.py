@@ -18,24 +18,20 @@ from typing import TYPE_CHECKING
 from flwr.app import RecordDict
 
 from pollen.app.adapters import ClientAdapter, arrays_of, config_of, evaluate_reply, named_arrays
-from pollen.app.errors import ConfigError
 from pollen.app.method_spec import MethodSpec, register_method, strategy_options
-from pollen.app.run_keys import Key
-from pollen.datasets.tasks import get_task, resolve_task
+from pollen.datasets.tasks import TaskOptions, get_task, resolve_task
 from pollen.methods.prototype_settings import MODEL_KEY, ProtoSettings, heterogeneous_channels
-from pollen.methods.settings import declared_keys, from_values
-from pollen.models.catalog import feature_dim
+from pollen.models.spec import choose_model
 from pollen.protocol import prototypes as proto_protocol
+from pollen.settings import ConfigError, Key, NodeConfig, RunConfig, declared_keys, from_values
 from pollen.strategies.prototypes import PrototypeStrategy
 
 if TYPE_CHECKING:
     from flwr.app import Context
     from flwr.client import NumPyClient
 
-    from pollen.app.config import NodeConfig, RunConfig
-
-# The prototype family's run keys, from its typed settings (pyproject.toml repeats the defaults).
-PROTO_KEYS: dict[str, Key] = {key: Key(*declared) for key, declared in declared_keys(ProtoSettings).items()}
+# The prototype family's run keys, declared by its typed settings.
+PROTO_KEYS: dict[str, Key] = declared_keys(ProtoSettings)
 
 
 # How a prototype client's messages reach it: the global prototypes by name in, its release out.
@@ -66,9 +62,14 @@ def settings(cfg: RunConfig) -> ProtoSettings:
 
 
 def validate_proto(cfg: RunConfig) -> None:
-    """What the ranges of the ``proto-…`` keys cannot say (checked before any data is loaded)."""
+    """What the ranges of the ``proto-…`` keys cannot say (checked before any data is loaded), and what
+    the family's privacy needs."""
+    if cfg.dp_mode != "off" and settings(cfg).local_protos == "training":
+        raise ConfigError("run config key 'proto-local-protos' = 'training' releases training-time features, but "
+                          f"dp-mode = {cfg.dp_mode!r} clips the embeddings of a pass after training: set "
+                          "proto-local-protos = 'post-pass'")
     pretrained = settings(cfg).pretrained
-    name = cfg.model or get_task(cfg.task).model_for(0)
+    name = choose_model(cfg, get_task(cfg.task)).name
     if pretrained.strip() and name not in PRETRAINED_MODELS:
         raise ConfigError(f"run config key 'proto-pretrained' = {pretrained!r} is invalid: expected empty: "
                           f"ImageNet stage weights fit only {', '.join(PRETRAINED_MODELS)} (model is {name!r})")
@@ -80,21 +81,22 @@ def embed_dim(cfg: RunConfig) -> int:
 
     Read from :mod:`pollen.models.catalog`, without building the model (no torch); only a model the
     catalog does not describe (one added with ``register_model``) is built, as every model was before."""
-    task = resolve_task(cfg.task, cfg.task_options())
-    name = cfg.model or task.model_for(0)
+    task = resolve_task(cfg.task, TaskOptions.of(cfg))
+    name = choose_model(cfg, task).name
     kwargs = {"channels": heterogeneous_channels(0)} if settings(cfg).model_heter and name == "cnn_mnist" else {}
+    spec = choose_model(cfg, task, options=kwargs)
     try:
-        declared = feature_dim(name, task.fmt.channels, task.fmt.size, cfg.width_for(name), kwargs)
+        declared = spec.feature_dim
     except ValueError as err:  # the arguments the model would refuse, refused before any round
         raise ConfigError(f"model {name!r} on task {cfg.task!r}: {err}") from None
     if declared is not None:
         return declared
-    return cfg.model_spec(task, name, **kwargs).build().feature_dim
+    return spec.build().feature_dim
 
 
 def make_prototype_strategy(cfg: RunConfig) -> PrototypeStrategy:
     return PrototypeStrategy(
-        num_classes=resolve_task(cfg.task, cfg.task_options()).num_classes, embed_dim=embed_dim(cfg),
+        num_classes=resolve_task(cfg.task, TaskOptions.of(cfg)).num_classes, embed_dim=embed_dim(cfg),
         weighting=settings(cfg).weighting, evaluate_every=settings(cfg).evaluate_every,
         **strategy_options(cfg))
 

@@ -30,29 +30,41 @@ from pollen.app.method_spec import (
     register_method,
     strategy_options,
 )
-from pollen.app.run_keys import check
-from pollen.datasets.tasks import resolve_task
+from pollen.datasets.tasks import TASKS, TaskOptions, resolve_task
+from pollen.models.catalog import MODEL_NAMES
+from pollen.models.spec import choose_model
+from pollen.settings import COMMON, ConfigError, Key, NodeConfig, RunConfig, allowed_values
 from pollen.strategies.base import PollenStrategy
 from pollen.strategies.weights import LocalOnly, WeightAveraging
 
 if TYPE_CHECKING:
     from flwr.client import NumPyClient
 
-    from pollen.app.config import NodeConfig, RunConfig
-
-__all__ = ["METHODS", "MethodSpec", "check_task_kind", "initial_model_arrays", "method_defaults",
-           "register_method", "strategy_options", "validate_method_config"]
+__all__ = ["METHODS", "MethodSpec", "all_defaults", "all_keys", "check_task_kind", "choices", "initial_model_arrays",
+           "method_defaults", "register_method", "registered_choices", "strategy_options"]
 
 
-def validate_method_config(cfg: RunConfig) -> None:
-    """Each of the method's keys against its documented range (the one check of every run key), then
-    the method's own checks that involve several keys, the task or the data."""
-    spec = METHODS[cfg.method]
-    check_task_kind(spec, cfg.task)
-    for key in spec.defaults:
-        check(key, cfg.extra[key])
-    if spec.validate is not None:
-        spec.validate(cfg)
+def all_keys() -> dict[str, Key]:
+    """Every run key: the common ones, then each registered method family's."""
+    out = dict(COMMON)
+    for spec in METHODS.values():
+        out.update(spec.keys)
+    return out
+
+
+def all_defaults() -> dict[str, object]:
+    """Every run key the code knows, with its declared default."""
+    return {key: spec.default for key, spec in all_keys().items()}
+
+
+def registered_choices() -> dict[str, list[str]]:
+    """The allowed values of the keys whose choices are a registry above the settings."""
+    return {"method": sorted(METHODS), "task": sorted(TASKS), "model": ["", *MODEL_NAMES]}
+
+
+def choices(key: str) -> tuple[str, ...]:
+    """The allowed values of a ``choice`` key, as its declaration (or the registry it names) gives them."""
+    return allowed_values(key, all_keys()[key], registered_choices())
 
 
 def initial_model_arrays(cfg: RunConfig) -> ArrayRecord:
@@ -60,10 +72,17 @@ def initial_model_arrays(cfg: RunConfig) -> ArrayRecord:
     The one place the weights family's server imports torch: when it builds this model."""
     import torch
 
-    task = resolve_task(cfg.task, cfg.task_options())
+    task = resolve_task(cfg.task, TaskOptions.of(cfg))
     torch.manual_seed(cfg.seed)
-    model = cfg.model_spec(task).build()
+    model = choose_model(cfg, task).build()
     return ArrayRecord(model.state_dict())
+
+
+def validate_weights(cfg: RunConfig) -> None:
+    """The weights family's rule: under DP the clients' sample counts are not released."""
+    if cfg.dp_mode != "off" and cfg.avg_weighting != "uniform":
+        raise ConfigError(f"run config key 'avg-weighting' = {cfg.avg_weighting!r} weights clients by their sample "
+                          f"counts, which dp-mode = {cfg.dp_mode!r} does not release: set avg-weighting = 'uniform'")
 
 
 def _weight_strategy(proximal: bool) -> Callable[[RunConfig], PollenStrategy]:
@@ -96,12 +115,12 @@ LOCAL_MODEL_KEY = "local-model"
 register_method(MethodSpec(
     name="fedavg", family="weights", description="FedAvg (McMahan et al. 2017): average full model state",
     make_strategy=_weight_strategy(proximal=False), make_client=_weight_client, adapter=WEIGHTS,
-    initial_arrays=initial_model_arrays, dp_modes=("payload", "sample")))
+    initial_arrays=initial_model_arrays, validate=validate_weights, dp_modes=("payload", "sample")))
 register_method(MethodSpec(
     name="fedprox", family="weights",
     description="FedProx (Li et al. 2020): FedAvg plus a proximal term mu/2·||w - w_global||² (key fedprox-mu)",
     make_strategy=_weight_strategy(proximal=True), make_client=_weight_client, adapter=WEIGHTS,
-    initial_arrays=initial_model_arrays, dp_modes=("payload", "sample")))
+    initial_arrays=initial_model_arrays, validate=validate_weights, dp_modes=("payload", "sample")))
 register_method(MethodSpec(
     name="local", family="local", description="Local-only training: no communication (lower bound)",
     make_strategy=_local_strategy, make_client=_local_client, adapter=LOCAL,

@@ -18,10 +18,10 @@ from flwr.serverapp import Grid, ServerApp
 from pollen.app.checkpoints import CheckpointError, latest_checkpoint, save_arrays, write_checkpoint, write_json
 from pollen.app.config import RunConfig, validated_run_config
 from pollen.app.grid_poll import prompt_replies
-from pollen.app.registry import METHODS
+from pollen.app.registry import METHODS, all_defaults
 from pollen.app.results import RunRecorder, run_directory
-from pollen.app.run_keys import RESUMABLE_CHANGES
 from pollen.log import LOGGER
+from pollen.settings import RESUMABLE_CHANGES
 
 app = ServerApp()
 
@@ -30,8 +30,6 @@ def config_differences(saved: dict, now: dict) -> list[str]:
     """Keys whose value changed since the checkpoint. A key the saved config lacks was added to Pollen
     after the run started: it counts as its declared default (a new key's default keeps the old behaviour),
     so a run from an older version resumes unless the key is set to something else."""
-    from pollen.app.run_keys import all_defaults
-
     defaults = all_defaults()
     return sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES
                   and saved.get(k, defaults.get(k)) != now.get(k))
@@ -56,9 +54,10 @@ def write_final(run_dir: Path, cfg: RunConfig, strategy, last_round: int) -> dic
     meta = {"method": cfg.method, "task": cfg.task, "family": strategy.family, "round": last_round,
             "model": cfg.model or "", "values": values}
     if strategy.family == "weights":  # a global model: what rebuilds it travels with it (pollen predict)
-        from pollen.datasets.tasks import resolve_task
+        from pollen.datasets.tasks import TaskOptions, resolve_task
+        from pollen.models.spec import choose_model
 
-        meta["model-spec"] = cfg.model_spec(resolve_task(cfg.task, cfg.task_options())).to_json()
+        meta["model-spec"] = choose_model(cfg, resolve_task(cfg.task, TaskOptions.of(cfg))).to_json()
     write_json(folder / "global.json", meta)
     return {"global": str(folder / "global.safetensors")}
 
@@ -66,9 +65,9 @@ def write_final(run_dir: Path, cfg: RunConfig, strategy, last_round: int) -> dic
 def record_task(run_dir: Path, cfg: RunConfig) -> None:
     """``task.json`` for user-data tasks: the classes and input format the run agreed on (given or
     detected from ``data-dir``), so a result says what it was trained on."""
-    from pollen.datasets.tasks import resolve_task
+    from pollen.datasets.tasks import TaskOptions, resolve_task
 
-    task = resolve_task(cfg.task, cfg.task_options())
+    task = resolve_task(cfg.task, TaskOptions.of(cfg))
     if not task.class_names:
         return
     detected = "each data folder's training images"

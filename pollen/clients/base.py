@@ -2,37 +2,39 @@
 
 Method clients subclass :class:`PollenClient` and implement ``fit``/``evaluate``. The client object
 itself is rebuilt for every message (Flower calls ``client_fn`` each time), so anything that must
-outlive one message goes through ``self.state`` (``context.state``).
+outlive one message goes through ``self.state`` (``context.state``). From the run and node config
+(:mod:`pollen.settings`) it builds, once, the narrow values a method core takes: the task's options
+(``TaskOptions``), its model (``ModelSpec``, :func:`pollen.models.catalog.choose_model`), the local
+training (``LocalTraining``) and the privacy settings (``PrivacyConfig``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from flwr.client import NumPyClient
 from flwr.common import Context
 
 from pollen.clients.state import ClientState
-from pollen.datasets.tasks import ClientData, partition_data, resolve_task
+from pollen.datasets.tasks import ClientData, TaskOptions, partition_data, resolve_task
 from pollen.methods.training import LocalTraining, derive_seed, pick_device, seed_everything
 from pollen.models import SMALL_MODELS, SplitModel, build_model, to_channels_last
+from pollen.models.spec import ModelSpec, choose_model
+from pollen.privacy.config import PrivacyConfig
 from pollen.privacy.payload import PayloadPrivacy
 from pollen.privacy.sample import SamplePrivacy
+from pollen.settings import NodeConfig, RunConfig
 
 # Conv backbones are stored channels-last (NHWC): faster training on CPU as well as CUDA, see
 # bench/backbones.py and bench/results/backbones.md. The small nets (SMALL_MODELS) keep the default layout.
 
 @functools.lru_cache(maxsize=32)
-def _state_keys(name: str, num_classes: int, channels: int, size: int, width: float) -> tuple[str, ...]:
+def state_keys(name: str, num_classes: int, channels: int, size: int, width: float) -> tuple[str, ...]:
     with torch.device("meta"):  # shapes and names only: no memory, no init
         model = build_model(name, num_classes, in_channels=channels, image_size=size, width=width)
     return tuple(model.state_dict().keys())
-
-
-if TYPE_CHECKING:  # the app layer builds these; clients only read them
-    from pollen.app.config import NodeConfig, RunConfig
 
 
 class PollenClient(NumPyClient):
@@ -43,7 +45,8 @@ class PollenClient(NumPyClient):
         self.node = node
         self.flower_context = context
         self.state = ClientState(context.state)
-        self.task = resolve_task(cfg.task, cfg.task_options(node))
+        self.task_options = TaskOptions.of(cfg, node)
+        self.task = resolve_task(cfg.task, self.task_options)
         torch.set_num_threads(cfg.torch_threads)
         self.device = pick_device(cfg.device)
 
@@ -58,16 +61,18 @@ class PollenClient(NumPyClient):
 
     def local_training(self) -> LocalTraining:
         """The run's local optimisation settings, as a method core takes them."""
-        c = self.cfg
-        return LocalTraining(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, momentum=c.momentum,
-                             weight_decay=c.weight_decay, proximal_mu=c.fedprox_mu)
+        return LocalTraining.of(self.cfg)
+
+    @functools.cached_property
+    def privacy_config(self) -> PrivacyConfig:
+        return PrivacyConfig.of(self.cfg)
 
     def payload_privacy(self) -> PayloadPrivacy | None:
         """``dp-mode = payload``: the mechanism and this partition's ledger (in ``context.state``);
         σ covers ``num-server-rounds`` releases. ``None`` in any other mode."""
         if self.cfg.dp_mode != "payload":
             return None
-        return PayloadPrivacy(self.cfg.privacy, self.cfg.num_server_rounds, self.state,
+        return PayloadPrivacy(self.privacy_config, self.cfg.num_server_rounds, self.state,
                               f"partition {self.partition_id}")
 
     def sample_privacy(self, prototypes: bool = False) -> SamplePrivacy | None:
@@ -75,9 +80,9 @@ class PollenClient(NumPyClient):
         the prototype release after training) and its ledger. ``None`` in any other mode."""
         if self.cfg.dp_mode != "sample":
             return None
-        return SamplePrivacy(self.cfg.privacy, self.cfg.num_server_rounds, self.state, f"partition {self.partition_id}",
-                             num_records=self.data.num_train, batch_size=self.cfg.batch_size,
-                             epochs=self.cfg.local_epochs, prototypes=prototypes)
+        return SamplePrivacy(self.privacy_config, self.cfg.num_server_rounds, self.state,
+                             f"partition {self.partition_id}", num_records=self.data.num_train,
+                             batch_size=self.cfg.batch_size, epochs=self.cfg.local_epochs, prototypes=prototypes)
 
     def base_metrics(self) -> dict[str, Any]:
         return {"partition-id": self.partition_id}
@@ -87,27 +92,31 @@ class PollenClient(NumPyClient):
     def data(self) -> ClientData:
         """This partition's data, built by the task (:func:`~pollen.datasets.tasks.partition_data`, which
         ``pollen predict`` asks too); a family whose method settles the domain tasks' sizes passes them."""
-        return partition_data(self.cfg.task, self.cfg.task_options(self.node), self.partition_id,
-                              self.node.num_partitions, *self.data_sizes())
+        return partition_data(self.cfg.task, self.task_options, self.partition_id, self.node.num_partitions,
+                              *self.data_sizes())
 
     def data_sizes(self) -> tuple[tuple[int, ...] | None, int]:
         """The domain tasks' training sizes and test size this client's method asks for: the task's own."""
         return None, 0
 
+    def model_spec(self, **options: Any) -> ModelSpec:
+        """This client's model (:func:`~pollen.models.catalog.choose_model`: node config beats run config
+        beats the task's per-partition default), with the model's own keyword arguments ``options``."""
+        return choose_model(self.cfg, self.task, self.node, options=options)
+
     @property
     def model_name(self) -> str:
-        """Node config beats run config beats the task's per-partition default."""
-        return self.node.model or self.cfg.model or self.task.model_for(self.partition_id)
+        return self.model_spec().name
 
     def state_keys(self) -> list[str]:
         """Names of this client's model state in ``state_dict`` order (cached per architecture)."""
-        fmt = self.task.fmt
-        return list(_state_keys(self.model_name, self.task.num_classes, fmt.channels, fmt.size,
-                                self.cfg.width_for(self.model_name)))
+        spec = self.model_spec()
+        return list(state_keys(spec.name, spec.num_classes, spec.in_channels, spec.image_size, spec.width))
 
     def new_model(self, init_seed: int | None = None, **kwargs) -> SplitModel:
         """A fresh model on this client's device; ``init_seed`` makes initial weights reproducible."""
         if init_seed is not None:
             torch.manual_seed(init_seed)
-        model = self.cfg.model_spec(self.task, self.model_name, **kwargs).build().to(self.device)
-        return model if self.model_name in SMALL_MODELS else to_channels_last(model)
+        spec = self.model_spec(**kwargs)
+        model = spec.build().to(self.device)
+        return model if spec.name in SMALL_MODELS else to_channels_last(model)

@@ -9,18 +9,20 @@ them), so no positional list or array count exists between the wire and the core
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import numpy as np
 from flwr.common import Context
 
-from pollen.clients.base import PollenClient, _state_keys
+from pollen.clients.base import PollenClient, state_keys
 from pollen.datasets.tasks import get_task
 from pollen.methods.glfc import IncrementalRound, build_stream_model
 from pollen.methods.glfc_settings import IncrementalSettings
 from pollen.methods.training import model_arrays
 from pollen.models import SplitModel
+from pollen.models.spec import ModelSpec, choose_model
 from pollen.protocol.glfc import TrainInstruction
 
 
@@ -32,19 +34,23 @@ class IncrementalClient(PollenClient):
         self.settings = settings
 
     @property
+    def stream_model(self) -> ModelSpec:
+        """The stream's model (:func:`~pollen.models.catalog.choose_model`), its head one task's classes."""
+        spec = choose_model(self.cfg, get_task(self.settings.task), self.node)
+        return dataclasses.replace(spec, num_classes=self.settings.stream.classes_per_task)
+
+    @property
     def stream_model_name(self) -> str:
-        return self.node.model or self.cfg.model or get_task(self.settings.task).default_model
+        return self.stream_model.name
 
     def state_keys(self) -> list[str]:
         """Names of this client's model state in ``state_dict`` order (the head size does not change them)."""
-        src = get_task(self.settings.task)
-        name = self.stream_model_name
-        return list(_state_keys(name, self.settings.stream.classes_per_task, src.fmt.channels, src.fmt.size,
-                                self.cfg.width_for(name)))
+        s = self.stream_model
+        return list(state_keys(s.name, s.num_classes, s.in_channels, s.image_size, s.width))
 
     def _model(self, num_classes: int) -> SplitModel:
-        name = self.stream_model_name
-        return build_stream_model(self.settings.task, name, num_classes, self.cfg.width_for(name)).to(self.device)
+        s = self.stream_model
+        return build_stream_model(self.settings.task, s.name, num_classes, s.width).to(self.device)
 
     @functools.cached_property
     def core(self) -> IncrementalRound:

@@ -15,9 +15,9 @@ from pollen.datasets.domain_tasks import PublicSet, public_set
 from pollen.datasets.public import PUBLIC_FOLDER
 from pollen.methods.logit_settings import FCCL, LogitOptions, Recipe, resolve_settings
 from pollen.methods.logits import LogitRound, solo_cache_file
-from pollen.methods.settings import from_values
 from pollen.privacy.leakage import logit_audit
 from pollen.protocol.logits import PUBLIC_DIGEST
+from pollen.settings import from_values
 
 
 class LogitClient(PollenClient):
@@ -54,9 +54,9 @@ class LogitClient(PollenClient):
         if not s.solo_cache:
             return None
         data = s.train_sizes[self.partition_id] if s.train_sizes else self.node.data_dir or self.cfg.data_dir
-        return solo_cache_file(s.solo_cache, self.cfg.task, self.partition_id, self.model_name,
-                               self.cfg.width_for(self.model_name), self.cfg.seed, s, data,
-                               self.cfg.max_train_samples)
+        model = self.model_spec()
+        return solo_cache_file(s.solo_cache, self.cfg.task, self.partition_id, model.name, model.width, self.cfg.seed,
+                               s, data, self.cfg.max_train_samples)
 
     @functools.cached_property
     def core(self) -> LogitRound:

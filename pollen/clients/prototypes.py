@@ -16,10 +16,10 @@ from flwr.common import Context, NDArrays, Scalar
 from pollen.clients.base import PollenClient
 from pollen.methods.prototype_settings import ProtoSettings, heterogeneous_channels
 from pollen.methods.prototypes import FEDPROTO, PrototypeMethod, PrototypeRound
-from pollen.methods.settings import from_values
 from pollen.methods.training import derive_seed
 from pollen.privacy.leakage import prototype_audit
 from pollen.protocol.prototypes import held_at
+from pollen.settings import from_values
 
 
 class PrototypeClient(PollenClient):

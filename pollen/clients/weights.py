@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pollen.clients.base import PollenClient
 from pollen.methods.terms import CrossEntropy, LossTerm, Proximal, train_terms
-from pollen.methods.training import evaluate_classifier, load_model_arrays, make_sgd, model_arrays, train_epochs
+from pollen.methods.training import evaluate_classifier, load_model_arrays, model_arrays, train_epochs
 
 
 class WeightClient(PollenClient):
@@ -67,10 +67,10 @@ class LocalClient(PollenClient):
     def fit(self, parameters, config):
         server_round = int(config.get("server-round", 0))
         model = self._load()
-        history = train_epochs(model, self.data.x_train, self.data.y_train, epochs=self.cfg.local_epochs,
-                               batch_size=self.cfg.batch_size, generator=self.round_generator(server_round),
-                               device=self.device,
-                               optimizer=make_sgd(model, self.cfg.lr, self.cfg.momentum, self.cfg.weight_decay))
+        training = self.local_training()
+        history = train_epochs(model, self.data.x_train, self.data.y_train, epochs=training.epochs,
+                               batch_size=training.batch_size, generator=self.round_generator(server_round),
+                               device=self.device, optimizer=training.sgd(model))
         self.state.save_module(self.STATE_KEY, model)
         metrics = self.base_metrics()
         if history:

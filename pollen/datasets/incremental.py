@@ -53,17 +53,18 @@ class StreamError(ValueError):
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """Sizes and randomness of a class-incremental stream (see the module docstring)."""
+    """Sizes and randomness of a class-incremental stream (see the module docstring); no defaults here:
+    the run keys ``glfc-…`` (``pollen.methods.glfc_settings.GlfcOptions``) declare them."""
 
-    num_tasks: int = 4
-    classes_per_task: int = 5
-    initial_clients: int = 4
-    new_clients: int = 2
-    old_fraction: float = 0.1
-    class_fraction: float = 0.6
-    duplicate: bool = False
-    max_per_class: int = 0  # cap on one client's images of one class (0 = no cap)
-    seed: int = 0
+    num_tasks: int
+    classes_per_task: int
+    initial_clients: int
+    new_clients: int
+    old_fraction: float
+    class_fraction: float
+    duplicate: bool
+    max_per_class: int  # cap on one client's images of one class (0 = no cap)
+    seed: int
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "classes_per_task", "initial_clients"):

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pollen.datasets.transforms import ImageFormat
+from pollen.settings import NodeConfig, RunConfig, floats
+from pollen.settings.common import PathKeys, RunKeys, TaskKeys, TrainingKeys, UserDataKeys
 
 if TYPE_CHECKING:
     import torch
@@ -28,28 +30,41 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TaskOptions:
-    """The run-config values a task reads (hashable, so built data can be cached)."""
+    """The run-config values a task reads (hashable, so built data can be cached); :meth:`of` is the one
+    mapping from a run config. Defaults are the keys' declared defaults (:mod:`pollen.settings.common`)."""
 
     data_root: str | None = None
-    download: bool = False
-    seed: int = 0
-    dirichlet_alpha: float = 0.5
-    ways: int = 3
-    shots: int = 100
-    stdev: int = 2
-    test_per_class: int = 40
-    shot_split: str = "pollen"  # "official": FedProto's own draw (n_way_k_shot's official_k_high)
-    max_train_samples: int = 0  # 0 = no cap; otherwise cap each client's training set
+    download: bool = PathKeys.download
+    seed: int = RunKeys.seed
+    dirichlet_alpha: float = TaskKeys.dirichlet_alpha
+    ways: int = TaskKeys.shot_ways
+    shots: int = TaskKeys.shot_shots
+    stdev: int = TaskKeys.shot_stdev
+    test_per_class: int = TaskKeys.shot_test_per_class
+    shot_split: str = TaskKeys.shot_split  # "official": FedProto's own draw (n_way_k_shot's official_k_high)
+    max_train_samples: int = TrainingKeys.max_train_samples  # 0 = no cap; otherwise cap each client's training set
     # user-data tasks (image-folder, array): see pollen.datasets.user_data
     data_dir: str | None = None  # run key data-dir: one folder split across the partitions
     node_data_dir: str | None = None  # node config data-dir: this node's own folder, used whole
     classes: tuple[str, ...] = ()  # agreed class names in index order; () = detect from data_dir
-    test_fraction: float = 0.2  # held out of train/ when the folder has no test/
-    image_size: int = 0  # 0 = detect from data_dir
-    image_channels: int = 0  # 0 = detect from data_dir
+    test_fraction: float = UserDataKeys.test_fraction  # held out of train/ when the folder has no test/
+    image_size: int = UserDataKeys.image_size  # 0 = detect from data_dir
+    image_channels: int = UserDataKeys.image_channels  # 0 = detect from data_dir
     image_mean: tuple[float, ...] = ()  # () = the training images' own statistics
     image_std: tuple[float, ...] = ()
-    data_split: str = "iid"  # how data_dir is split across partitions: iid | dirichlet
+    data_split: str = UserDataKeys.data_split  # how data_dir is split across partitions: iid | dirichlet
+
+    @classmethod
+    def of(cls, cfg: RunConfig, node: NodeConfig | None = None) -> TaskOptions:
+        """The options of run ``cfg`` as ``node`` sees them (its data root and own data folder, when it has them)."""
+        return cls(
+            data_root=(node.data_root if node is not None else None) or cfg.data_root, download=cfg.download,
+            seed=cfg.seed, dirichlet_alpha=cfg.dirichlet_alpha, ways=cfg.shot_ways, shots=cfg.shot_shots,
+            stdev=cfg.shot_stdev, test_per_class=cfg.shot_test_per_class, shot_split=cfg.shot_split,
+            max_train_samples=cfg.max_train_samples, data_dir=cfg.data_dir or None,
+            node_data_dir=node.data_dir if node is not None else None, classes=cfg.class_names,
+            test_fraction=cfg.test_fraction, image_size=cfg.image_size, image_channels=cfg.image_channels,
+            image_mean=floats(cfg.image_mean), image_std=floats(cfg.image_std), data_split=cfg.data_split)
 
     def without_user_data(self) -> TaskOptions:
         """These options with the user-data fields at their defaults: what a task other than the run's is

@@ -57,15 +57,15 @@ from pollen.datasets.user_data import (
     read_arrays,
     read_image_folder,
 )
+from pollen.settings import declared_keys
+from pollen.settings.common import UserDataKeys
 
 if TYPE_CHECKING:
     import torch
 
 USER_TASKS = ("image-folder", "array", "image-domains")
-DATA_SPLITS = ("iid", "dirichlet")
 # Run keys only the user-data tasks read (refused with other tasks when set away from their defaults).
-USER_KEYS = ("data-dir", "classes", "test-fraction", "image-size", "image-channels", "image-mean",
-             "image-std", "data-split")
+USER_KEYS = tuple(declared_keys(UserDataKeys))
 # Placeholder format of the unresolved spec; resolve_task gives the real one.
 _UNRESOLVED = ImageFormat(1, 1, (0.0,), (1.0,))
 

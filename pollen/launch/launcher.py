@@ -321,7 +321,7 @@ def resume_config(app_dir: Path, run_dir: Path, overrides: str) -> dict[str, Any
         saved = json.loads(config.read_text())
     except ValueError as err:
         raise LaunchConfigError(f"--resume {run_dir}: {config} is not valid JSON ({err})") from err
-    from pollen.app.run_keys import RESUMABLE_CHANGES
+    from pollen.settings import RESUMABLE_CHANGES
 
     known = app_run_config(app_dir)
     values = {k: v for k, v in saved.items() if k in known}

@@ -235,8 +235,8 @@ def load_personal_model(path: Path, config: Path | None, overrides: dict[str, An
 def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | None = None) -> LoadedModel:
     """A weights-family run's final global model, rebuilt from the run's ``config.json`` (as the
     ServerApp built its initial model: the task's default model unless ``model`` is set)."""
-    from pollen.datasets.tasks import resolve_task
-    from pollen.models import ModelSpec
+    from pollen.datasets.tasks import TaskOptions, resolve_task
+    from pollen.models.spec import ModelSpec, choose_model
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -268,14 +268,14 @@ def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | 
     differ = [k for k in ("method", "task") if meta.get(k) != getattr(cfg, k)]
     if differ:
         raise PredictError(f"{meta_path}: {differ} differ from {config}")
-    task = resolve_task(cfg.task, cfg.task_options())
+    task = resolve_task(cfg.task, TaskOptions.of(cfg))
     if "model-spec" in meta:  # the model described beside it (runs before: rebuilt from the run config)
         try:
             described, source = ModelSpec.from_json(meta["model-spec"]), meta_path.name
         except ValueError as err:
             raise PredictError(f"{meta_path}: {err}") from err
     else:
-        described, source = cfg.model_spec(task), str(config)
+        described, source = choose_model(cfg, task), str(config)
     model = described.build()
     arrays = {k[len("model."):]: v for k, v in _read_arrays(weights, "global state").items()
               if k.startswith("model.")}
@@ -365,18 +365,18 @@ def task_split(loaded: LoadedModel, task_name: str, partition: int, num_partitio
     (:func:`~pollen.datasets.tasks.partition_data`) with the run config's options and seed, and the sizes
     the run's method builds domain tasks with (``MethodSpec.data_sizes``). No client is made: building
     data is the task's business, and a client would also set threads, a device and state."""
-    from pollen.app.config import NodeConfig
     from pollen.app.registry import METHODS
-    from pollen.datasets.tasks import get_task, partition_data
+    from pollen.datasets.tasks import TaskOptions, get_task, partition_data
+    from pollen.settings import NodeConfig
 
     cfg = loaded.cfg
     get_task(task_name)
     node = NodeConfig(partition_id=partition, num_partitions=num_partitions, data_root=data_root, data_dir=data_dir)
     if task_name == cfg.task:
         train_sizes, test_size = METHODS[cfg.method].data_sizes(cfg)
-        data = partition_data(task_name, cfg.task_options(node), partition, num_partitions, train_sizes, test_size)
+        data = partition_data(task_name, TaskOptions.of(cfg, node), partition, num_partitions, train_sizes, test_size)
     else:  # another task: the run's options, less those of the run's own data (its folder, classes, format)
-        data = partition_data(task_name, cfg.task_options(node).without_user_data(), partition, num_partitions)
+        data = partition_data(task_name, TaskOptions.of(cfg, node).without_user_data(), partition, num_partitions)
     x, y = (data.x_test, data.y_test) if split == "test" else (data.x_train, data.y_train)
     if data_dir:
         names = [f"{data_dir}/{split}/{i}" for i in range(len(y))]

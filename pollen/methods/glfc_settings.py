@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pollen.datasets.incremental import CLASS_ORDERS, StreamConfig
-from pollen.methods.settings import setting
+from pollen.settings import setting
 
 LR_SCHEDULES = ("cosine", "code", "constant")  # a task's learning rate (pollen.methods.incremental_losses)
 OLD_MODEL_SOURCES = ("proxy", "previous-task", "none")
@@ -68,25 +68,26 @@ class GlfcOptions:
 
 @dataclass(frozen=True)
 class IncrementalSettings:
-    """What distinguishes the GLFC-family methods, plus the stream they run on."""
+    """What distinguishes the GLFC-family methods, plus the stream they run on and the ``glfc-…`` keys the
+    round reads (no defaults here: :class:`GlfcOptions` declares them)."""
 
     task: str
     stream: StreamConfig
     rounds_per_task: int
     clients_per_round: int
+    memory_size: int
+    tau: float
+    oracle_boundary: bool
+    lr_schedule: str
+    class_order: str
+    herding_distinct: bool
+    perturb_steps: int
+    perturb_lr: float
     objective: str = "glfc"  # glfc | icarl | ce
     use_gc: bool = True
     use_rd: bool = True
     use_memory: bool = True
     old_model: str = "proxy"  # proxy | previous-task | none
-    memory_size: int = 2000
-    tau: float = 1.2
-    oracle_boundary: bool = False
-    lr_schedule: str = "cosine"
-    class_order: str = "label"
-    herding_distinct: bool = True
-    perturb_steps: int = 50
-    perturb_lr: float = 0.2
 
     @property
     def shares_gradients(self) -> bool:

@@ -12,11 +12,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# Weight of the off-diagonal terms in FCCL's cross-correlation loss (paper and code).
-LAMBDA_OFF_DIAGONAL = 0.0051
+from pollen.methods.logit_settings import LogitOptions
+
+# Weight of the off-diagonal terms in FCCL's cross-correlation loss (paper and code): run key fccl-lambda-col.
+LAMBDA_OFF_DIAGONAL = LogitOptions.lambda_col
 # Added to the column standard deviation so a constant column (std 0) standardises to zeros
-# instead of NaN; the official code has no such guard.
-DEFAULT_EPS = 1e-6
+# instead of NaN; the official code has no such guard: run key fccl-eps.
+DEFAULT_EPS = LogitOptions.eps
 
 
 def standardize_columns(z: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:

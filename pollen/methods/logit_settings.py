@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 from pollen.datasets.public import PUBLIC_CHOICES
-from pollen.methods.settings import setting
+from pollen.settings import setting
 
 if TYPE_CHECKING:
     from pollen.datasets.spec import TaskSpec

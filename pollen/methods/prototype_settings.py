@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pollen.methods.settings import setting
 from pollen.protocol.prototypes import PROTO_WEIGHTINGS
+from pollen.settings import setting
 
 LOCAL_PROTO_MODES = ("post-pass", "training")
 NEGATIVE_FORMS = ("hinge", "infonce")

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from pollen.datasets.transforms import batches
 from pollen.methods.optim import SGD, Optimizer
+from pollen.settings import RunConfig
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"]
 
@@ -34,6 +35,12 @@ class LocalTraining:
     momentum: float
     weight_decay: float
     proximal_mu: float = 0.0
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> LocalTraining:
+        """The local training keys of run ``cfg``."""
+        return cls(epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
+                   weight_decay=cfg.weight_decay, proximal_mu=cfg.fedprox_mu)
 
     def sgd(self, model: torch.nn.Module) -> SGD:
         return make_sgd(model, self.lr, self.momentum, self.weight_decay)

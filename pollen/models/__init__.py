@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .base import SplitModel, scale_channels, to_channels_last
     from .mobile import EfficientNetB0, GoogLeNet, MobileNetV2
-    from .registry import MODEL_KWARGS, MODEL_NAMES, MODELS, SMALL_MODELS, ModelSpec, build_model, register_model
+    from .registry import MODEL_KWARGS, MODEL_NAMES, MODELS, SMALL_MODELS, build_model, register_model
     from .resnet import ResNet
     from .small import CNNMnist, LeNet
+    from .spec import ModelSpec, choose_model
 
 # name -> the submodule that defines it
 _WHERE = {
     "SplitModel": "base", "scale_channels": "base", "to_channels_last": "base",
     "EfficientNetB0": "mobile", "GoogLeNet": "mobile", "MobileNetV2": "mobile",
     "MODEL_KWARGS": "registry", "MODEL_NAMES": "registry", "MODELS": "registry", "SMALL_MODELS": "registry",
-    "ModelSpec": "registry", "build_model": "registry", "register_model": "registry",
+    "ModelSpec": "spec", "choose_model": "spec", "build_model": "registry", "register_model": "registry",
     "ResNet": "resnet",
     "CNNMnist": "small", "LeNet": "small",
 }
@@ -41,6 +42,7 @@ __all__ = [
     "ResNet",
     "SplitModel",
     "build_model",
+    "choose_model",
     "register_model",
     "scale_channels",
     "to_channels_last",

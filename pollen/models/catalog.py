@@ -102,3 +102,4 @@ FIRST_BATCHNORM: dict[str, tuple[str, str] | None] = {
     "lenet": None,
 }
 
+

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .base import SplitModel
@@ -67,7 +67,7 @@ register_model("lenet", _sized(LeNet), ("seed", "generator"))
 # The built-in architectures are the catalog's (pollen.models.catalog: the names without torch), in its order.
 if tuple(MODELS) != MODEL_NAMES:
     raise RuntimeError(f"pollen.models.catalog.MODEL_NAMES {MODEL_NAMES} != the registered models {tuple(MODELS)}")
-__all__ = ["MODEL_KWARGS", "MODEL_NAMES", "MODELS", "SMALL_MODELS", "ModelEntry", "ModelSpec", "build_model",
+__all__ = ["MODEL_KWARGS", "MODEL_NAMES", "MODELS", "SMALL_MODELS", "ModelEntry", "build_model",
            "register_model"]
 # The extra keyword arguments of each built-in architecture.
 MODEL_KWARGS: dict[str, tuple[str, ...]] = {name: entry.kwargs for name, entry in MODELS.items()}
@@ -121,35 +121,3 @@ def build_model(
         raise RuntimeError(f"model {name!r} has a {model.feature_dim}-d embedding but pollen.models.catalog "
                            f"declares {declared}: fix catalog.feature_dim")
     return model
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Everything that rebuilds a model: the one description clients, the server and ``pollen predict``
-    build from, saved beside every trained model (:meth:`to_json`) so loading it needs nothing else."""
-
-    name: str
-    num_classes: int
-    in_channels: int = 3
-    image_size: int = 32
-    width: float = 1.0
-    options: Mapping[str, Any] = field(default_factory=dict)  # per-model keyword arguments (MODEL_KWARGS)
-
-    def build(self) -> SplitModel:
-        return build_model(self.name, self.num_classes, in_channels=self.in_channels, image_size=self.image_size,
-                           width=self.width, **dict(self.options))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"model": self.name, "num-classes": self.num_classes, "in-channels": self.in_channels,
-                "image-size": self.image_size, "width": self.width, "model-kwargs": dict(self.options)}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ModelSpec:
-        """The spec a model's JSON describes; a missing or mistyped field is a ValueError naming it."""
-        try:
-            return cls(str(data["model"]), int(data["num-classes"]), int(data["in-channels"]),
-                       int(data["image-size"]), float(data["width"]), dict(data.get("model-kwargs") or {}))
-        except KeyError as err:
-            raise ValueError(f"the model description lacks {err.args[0]!r}") from None
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"the model description has a bad value: {err}") from None

@@ -1,8 +1,9 @@
 """The run's differential-privacy settings as one typed value, and the rules that tie its keys together.
 
 The keys' defaults and ranges are declared once with the other common run keys
-(``pollen.app.run_keys``); this module only checks what a single range cannot: that a private mode has
-a noise multiplier or an ε target (not both), and that the keys mean something in the mode chosen.
+(``pollen.settings.common.PrivacyKeys``); this module only checks what a single range cannot: that a
+private mode has a noise multiplier or an ε target (not both), and that the keys mean something in the
+mode chosen.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pollen.privacy.accounting import calibrate_noise_multiplier
-
-MODES = ("off", "payload", "sample")
+from pollen.settings import DP_MODES as MODES
+from pollen.settings import RunConfig
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class PrivacyConfig:
         if 0 < self.max_epsilon < self.target_epsilon:
             raise ValueError(f"run config key 'dp-max-epsilon' = {self.max_epsilon} is below 'dp-target-epsilon' = "
                              f"{self.target_epsilon}: the clients would stop before the planned rounds")
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> PrivacyConfig:
+        """The DP keys of run ``cfg`` as one value (mode, clip, σ or target ε, δ, cap)."""
+        return cls(cfg.dp_mode, cfg.dp_clip, cfg.dp_noise_multiplier, cfg.dp_target_epsilon, cfg.dp_delta,
+                   cfg.dp_max_epsilon)
 
     @property
     def private(self) -> bool:

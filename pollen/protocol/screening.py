@@ -17,14 +17,12 @@ import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
 
-if TYPE_CHECKING:  # the privacy layer builds it and applies it; the contract only carries it
-    from pollen.privacy.bounds import DpBounds
-
+from pollen.settings.common import HostileKeys
 
 # ``np.save`` writes a small header in front of the raw bytes; anything beyond header + data is padding
 # a client added on purpose.
@@ -283,10 +281,11 @@ class PayloadBounds:
     bound (:meth:`declared`), and the strategy checks them; prototypes get them on top of theirs.
     """
 
-    max_update_norm: float = 1e4
-    max_logit_abs: float = 1e4
-    max_grad_norm: float = 1e4
-    dp: DpBounds | None = None
+    max_update_norm: float = HostileKeys.max_update_norm
+    max_logit_abs: float = HostileKeys.max_logit_abs
+    max_grad_norm: float = HostileKeys.max_grad_norm
+    # a pollen.privacy.bounds.DpBounds: the privacy layer builds it and applies it, the contract only carries it
+    dp: Any = None
 
     def __post_init__(self) -> None:
         for name in ("max_update_norm", "max_logit_abs", "max_grad_norm"):

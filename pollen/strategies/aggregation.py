@@ -25,10 +25,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-AGGREGATIONS = ("mean", "median", "trimmed-mean")
-# 0.2 drops one value at each end from five clients (0.1 would drop nothing below ten): the smallest
-# federations still get a trimmed mean that one hostile client cannot move.
-DEFAULT_TRIM_FRACTION = 0.2
+from pollen.settings import AGGREGATIONS
+from pollen.settings.common import HostileKeys
+
+# The run key's default (0.2 drops one value at each end from five clients; 0.1 would drop nothing below
+# ten: the smallest federations still get a trimmed mean that one hostile client cannot move).
+DEFAULT_TRIM_FRACTION = HostileKeys.trim_fraction
 
 
 def average_arrays(client_arrays: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> list[np.ndarray]:

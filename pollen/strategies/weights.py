@@ -17,10 +17,9 @@ from flwr.serverapp import Grid
 from pollen.log import LOGGER
 from pollen.protocol.records import ARRAYS, CONFIG, array_record
 from pollen.protocol.weights import PROXIMAL_MU, decode_weights_reply
+from pollen.settings import WEIGHTINGS
 from pollen.strategies.aggregation import average_arrays  # noqa: F401  (public here since v2)
 from pollen.strategies.base import PollenStrategy
-
-WEIGHTINGS = ("samples", "uniform")
 
 
 class WeightAveraging(PollenStrategy):

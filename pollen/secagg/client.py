@@ -1,0 +1,302 @@
+"""The client's side of SecAgg+: one session per round, four stages, and the ClientApp mod that runs them.
+
+``ClientApp(mods=[secagg_mod])`` answers the server driver's stage messages itself and hands the
+``collect`` stage's train instruction to the app's own ``train`` handler: what that handler replies is
+turned into integer parts (:mod:`pollen.secagg.payloads`), masked and sent instead of the plain reply.
+Messages without a ``secagg`` record pass through untouched (evaluate, query, a strategy that does not
+aggregate securely), unless the node's run config says ``secure-aggregation = true``: then a plain
+train message is refused, so a server cannot quietly ask for what the node only sends masked.
+
+Stage discipline: ``setup`` opens a session with fresh keys (dropping any older one); every other
+stage must follow the one before it in the same session, or it is refused and the session dropped.
+A node answers ``unmask`` once, and never with both secrets of one node. The session's secrets live in
+``context.state`` (``secagg-session``) while the round runs — never on disk, and hidden from the train
+handler, so the app's own state files never hold them — and are deleted after ``unmask``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.secure_aggregation.secaggplus_utils import (
+    share_keys_plaintext_concat,
+    share_keys_plaintext_separate,
+)
+
+from pollen.protocol.records import METRICS, NUM_EXAMPLES
+from pollen.protocol.secagg import (
+    COLLECT,
+    MASKED,
+    SECAGG,
+    SETUP,
+    SHARE_KEYS,
+    STAGES,
+    UNMASK,
+    Collect,
+    MaskedInput,
+    PublicKeys,
+    Refused,
+    SealedShares,
+    Setup,
+    ShareKeys,
+    Shares,
+    Unmask,
+    decode_instruction,
+    encode,
+    encode_masked,
+)
+from pollen.secagg import crypto, payloads
+from pollen.secagg import field as ring
+
+STATE = "secagg-session"  # context.state record holding the open session
+REQUIRED_KEY = "secure-aggregation"  # run-config key: when true, a plain train message is refused
+
+
+@dataclass
+class Session:
+    """One node's secrets and view of one round (the ``secagg-session`` record, typed)."""
+
+    setup: Setup
+    node_id: int
+    stage: str
+    sk1: bytes
+    pk1: bytes
+    sk2: bytes
+    pk2: bytes
+    seed: bytes = b""
+    neighbours: tuple[int, ...] = ()
+    pk1s: tuple[bytes, ...] = ()
+    pk2s: tuple[bytes, ...] = ()
+    sources: tuple[int, ...] = ()
+    seed_shares: dict[int, bytes] = field(default_factory=dict)
+    key_shares: dict[int, bytes] = field(default_factory=dict)
+
+    def to_record(self) -> ConfigRecord:
+        s = self.setup
+        return ConfigRecord({
+            "session": s.session, "threshold": s.threshold, "num-shares": s.num_shares,
+            "modulus-bits": s.modulus_bits, "clipping-range": s.clipping_range, "levels": s.levels,
+            "max-weight": s.max_weight, "kind": s.kind, "weighting": s.weighting,
+            "node-id": self.node_id, "stage": self.stage, "sk1": self.sk1, "pk1": self.pk1, "sk2": self.sk2,
+            "pk2": self.pk2, "seed": self.seed, "neighbours": list(self.neighbours), "pk1s": list(self.pk1s),
+            "pk2s": list(self.pk2s), "sources": list(self.sources),
+            "seed-share-owners": list(self.seed_shares), "seed-shares": list(self.seed_shares.values()),
+            "key-share-owners": list(self.key_shares), "key-shares": list(self.key_shares.values())})
+
+    @classmethod
+    def from_record(cls, r: ConfigRecord) -> Session:
+        setup = Setup(str(r["session"]), int(r["threshold"]), int(r["num-shares"]), int(r["modulus-bits"]),
+                      float(r["clipping-range"]), int(r["levels"]), int(r["max-weight"]), str(r["kind"]),
+                      str(r["weighting"]))
+
+        def ids(key: str) -> tuple[int, ...]:
+            return tuple(int(x) for x in r[key])  # type: ignore[union-attr]
+
+        def blobs(key: str) -> tuple[bytes, ...]:
+            return tuple(bytes(x) for x in r[key])  # type: ignore[union-attr]
+
+        return cls(setup, int(r["node-id"]), str(r["stage"]), bytes(r["sk1"]), bytes(r["pk1"]),  # type: ignore[arg-type]
+                   bytes(r["sk2"]), bytes(r["pk2"]), bytes(r["seed"]), ids("neighbours"),  # type: ignore[arg-type]
+                   blobs("pk1s"), blobs("pk2s"), ids("sources"),
+                   dict(zip(ids("seed-share-owners"), blobs("seed-shares"), strict=True)),
+                   dict(zip(ids("key-share-owners"), blobs("key-shares"), strict=True)))
+
+
+def start(instruction: Setup, node_id: int) -> tuple[Session, PublicKeys]:
+    """``setup``: check the parameters, make this round's two key pairs, publish their public halves."""
+    s = instruction
+    if s.kind not in payloads.KINDS or s.weighting not in payloads.WEIGHTINGS:
+        raise Refused(f"stage 'setup': kind {s.kind!r} / weighting {s.weighting!r} unknown "
+                      f"(kinds {payloads.KINDS}, weightings {payloads.WEIGHTINGS})")
+    if not 2 * s.threshold > s.num_shares or s.threshold > s.num_shares:
+        raise Refused(f"stage 'setup': threshold {s.threshold} of {s.num_shares} shares must be more than half "
+                      "of them (and at most all): otherwise the server could gather both secrets of a node")
+    payloads.Quantization(s.clipping_range, s.levels, s.max_weight)  # refuses bad values by name
+    sk1, pk1 = crypto.new_key_pair()
+    sk2, pk2 = crypto.new_key_pair()
+    return Session(s, node_id, SETUP, sk1, pk1, sk2, pk2), PublicKeys(s.session, pk1, pk2)
+
+
+def share_keys(session: Session, instruction: ShareKeys) -> tuple[Session, SealedShares]:
+    """``share-keys``: Shamir-share the mask seed and the mask key among the neighbours, sealed to each."""
+    me, t = session.node_id, session.setup.threshold
+    ids = instruction.node_ids
+    if me not in ids:
+        raise Refused("stage 'share-keys': this node is not among 'node-ids'")
+    mine = ids.index(me)
+    if (instruction.pk1s[mine], instruction.pk2s[mine]) != (session.pk1, session.pk2):
+        raise Refused("stage 'share-keys': the public keys listed for this node are not the ones it sent")
+    if not t <= len(ids) <= session.setup.num_shares:
+        raise Refused(f"stage 'share-keys': {len(ids)} nodes listed; the threshold is {t} of at most "
+                      f"{session.setup.num_shares} shares")
+    if list(ids) != sorted(ids):
+        raise Refused("stage 'share-keys': 'node-ids' must be in ascending order")
+    keys = list(instruction.pk1s) + list(instruction.pk2s)
+    if len(set(keys)) != len(keys):
+        raise Refused("stage 'share-keys': some public keys are identical")
+    for key in keys:
+        try:
+            crypto.load_public(key)
+        except ValueError as err:
+            raise Refused(f"stage 'share-keys': a public key is not a P-384 point ({err})") from None
+    seed = os.urandom(crypto.SEED_BYTES)
+    seed_shares = crypto.split_secret(seed, t, len(ids))
+    key_shares = crypto.split_secret(session.sk1, t, len(ids))
+    destinations, ciphertexts = [], []
+    for i, (node, pk2) in enumerate(zip(ids, instruction.pk2s)):
+        if node == me:
+            continue
+        plaintext = share_keys_plaintext_concat(me, node, seed_shares[i], key_shares[i])
+        destinations.append(node)
+        ciphertexts.append(crypto.seal(crypto.agree(session.sk2, pk2), plaintext))
+    updated = replace(session, stage=SHARE_KEYS, seed=seed, neighbours=ids, pk1s=instruction.pk1s,
+                      pk2s=instruction.pk2s, seed_shares={me: seed_shares[mine]}, key_shares={me: key_shares[mine]})
+    return updated, SealedShares(session.setup.session, tuple(destinations), tuple(ciphertexts),
+                                 crypto.commitment(seed))
+
+
+def receive_shares(session: Session, instruction: Collect) -> Session:
+    """``collect``, first half: open the shares the neighbours sealed to this node."""
+    me, t = session.node_id, session.setup.threshold
+    others = set(session.neighbours) - {me}
+    if not set(instruction.sources) <= others:
+        raise Refused(f"stage 'collect': sources {sorted(set(instruction.sources) - others)} are not neighbours")
+    if len(instruction.sources) + 1 < t:
+        raise Refused(f"stage 'collect': shares from {len(instruction.sources)} neighbours; the threshold needs "
+                      f"{t - 1} besides this node")
+    seed_shares, key_shares = dict(session.seed_shares), dict(session.key_shares)
+    for src, ciphertext in zip(instruction.sources, instruction.ciphertexts):
+        pk2 = session.pk2s[session.neighbours.index(src)]
+        try:
+            plaintext = crypto.open_sealed(crypto.agree(session.sk2, pk2), ciphertext)
+        except crypto.DecryptionError:
+            raise Refused(f"stage 'collect': the shares from node {src} do not open with its key") from None
+        actual, dst, seed_share, key_share = share_keys_plaintext_separate(plaintext)
+        if (actual, dst) != (src, me):
+            raise Refused(f"stage 'collect': a sealed message says it is from {actual} to {dst}, "
+                          f"but came from {src} to {me}")
+        seed_shares[src], key_shares[src] = seed_share, key_share
+    return replace(session, stage=COLLECT, sources=tuple(instruction.sources), seed_shares=seed_shares,
+                   key_shares=key_shares)
+
+
+def pairwise_sign(me: int, other: int) -> int:
+    """The larger id adds the shared mask, the smaller subtracts it: the pair cancels in the sum."""
+    return 1 if me > other else -1
+
+
+def masked_input(session: Session, reply: RecordDict) -> MaskedInput:
+    """``collect``, second half: the train reply as integer parts plus the self mask and pairwise masks."""
+    s = session.setup
+    q = payloads.Quantization(s.clipping_range, s.levels, s.max_weight)
+    layout, parts = payloads.contribution(s.kind, s.weighting, reply, q)
+    bits = s.modulus_bits
+    vector = ring.to_ring(payloads.flatten(parts), bits)
+    vector = ring.add(vector, crypto.mask(session.seed, vector.size, bits), bits)
+    for other in session.sources:
+        pk1 = session.pk1s[session.neighbours.index(other)]
+        pairwise = crypto.mask(crypto.mask_key(crypto.agree(session.sk1, pk1)), vector.size, bits)
+        vector = (ring.add if pairwise_sign(session.node_id, other) > 0 else ring.sub)(vector, pairwise, bits)
+    return MaskedInput(s.session, layout, vector.astype(ring.wire_dtype(bits)))
+
+
+def reveal(session: Session, instruction: Unmask) -> Shares:
+    """``unmask``: the seed share of each surviving neighbour, the key share of each dropped one."""
+    held = set(session.sources) | {session.node_id}
+    asked = set(instruction.survivors) | set(instruction.dropped)
+    if not asked <= held:
+        raise Refused(f"stage 'unmask': this node holds no shares of {sorted(asked - held)}")
+    if session.node_id in instruction.dropped:
+        raise Refused("stage 'unmask': this node is listed as dropped")
+    if len(instruction.survivors) < session.setup.threshold:
+        raise Refused(f"stage 'unmask': {len(instruction.survivors)} survivors listed, fewer than the threshold "
+                      f"{session.setup.threshold}")
+    owners = instruction.survivors + instruction.dropped
+    shares = tuple(session.seed_shares[n] for n in instruction.survivors) + tuple(
+        session.key_shares[n] for n in instruction.dropped)
+    return Shares(session.setup.session, owners, shares)
+
+
+def _session(context: Context, stage: str, session_id: str) -> Session:
+    record = context.state.get(STATE)
+    if not isinstance(record, ConfigRecord):
+        raise Refused(f"stage {stage!r} without an open session (no 'setup' seen)")
+    session = Session.from_record(record)
+    expected = STAGES[STAGES.index(session.stage) + 1] if session.stage != UNMASK else SETUP
+    if session.setup.session != session_id:
+        raise Refused(f"stage {stage!r} of session {session_id!r}, but the open session is {session.setup.session!r}")
+    if stage != expected:
+        raise Refused(f"stage {stage!r} where {expected!r} was due")
+    return session
+
+
+def _scalar_metrics(reply: RecordDict) -> MetricRecord:
+    """What of the train reply's metrics travels beside the masked vector: scalars other than
+    ``num-examples`` (which is inside the sum). Lists (per-class figures) stay home."""
+    metrics = reply.get(METRICS)
+    if not isinstance(metrics, MetricRecord):
+        return MetricRecord({})
+    return MetricRecord({k: v for k, v in metrics.items() if k != NUM_EXAMPLES and isinstance(v, (int, float))})
+
+
+def _required(context: Context) -> bool:
+    value = context.run_config.get(REQUIRED_KEY, False)
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def secagg_mod(msg: Message, context: Context, call_next) -> Message:
+    """Flower ClientApp mod: SecAgg+ on the client (module docstring)."""
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return call_next(msg, context)
+    if SECAGG not in msg.content:
+        if _required(context):
+            raise Refused("a plain train message, but this node's run config says secure-aggregation = true: "
+                          "it sends its update only through secure aggregation")
+        return call_next(msg, context)
+    try:
+        return _stage(msg, context, call_next)
+    except Exception:
+        if STATE in context.state:  # a refused or failed stage ends the session: its secrets go
+            del context.state[STATE]
+        raise
+
+
+def _stage(msg: Message, context: Context, call_next) -> Message:
+    instruction = decode_instruction(msg.content[SECAGG])
+    out = RecordDict()
+    if isinstance(instruction, Setup):
+        session, keys = start(instruction, msg.metadata.dst_node_id)
+        out[SECAGG] = encode(keys)
+    elif isinstance(instruction, ShareKeys):
+        session, sealed = share_keys(_session(context, SHARE_KEYS, instruction.session), instruction)
+        out[SECAGG] = encode(sealed)
+    elif isinstance(instruction, Collect):
+        session = receive_shares(_session(context, COLLECT, instruction.session), instruction)
+        del msg.content[SECAGG]  # the train handler sees exactly the strategy's instruction
+        del context.state[STATE]  # ... and none of the session's secrets
+        try:
+            reply = call_next(msg, context)
+        finally:
+            context.state[STATE] = session.to_record()
+        if reply.has_error():
+            return reply
+        masked = masked_input(session, reply.content)
+        out[METRICS] = _scalar_metrics(reply.content)
+        out[SECAGG], out[MASKED] = encode_masked(masked)
+    else:
+        session = _session(context, UNMASK, instruction.session)
+        out[SECAGG] = encode(reveal(session, instruction))
+        del context.state[STATE]
+        return Message(out, reply_to=msg)
+    context.state[STATE] = session.to_record()
+    return Message(out, reply_to=msg)
+
+
+def parts_of(reply: RecordDict, setup: Setup) -> tuple[payloads.Layout, np.ndarray]:
+    """The integer vector a reply adds to the sum, unmasked (tests compare the protocol's sum with it)."""
+    q = payloads.Quantization(setup.clipping_range, setup.levels, setup.max_weight)
+    layout, parts = payloads.contribution(setup.kind, setup.weighting, reply, q)
+    return layout, payloads.flatten(parts)

@@ -171,9 +171,10 @@ def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch):
     assert _refused("settings", "protocol") and not _refused("privacy", "protocol")
 
 
-def test_importing_the_strategies_does_not_import_torch():
-    """Flower projects import Pollen's strategies on servers that may have no torch at all."""
-    code = "import sys, pollen.strategies; print('torch' in sys.modules)"
+@pytest.mark.parametrize("package", ["pollen.strategies", "pollen.secagg"])
+def test_importing_the_strategies_does_not_import_torch(package):
+    """Flower projects import Pollen's strategies (and the SecAgg+ mod) on machines that may have no torch."""
+    code = f"import sys, {package}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT_ROOT, check=True)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -50,7 +50,7 @@ def test_the_strategy_packages_import_without_the_train_libraries():
         import sys
         for name in ({blocked},):
             sys.modules[name] = None  # import fails
-        import pollen.strategies, pollen.protocol, pollen.privacy
+        import pollen.strategies, pollen.protocol, pollen.privacy, pollen.secagg
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)

@@ -266,8 +266,8 @@ class SecAggPlus:
             unmask_msgs[node] = RecordDict({SECAGG: encode(Unmask(
                 session, tuple(sorted(held & survivors)), tuple(sorted(held & dropped))))})
         share_replies = self._stage(UNMASK, unmask_msgs)
-        seed_shares: dict[int, list[bytes]] = {n: [] for n in survivors}
-        key_shares: dict[int, list[bytes]] = {n: [] for n in dropped}
+        seed_shares: dict[int, list[tuple[int, bytes]]] = {n: [] for n in survivors}
+        key_shares: dict[int, list[tuple[int, bytes]]] = {n: [] for n in dropped}
         for node, reply in share_replies.items():
             assert isinstance(reply, Shares)
             expected_owners = [int(x) for x in unmask_msgs[node][SECAGG]["survivors"]] + \
@@ -277,7 +277,7 @@ class SecAggPlus:
                 self._refuse(node, UNMASK, problem)
                 continue
             for owner, share in zip(reply.owners, reply.shares):
-                (seed_shares[owner] if owner in survivors else key_shares[owner]).append(share)
+                (seed_shares[owner] if owner in survivors else key_shares[owner]).append((node, share))
 
         total = ring.to_ring(np.zeros(payloads.length(wanted), dtype=np.int64), cfg.modulus_bits)
         for node in sorted(survivors):
@@ -372,19 +372,27 @@ class SecAggPlus:
                 return f"its share of node {owner} carries number {crypto.share_index(share)}, not {number}"
         return None
 
-    def _rebuild(self, owner: int, shares: list[bytes], what: str, valid) -> bytes:
+    def _rebuild(self, owner: int, shares: list[tuple[int, bytes]], what: str, valid) -> bytes:
+        """The owner's secret from the first ``t`` shares handed in; when those do not rebuild what the owner
+        committed to, each of them in turn is swapped for a spare one, so one bad share is found, named and
+        left out. More than that fails the round with the reason."""
         t = self._t
         if len(shares) < t:
             raise SecAggFailed(f"secure aggregation round {self._round} failed at stage 'unmask': {len(shares)} "
                                f"shares of node {owner}'s {what}, the threshold is {t}")
-        try:
-            secret = crypto.combine_secret(shares[:t])
-        except ValueError:
-            secret = b""
-        if not valid(secret):
-            raise SecAggFailed(f"secure aggregation round {self._round} failed at stage 'unmask': the shares of "
-                               f"node {owner}'s {what} do not rebuild the secret it committed to")
-        return secret
+        candidates = [list(range(t))] + [[j for j in range(t) if j != i] + [spare]
+                                         for spare in range(t, len(shares)) for i in range(t)]
+        for chosen in candidates:
+            try:
+                secret = crypto.combine_secret([shares[j][1] for j in chosen])
+            except ValueError:
+                continue
+            if valid(secret):
+                for j in sorted(set(range(t)) - set(chosen)):
+                    self._refuse(shares[j][0], UNMASK, f"its share of node {owner}'s {what} does not fit the others'")
+                return secret
+        raise SecAggFailed(f"secure aggregation round {self._round} failed at stage 'unmask': the shares of "
+                           f"node {owner}'s {what} do not rebuild the secret it committed to")
 
 
 def _copy(content: RecordDict) -> RecordDict:

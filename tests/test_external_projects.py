@@ -106,7 +106,7 @@ def _median_pair_mse(protos: np.ndarray) -> float:
 
 # --- static: the projects are what an outside team would ship ------------------------------------------------
 
-POLLEN_ALLOWED = ("pollen.strategies", "pollen.protocol")
+POLLEN_ALLOWED = ("pollen.strategies", "pollen.protocol", "pollen.secagg")
 
 
 def _imports(path: Path) -> set[str]:
@@ -121,7 +121,7 @@ def _imports(path: Path) -> set[str]:
 
 def test_there_is_one_external_project_per_family():
     assert PROJECTS == ["hostile_project", "legacy_project", "logits_project", "prototypes_project",
-                        "weights_project"]
+                        "secagg_project", "weights_project"]
 
 
 @pytest.mark.parametrize("project", PROJECTS)

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import PROJECT_ROOT
 
-BASE = {"flwr", "numpy", "dp-accounting"}
+BASE = {"flwr", "numpy", "dp-accounting", "cryptography"}
 TRAIN_ONLY = ("torch", "torchvision", "ray", "safetensors", "matplotlib", "sklearn", "scipy", "PIL")
 
 

@@ -180,25 +180,25 @@ class _Reader:
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         return Refused(f"stage {self.stage!r}: {key!r} must be {what}, got {shown}")
 
-    def int(self, key: str, low: int = 0, high: int | None = None) -> int:
+    def whole(self, key: str, low: int = 0, high: int | None = None) -> int:
         v = self._get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
             raise self._fail(key, f"a whole number in [{low}, {high if high is not None else '...'}]", v)
         return v
 
-    def float(self, key: str) -> float:
+    def positive(self, key: str) -> float:
         v = self._get(key)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise self._fail(key, "a finite number > 0", v)
         return float(v)
 
-    def str(self, key: str, choices: tuple[str, ...] | None = None) -> str:
+    def text(self, key: str, choices: tuple[str, ...] | None = None) -> str:
         v = self._get(key)
         if not isinstance(v, str) or (choices is not None and v not in choices):
             raise self._fail(key, f"one of {choices}" if choices else "a string", v)
         return v
 
-    def bytes(self, key: str, length: int | None = None) -> bytes:
+    def blob(self, key: str, length: int | None = None) -> bytes:
         v = self._get(key)
         if not isinstance(v, bytes) or (length is not None and len(v) != length):
             raise self._fail(key, f"{length} bytes" if length else "bytes", v)
@@ -247,11 +247,11 @@ def decode_instruction(record: Any) -> Setup | ShareKeys | Collect | Unmask:
     """Client side: the server's stage record, typed."""
     stage = read_header(record)
     r = _Reader(record, stage)
-    session = r.str(SESSION)
+    session = r.text(SESSION)
     if stage == SETUP:
-        return Setup(session, r.int("threshold", 2), r.int("num-shares", 2), r.int("modulus-bits", 8, 64),
-                     r.float("clipping-range"), r.int("levels", 2), r.int("max-weight", 1),
-                     r.str("kind"), r.str("weighting"))
+        return Setup(session, r.whole("threshold", 2), r.whole("num-shares", 2), r.whole("modulus-bits", 8, 64),
+                     r.positive("clipping-range"), r.whole("levels", 2), r.whole("max-weight", 1),
+                     r.text("kind"), r.text("weighting"))
     if stage == SHARE_KEYS:
         ids = r.ids("node-ids")
         return ShareKeys(session, ids, r.byte_list("pk1s", len(ids)), r.byte_list("pk2s", len(ids)))
@@ -272,10 +272,10 @@ def decode_reply(content: RecordDict, stage: str, session: str, *,
     read_header(record, stage, session)
     r = _Reader(record, stage)
     if stage == SETUP:
-        return PublicKeys(session, r.bytes("pk1"), r.bytes("pk2"))
+        return PublicKeys(session, r.blob("pk1"), r.blob("pk2"))
     if stage == SHARE_KEYS:
         dsts = r.ids("destinations")
-        return SealedShares(session, dsts, r.byte_list("ciphertexts", len(dsts)), r.bytes("commitment", 32))
+        return SealedShares(session, dsts, r.byte_list("ciphertexts", len(dsts)), r.blob("commitment", 32))
     if stage == UNMASK:
         owners = r.ids("owners")
         return Shares(session, owners, r.byte_list("shares", len(owners)))

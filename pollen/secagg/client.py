@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -87,19 +88,20 @@ class Session:
             "key-share-owners": list(self.key_shares), "key-shares": list(self.key_shares.values())})
 
     @classmethod
-    def from_record(cls, r: ConfigRecord) -> Session:
+    def from_record(cls, record: ConfigRecord) -> Session:
+        r: dict[str, Any] = dict(record)
         setup = Setup(str(r["session"]), int(r["threshold"]), int(r["num-shares"]), int(r["modulus-bits"]),
                       float(r["clipping-range"]), int(r["levels"]), int(r["max-weight"]), str(r["kind"]),
                       str(r["weighting"]))
 
         def ids(key: str) -> tuple[int, ...]:
-            return tuple(int(x) for x in r[key])  # type: ignore[union-attr]
+            return tuple(int(x) for x in r[key])
 
         def blobs(key: str) -> tuple[bytes, ...]:
-            return tuple(bytes(x) for x in r[key])  # type: ignore[union-attr]
+            return tuple(bytes(x) for x in r[key])
 
-        return cls(setup, int(r["node-id"]), str(r["stage"]), bytes(r["sk1"]), bytes(r["pk1"]),  # type: ignore[arg-type]
-                   bytes(r["sk2"]), bytes(r["pk2"]), bytes(r["seed"]), ids("neighbours"),  # type: ignore[arg-type]
+        return cls(setup, int(r["node-id"]), str(r["stage"]), bytes(r["sk1"]), bytes(r["pk1"]),
+                   bytes(r["sk2"]), bytes(r["pk2"]), bytes(r["seed"]), ids("neighbours"),
                    blobs("pk1s"), blobs("pk2s"), ids("sources"),
                    dict(zip(ids("seed-share-owners"), blobs("seed-shares"), strict=True)),
                    dict(zip(ids("key-share-owners"), blobs("key-shares"), strict=True)))

@@ -260,19 +260,16 @@ class SecAggPlus:
         dropped = keyed - survivors
         self._check(COLLECT, keyed, survivors)
 
-        unmask_msgs = {}
+        asked: dict[int, Unmask] = {}
         for node in sorted(survivors):
             held = set(sources[node]) | {node}
-            unmask_msgs[node] = RecordDict({SECAGG: encode(Unmask(
-                session, tuple(sorted(held & survivors)), tuple(sorted(held & dropped))))})
-        share_replies = self._stage(UNMASK, unmask_msgs)
+            asked[node] = Unmask(session, tuple(sorted(held & survivors)), tuple(sorted(held & dropped)))
+        share_replies = self._stage(UNMASK, {n: RecordDict({SECAGG: encode(u)}) for n, u in asked.items()})
         seed_shares: dict[int, list[tuple[int, bytes]]] = {n: [] for n in survivors}
         key_shares: dict[int, list[tuple[int, bytes]]] = {n: [] for n in dropped}
         for node, reply in share_replies.items():
             assert isinstance(reply, Shares)
-            expected_owners = [int(x) for x in unmask_msgs[node][SECAGG]["survivors"]] + \
-                [int(x) for x in unmask_msgs[node][SECAGG]["dropped"]]  # type: ignore[union-attr]
-            problem = self._check_shares(node, reply, expected_owners, survivors)
+            problem = self._check_shares(node, reply, [*asked[node].survivors, *asked[node].dropped], survivors)
             if problem:
                 self._refuse(node, UNMASK, problem)
                 continue

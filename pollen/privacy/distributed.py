@@ -1,0 +1,162 @@
+"""Distributed DP at the client level (``dp-mode = distributed``): noise once for the sum, shared by the clients.
+
+Under secure aggregation the server reads only the sum of the sampled clients' contributions, so the
+noise must hide one client in the *sum*, not in its own release. Each client
+
+1. clips its whole contribution (one vector: a model update, its class-share-weighted prototypes and
+   shares, its logits) to L2 norm ``clip``, so its influence does not grow with its record count;
+2. rounds it to the secure sum's integer grid (step ``step``): the rounded vector's L2 norm is at most
+   ``Δ = clip / step + sqrt(d) / 2`` steps (nearest rounding moves each coordinate by at most 1/2);
+3. adds its share of the noise, a discrete Gaussian ``N_Z(0, σ_c²)`` per coordinate (integers, so the
+   noise survives the modular ring: wrapping around is a function of the sum, i.e. post-processing).
+
+Accounting. Assume at least ``h = dp-min-honest`` of the summed clients are honest (add their noise and
+keep it secret). The sum then carries noise of variance at least ``h σ_c²``; a round is a Gaussian
+mechanism of noise multiplier ``z = sqrt(h) σ_c / Δ`` on client-level neighbours that differ by *replacing*
+one client's data (sensitivity 2Δ, handled by the accountant), applied to a Poisson sample of the
+clients with probability ``q = fraction-train``. :func:`round_event` is that mechanism as a dp-accounting
+event; the ledger composes it with the PLD accountant (replace-one).
+
+Stated approximation: the sum of ``h`` discrete Gaussians is accounted as a Gaussian of the same
+variance. A sum of discrete Gaussians is within max-divergence ``τ·d`` of one discrete Gaussian of the
+summed variance, ``τ = 10 Σ_{k=1}^{h-1} exp(−2π² σ_c² k / (k + 1))`` (Kairouz, Liu & Steinke, 2021), and a
+discrete Gaussian's Rényi divergences are at most the continuous one's; :func:`sum_gap` gives ``τ·d``,
+which :func:`check_plan` requires to be below ``MAX_SUM_GAP`` (at σ_c of a few steps it is below 1e-30).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_SUM_GAP = 1e-9  # largest max-divergence per round the sum-of-discrete-Gaussians approximation may cost
+NEIGHBOUR = "replace-one"
+UNIT = "client"
+
+
+def discrete_gaussian(rng: np.random.Generator, sigma: float, size: int) -> np.ndarray:
+    """``size`` draws of the discrete Gaussian ``N_Z(0, sigma²)`` (int64), by rejection from a discrete
+    Laplace of scale ``t = floor(sigma) + 1`` (a difference of two geometric draws): a candidate ``y`` is
+    kept with probability ``exp(−(|y| − sigma²/t)² / (2 sigma²))``. The randomness is ``rng``'s; the
+    acceptance test is in floating point."""
+    if not (math.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"the discrete Gaussian's sigma must be a finite number > 0, got {sigma!r}")
+    t = math.floor(sigma) + 1
+    p = -math.expm1(-1.0 / t)  # success probability of the geometric draws: P(y) ∝ exp(−|y| / t)
+    out = np.empty(size, dtype=np.int64)
+    filled = 0
+    while filled < size:
+        want = max(64, int(1.5 * (size - filled)))
+        y = rng.geometric(p, want).astype(np.int64) - rng.geometric(p, want).astype(np.int64)
+        keep = rng.random(want) < np.exp(-((np.abs(y) - sigma ** 2 / t) ** 2) / (2 * sigma ** 2))
+        kept = y[keep][: size - filled]
+        out[filled:filled + kept.size] = kept
+        filled += kept.size
+    return out
+
+
+@dataclass(frozen=True)
+class DistributedPlan:
+    """One round's distributed-DP parameters, the same on every client.
+
+    clip: L2 bound of a client's whole contribution (value units).
+    noise_multiplier: z, the sum's noise std over the contribution's L2 bound Δ (both in steps).
+    min_honest: h, the honest clients whose noise the guarantee counts on.
+    step: the value of one integer step of the secure sum.
+    """
+
+    clip: float
+    noise_multiplier: float
+    min_honest: int
+    step: float
+
+    def __post_init__(self):
+        for name in ("clip", "noise_multiplier", "step"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if isinstance(self.min_honest, bool) or not isinstance(self.min_honest, int) or self.min_honest < 1:
+            raise ValueError(f"dp-min-honest must be a whole number >= 1, got {self.min_honest!r}")
+
+    def sensitivity(self, dim: int) -> float:
+        """Δ: the L2 bound, in steps, of one client's clipped and rounded contribution of ``dim`` values."""
+        return self.clip / self.step + math.sqrt(dim) / 2
+
+    def client_sigma(self, dim: int) -> float:
+        """σ_c, in steps: each client's share, so that h of them make the sum's σ = z Δ."""
+        return self.noise_multiplier * self.sensitivity(dim) / math.sqrt(self.min_honest)
+
+    def privatize(self, vector: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Clip (L2) → round to the step grid → add this client's discrete Gaussian noise: int64 steps."""
+        v = np.asarray(vector, dtype=np.float64).ravel()
+        if not np.isfinite(v).all():
+            raise ValueError("a contribution to privatize is NaN or infinite")
+        rounded = np.rint(clip_l2(v, self.clip) / self.step).astype(np.int64)
+        return rounded + discrete_gaussian(rng, self.client_sigma(v.size), v.size)
+
+
+def clip_l2(vector: np.ndarray, clip: float) -> np.ndarray:
+    """``vector`` scaled down to L2 norm ``clip`` when it is longer."""
+    norm = float(np.linalg.norm(vector))
+    return vector * (clip / norm) if norm > clip else vector
+
+
+def sum_gap(client_sigma: float, min_honest: int, dim: int) -> float:
+    """τ·d: how far (max-divergence, per round) the sum of ``min_honest`` discrete Gaussians of std
+    ``client_sigma`` can be from one discrete Gaussian of the summed variance, over ``dim`` coordinates."""
+    tau = 10.0 * sum(math.exp(-2 * math.pi ** 2 * client_sigma ** 2 * k / (k + 1)) for k in range(1, min_honest))
+    return tau * dim
+
+
+def check_plan(plan: DistributedPlan, dim: int) -> None:
+    """Refuse a plan whose approximation (module docstring) would cost more than ``MAX_SUM_GAP``."""
+    gap = sum_gap(plan.client_sigma(dim), plan.min_honest, dim)
+    if gap > MAX_SUM_GAP:
+        raise ValueError(f"each client's noise ({plan.client_sigma(dim):.3g} steps) is too small for the sum of "
+                         f"{plan.min_honest} discrete Gaussians to be accounted as one Gaussian (gap {gap:.3g} > "
+                         f"{MAX_SUM_GAP}): raise the noise multiplier or the quantization")
+
+
+def round_event(noise_multiplier: float, sampling_probability: float, rounds: int = 1):
+    """``rounds`` rounds of distributed DP as one dp-accounting event (module docstring)."""
+    import dp_accounting
+
+    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
+    inner = gaussian if sampling_probability >= 1.0 else dp_accounting.PoissonSampledDpEvent(
+        sampling_probability, gaussian)
+    return dp_accounting.SelfComposedDpEvent(inner, rounds)
+
+
+def epsilon(noise_multiplier: float, sampling_probability: float, rounds: int, delta: float) -> float:
+    """Client-level, replace-one ε at ``delta`` after ``rounds`` rounds (PLD accountant)."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from pollen.privacy.accounting import PLD_INTERVAL
+
+    accountant = pld_privacy_accountant.PLDAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
+        value_discretization_interval=PLD_INTERVAL)
+    accountant.compose(round_event(noise_multiplier, sampling_probability, rounds))
+    return max(0.0, float(accountant.get_epsilon(delta)))
+
+
+def calibrate(target_epsilon: float, delta: float, sampling_probability: float, rounds: int,
+              rtol: float = 1e-3) -> float:
+    """The smallest noise multiplier (to ``rtol``, never above the target) whose ``rounds`` rounds stay
+    within ``target_epsilon`` at ``delta``: bisection on log z."""
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target epsilon must be a finite number > 0, got {target_epsilon!r}")
+    lo, hi = 0.1, 1.0
+    while epsilon(hi, sampling_probability, rounds, delta) > target_epsilon:
+        lo, hi = hi, hi * 2
+        if hi > 1e5:
+            raise ValueError(f"no noise multiplier up to 1e5 reaches epsilon {target_epsilon} at delta {delta}")
+    if epsilon(lo, sampling_probability, rounds, delta) <= target_epsilon:
+        raise ValueError(f"target epsilon {target_epsilon} needs a noise multiplier below {lo}: too loose to calibrate")
+    while hi / lo > 1 + rtol:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if epsilon(mid, sampling_probability, rounds, delta) > target_epsilon else (lo, mid)
+    return hi

@@ -72,6 +72,7 @@ class Session:
     pk1s: tuple[bytes, ...] = ()
     pk2s: tuple[bytes, ...] = ()
     sources: tuple[int, ...] = ()
+    sealing_keys: dict[int, bytes] = field(default_factory=dict)  # agreed with each neighbour's pk2
     seed_shares: dict[int, bytes] = field(default_factory=dict)
     key_shares: dict[int, bytes] = field(default_factory=dict)
 
@@ -84,6 +85,7 @@ class Session:
             "node-id": self.node_id, "stage": self.stage, "sk1": self.sk1, "pk1": self.pk1, "sk2": self.sk2,
             "pk2": self.pk2, "seed": self.seed, "neighbours": list(self.neighbours), "pk1s": list(self.pk1s),
             "pk2s": list(self.pk2s), "sources": list(self.sources),
+            "sealing-owners": list(self.sealing_keys), "sealing-keys": list(self.sealing_keys.values()),
             "seed-share-owners": list(self.seed_shares), "seed-shares": list(self.seed_shares.values()),
             "key-share-owners": list(self.key_shares), "key-shares": list(self.key_shares.values())})
 
@@ -103,6 +105,7 @@ class Session:
         return cls(setup, int(r["node-id"]), str(r["stage"]), bytes(r["sk1"]), bytes(r["pk1"]),
                    bytes(r["sk2"]), bytes(r["pk2"]), bytes(r["seed"]), ids("neighbours"),
                    blobs("pk1s"), blobs("pk2s"), ids("sources"),
+                   dict(zip(ids("sealing-owners"), blobs("sealing-keys"), strict=True)),
                    dict(zip(ids("seed-share-owners"), blobs("seed-shares"), strict=True)),
                    dict(zip(ids("key-share-owners"), blobs("key-shares"), strict=True)))
 
@@ -139,23 +142,27 @@ def share_keys(session: Session, instruction: ShareKeys) -> tuple[Session, Seale
     keys = list(instruction.pk1s) + list(instruction.pk2s)
     if len(set(keys)) != len(keys):
         raise Refused("stage 'share-keys': some public keys are identical")
-    for key in keys:
-        try:
+    try:
+        loaded = [crypto.load_public(key) for key in instruction.pk2s]
+        for key in instruction.pk1s:
             crypto.load_public(key)
-        except ValueError as err:
-            raise Refused(f"stage 'share-keys': a public key is not a P-384 point ({err})") from None
+    except ValueError as err:
+        raise Refused(f"stage 'share-keys': a public key is not a P-384 point ({err})") from None
     seed = os.urandom(crypto.SEED_BYTES)
     seed_shares = crypto.split_secret(seed, t, len(ids))
     key_shares = crypto.split_secret(session.sk1, t, len(ids))
-    destinations, ciphertexts = [], []
-    for i, (node, pk2) in enumerate(zip(ids, instruction.pk2s)):
+    destinations, ciphertexts, sealing = [], [], {}
+    sk2 = crypto.load_private(session.sk2)
+    for i, (node, pk2) in enumerate(zip(ids, loaded)):
         if node == me:
             continue
         plaintext = share_keys_plaintext_concat(me, node, seed_shares[i], key_shares[i])
         destinations.append(node)
-        ciphertexts.append(crypto.seal(crypto.agree(session.sk2, pk2), plaintext))
+        sealing[node] = crypto.agree(sk2, pk2)
+        ciphertexts.append(crypto.seal(sealing[node], plaintext))
     updated = replace(session, stage=SHARE_KEYS, seed=seed, neighbours=ids, pk1s=instruction.pk1s,
-                      pk2s=instruction.pk2s, seed_shares={me: seed_shares[mine]}, key_shares={me: key_shares[mine]})
+                      pk2s=instruction.pk2s, sealing_keys=sealing, seed_shares={me: seed_shares[mine]},
+                      key_shares={me: key_shares[mine]})
     return updated, SealedShares(session.setup.session, tuple(destinations), tuple(ciphertexts),
                                  crypto.commitment(seed))
 
@@ -171,9 +178,8 @@ def receive_shares(session: Session, instruction: Collect) -> Session:
                       f"{t - 1} besides this node")
     seed_shares, key_shares = dict(session.seed_shares), dict(session.key_shares)
     for src, ciphertext in zip(instruction.sources, instruction.ciphertexts):
-        pk2 = session.pk2s[session.neighbours.index(src)]
         try:
-            plaintext = crypto.open_sealed(crypto.agree(session.sk2, pk2), ciphertext)
+            plaintext = crypto.open_sealed(session.sealing_keys[src], ciphertext)
         except crypto.DecryptionError:
             raise Refused(f"stage 'collect': the shares from node {src} do not open with its key") from None
         actual, dst, seed_share, key_share = share_keys_plaintext_separate(plaintext)
@@ -198,9 +204,10 @@ def masked_input(session: Session, reply: RecordDict) -> MaskedInput:
     bits = s.modulus_bits
     vector = ring.to_ring(payloads.flatten(parts), bits)
     vector = ring.add(vector, crypto.mask(session.seed, vector.size, bits), bits)
+    sk1 = crypto.load_private(session.sk1)
     for other in session.sources:
         pk1 = session.pk1s[session.neighbours.index(other)]
-        pairwise = crypto.mask(crypto.mask_key(crypto.agree(session.sk1, pk1)), vector.size, bits)
+        pairwise = crypto.mask(crypto.mask_key(crypto.agree(sk1, pk1)), vector.size, bits)
         vector = (ring.add if pairwise_sign(session.node_id, other) > 0 else ring.sub)(vector, pairwise, bits)
     return MaskedInput(s.session, layout, vector.astype(ring.wire_dtype(bits)))
 

@@ -66,9 +66,11 @@ def public_of(private_raw: bytes) -> bytes:
     return load_private(private_raw).public_key().public_bytes(Encoding.X962, PublicFormat.CompressedPoint)
 
 
-def agree(private_raw: bytes, public_raw: bytes) -> bytes:
-    """The 32-byte secret two nodes share (ECDH + HKDF), base64url as Fernet wants it."""
-    return generate_shared_key(load_private(private_raw), load_public(public_raw))
+def agree(private: ec.EllipticCurvePrivateKey | bytes, public: ec.EllipticCurvePublicKey | bytes) -> bytes:
+    """The 32-byte secret two nodes share (ECDH + HKDF), base64url as Fernet wants it. Pass loaded keys
+    when agreeing with many peers: loading a key costs a good part of an agreement."""
+    key = load_private(private) if isinstance(private, bytes) else private
+    return generate_shared_key(key, load_public(public) if isinstance(public, bytes) else public)
 
 
 def seal(key: bytes, plaintext: bytes) -> bytes:

@@ -284,8 +284,8 @@ class SecAggPlus:
                 len(s) == crypto.SEED_BYTES and crypto.commitment(s) == sealed[n].commitment))
             total = ring.sub(total, crypto.mask(seed, total.size, cfg.modulus_bits), cfg.modulus_bits)
         for node in sorted(dropped):
-            sk1 = self._rebuild(node, key_shares[node], "mask key", lambda s, n=node: (
-                len(s) == crypto.PRIVATE_KEY_BYTES and crypto.public_of(s) == pk[n].pk1))
+            sk1 = crypto.load_private(self._rebuild(node, key_shares[node], "mask key", lambda s, n=node: (
+                len(s) == crypto.PRIVATE_KEY_BYTES and crypto.public_of(s) == pk[n].pk1)))
             for other in sources[node]:
                 if other not in survivors:
                     continue

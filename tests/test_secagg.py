@@ -463,6 +463,26 @@ def test_a_bad_share_is_named_and_left_out_and_the_secrets_still_rebuild(tamper,
         assert np.array_equal(result.sums[name], value), name
 
 
+def test_a_reply_the_strategy_refuses_before_unmasking_is_taken_out_of_the_sum():
+    """``vet`` sees each masked-input reply's clear part (its metrics) before anything is unmasked; a refused
+    node's contribution leaves the sum exactly as a dropout's does."""
+    replies = _weights(6, seed=8)
+    cfg = SecAggConfig(neighbours=4, threshold=0.6)
+    rec = Recorder(_app(replies), 6)
+    seen = []
+
+    def vet(node, reply):
+        seen.append(sorted(reply.content["metrics"].keys()))
+        return "partition 3 is claimed by another node" if node == FIRST + 3 else None
+
+    result = SecAggPlus(cfg).aggregate(rec.grid(), _instructions(rec.nodes), vet=vet)
+    assert seen == [["train-loss"]] * 6
+    assert result.refused == [{"node": FIRST + 3, "stage": COLLECT, "reason": "partition 3 is claimed by another node"}]
+    layout, ints = _expected_ints(replies, set(replies) - {FIRST + 3}, cfg)
+    for name, value in payloads.unflatten(layout, ints, cfg.quantization()).items():
+        assert np.array_equal(result.sums[name], value), name
+
+
 def test_a_reply_from_a_node_not_asked_is_refused():
     replies = _weights(4)
     rec = Recorder(_app(replies), 4)

@@ -27,7 +27,7 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,11 +171,13 @@ class SecAggPlus:
 
     # -- one round ------------------------------------------------------------------------------------
     def aggregate(self, grid: Grid, instructions: Mapping[int, RecordDict], *, server_round: int = 0,
-                  layout: Layout | None = None) -> SecureSum:
+                  layout: Layout | None = None, vet: Callable[[int, Message], str | None] | None = None) -> SecureSum:
         """Run the four stages for these nodes (node id -> its train instruction) and return the sum.
 
         ``layout`` is what every contribution must look like; ``None`` takes the one most survivors
-        declared (a contribution unlike it is refused)."""
+        declared (a contribution unlike it is refused). ``vet(node, reply)`` judges each masked-input reply
+        by what travels in clear (its metrics: a partition claim, say) before anything is unmasked: a
+        reason refuses the reply, and the node's contribution is taken out of the sum like a dropout's."""
         cpu0 = time.process_time()
         self._grid, self._round = grid, server_round
         nodes = sorted(int(n) for n in instructions)
@@ -252,6 +254,10 @@ class SecAggPlus:
             if reply.layout != wanted:
                 self._refuse(node, COLLECT, f"contribution laid out as {_layout_text(reply.layout)}, the round's "
                                             f"is {_layout_text(wanted)}")
+                continue
+            reason = vet(node, self._kept[node]) if vet is not None else None
+            if reason is not None:
+                self._refuse(node, COLLECT, reason)
                 continue
             masked[node] = reply
         survivors = set(masked)

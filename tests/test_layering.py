@@ -32,7 +32,7 @@ ONLY = {
     "settings": (),
     "protocol": ("settings",),
     "privacy": ("settings", "protocol"),
-    "secagg": ("settings", "protocol"),
+    "secagg": ("settings", "protocol", "log"),  # pollen.log: Flower's child logger, imports nothing of Pollen
 }
 # The old spelling `python -m pollen.app.launch`, kept one release: it imports the launcher only when run
 # as a program, never when the app is imported.

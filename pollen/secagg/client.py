@@ -67,7 +67,7 @@ class Session:
     pk1: bytes
     sk2: bytes
     pk2: bytes
-    seed: bytes = b""
+    mask_seed: bytes = b""
     neighbours: tuple[int, ...] = ()
     pk1s: tuple[bytes, ...] = ()
     pk2s: tuple[bytes, ...] = ()
@@ -83,7 +83,7 @@ class Session:
             "modulus-bits": s.modulus_bits, "clipping-range": s.clipping_range, "levels": s.levels,
             "max-weight": s.max_weight, "kind": s.kind, "weighting": s.weighting,
             "node-id": self.node_id, "stage": self.stage, "sk1": self.sk1, "pk1": self.pk1, "sk2": self.sk2,
-            "pk2": self.pk2, "seed": self.seed, "neighbours": list(self.neighbours), "pk1s": list(self.pk1s),
+            "pk2": self.pk2, "seed": self.mask_seed, "neighbours": list(self.neighbours), "pk1s": list(self.pk1s),
             "pk2s": list(self.pk2s), "sources": list(self.sources),
             "sealing-owners": list(self.sealing_keys), "sealing-keys": list(self.sealing_keys.values()),
             "seed-share-owners": list(self.seed_shares), "seed-shares": list(self.seed_shares.values()),
@@ -160,7 +160,7 @@ def share_keys(session: Session, instruction: ShareKeys) -> tuple[Session, Seale
         destinations.append(node)
         sealing[node] = crypto.agree(sk2, pk2)
         ciphertexts.append(crypto.seal(sealing[node], plaintext))
-    updated = replace(session, stage=SHARE_KEYS, seed=seed, neighbours=ids, pk1s=instruction.pk1s,
+    updated = replace(session, stage=SHARE_KEYS, mask_seed=seed, neighbours=ids, pk1s=instruction.pk1s,
                       pk2s=instruction.pk2s, sealing_keys=sealing, seed_shares={me: seed_shares[mine]},
                       key_shares={me: key_shares[mine]})
     return updated, SealedShares(session.setup.session, tuple(destinations), tuple(ciphertexts),
@@ -203,7 +203,7 @@ def masked_input(session: Session, reply: RecordDict) -> MaskedInput:
     layout, parts = payloads.contribution(s.kind, s.weighting, reply, q)
     bits = s.modulus_bits
     vector = ring.to_ring(payloads.flatten(parts), bits)
-    vector = ring.add(vector, crypto.mask(session.seed, vector.size, bits), bits)
+    vector = ring.add(vector, crypto.mask(session.mask_seed, vector.size, bits), bits)
     sk1 = crypto.load_private(session.sk1)
     for other in session.sources:
         pk1 = session.pk1s[session.neighbours.index(other)]

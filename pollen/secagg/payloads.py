@@ -32,7 +32,8 @@ from pollen.protocol.secagg import Layout, Part
 from pollen.secagg import field
 
 KINDS = ("weights", "prototypes", "logits", "sum")
-WEIGHTINGS = ("samples", "uniform")
+SAMPLES = "samples"
+WEIGHTINGS = (SAMPLES, "uniform")
 VALUE, INTEGER, WEIGHT = "value", "integer", "weight"  # how a part is read back (scaled / whole / weight)
 WEIGHT_PART, CLASS_WEIGHTS, LOGITS, CONTRIBUTORS = "weight", "class-weights", "logits", "contributors"
 

@@ -92,7 +92,7 @@ class SecAggConfig:
     modulus_bits: int = DEFAULT_MODULUS_BITS
     max_weight: int = 10_000_000
     kind: str = "weights"
-    weighting: str = "samples"
+    weighting: str = payloads.SAMPLES
     timeout: float | None = None
 
     def __post_init__(self):

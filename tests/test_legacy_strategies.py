@@ -384,22 +384,15 @@ def test_homogeneous_mode_screens_states_and_averages_them_by_samples():
 
 
 # -- differential privacy: the bounds follow the mechanism, as on the Message API -------------------------
-def _payload_privacy(clip: float, sigma: float):
-    from pollen.privacy import PayloadPrivacy, PrivacyConfig
+def _payload_privacy(clip: float, sigma: float, kind: str = "weights"):
+    import tempfile
+
+    from pollen.privacy import LedgerFile, PayloadPrivacy, PrivacyConfig
     from pollen.privacy.bounds import dp_bounds
 
-    class Store:  # the node state the client's ledger lives in
-        def __init__(self):
-            self.values = {}
-
-        def save_values(self, key, values):
-            self.values[key] = dict(values)
-
-        def load_values(self, key, default=None):
-            return dict(self.values.get(key, default or {}))
-
     config = PrivacyConfig("payload", clip, sigma, 0.0, 1e-5, 0.0)
-    return dp_bounds(config, 10), lambda pid: PayloadPrivacy(config, 10, Store(), f"partition {pid}")
+    return dp_bounds(config, 10), lambda pid: PayloadPrivacy(
+        config, 10, LedgerFile.in_folder(tempfile.mkdtemp(prefix="pollen-ledger-")), f"partition {pid}", kind)
 
 
 def test_weight_averaging_under_dp_keeps_honest_releases_and_refuses_one_beyond_the_dp_bound():

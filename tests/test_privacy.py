@@ -19,6 +19,8 @@ from pollen.privacy import (
     Budget,
     BudgetExhausted,
     Ledger,
+    LedgerError,
+    LedgerFile,
     PrivacyConfig,
     Release,
     calibrate_noise_multiplier,
@@ -98,30 +100,59 @@ def test_a_dp_sgd_ledger_composes_each_mechanism_once_however_many_rounds(monkey
     assert ledger.epsilon() > eps and len(composed) == 2
 
 
-def test_a_ledger_resumed_from_json_reaches_the_same_epsilon():
-    plan = [Release(4.0)] * 6 + [Release(2.5)] * 3 + [Release(1.0, 0.1, 20)] * 2
-    whole = Ledger(DELTA)
-    for r in plan:
-        whole.add(r)
-    first = Ledger(DELTA)
+def test_a_ledger_file_keeps_every_release_and_reaches_the_epsilon_of_one_that_never_stopped(tmp_path):
+    plan = [Release(4.0, unit="client")] * 6 + [Release(2.5, unit="client")] * 3
+    whole = Ledger(DELTA, plan)
+    file = LedgerFile.in_folder(tmp_path)
+    assert file.releases() == [] and file.path.name == "dp-ledger.json"
     for r in plan[:7]:
-        first.add(r)
-    saved = json.loads(json.dumps(first.to_dict()))  # what the node's persisted state holds
-    assert len(json.dumps(saved)) < 200
-    resumed = Ledger.from_dict(saved)
-    for r in plan[7:]:
-        resumed.add(r)
-    assert resumed.to_dict() == whole.to_dict()
-    assert resumed.epsilon() == whole.epsilon()
-    assert whole.epsilon() == pytest.approx(independent_pld([(r.noise_multiplier, r.sampling_probability)
-                                                             for r in plan for _ in range(r.count)]), rel=2e-3)
+        file.append(r)
+    resumed = Ledger(DELTA, LedgerFile.in_folder(tmp_path).releases())  # a new process reads it back
+    assert resumed.count == 7 and resumed.unit == "client" and resumed.neighbour == "add-remove"
+    assert LedgerFile.in_folder(tmp_path).append(*plan[7:]) == plan
+    assert [e["seq"] for e in file.entries()] == list(range(9))  # one entry per release, never merged on disk
+    assert Ledger(DELTA, file.releases()).epsilon() == whole.epsilon()
+    assert whole.epsilon() == pytest.approx(independent_pld([(r.noise_multiplier, 1.0) for r in plan]), rel=2e-3)
 
 
-@pytest.mark.parametrize("bad", [{"delta": 1e-5}, {"delta": 1e-5, "releases": [[1.0, 1.0]]},
-                                 {"delta": 2.0, "releases": []}, {"delta": 1e-5, "releases": [[0.0, 1.0, 1]]}])
-def test_a_malformed_ledger_is_refused(bad):
-    with pytest.raises(ValueError, match="ledger|delta|noise multiplier"):
-        Ledger.from_dict(bad)
+def test_a_ledger_composes_one_unit_and_neighbour_only():
+    ledger = Ledger(DELTA, [Release(2.0, unit="client")])
+    with pytest.raises(ValueError, match="unit 'client' under 'add-remove' cannot compose a release of unit 'record'"):
+        ledger.add(Release(2.0, 0.1, 5))
+    with pytest.raises(ValueError, match="unit must be one of"):
+        Release(2.0, unit="dataset")
+    with pytest.raises(ValueError, match="neighbour must be one of"):
+        Release(2.0, neighbour="swap")
+
+
+def _tamper(path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda p: p.write_text('{"format": "pollen-dp-ledger/1", "releases": ['), "not valid JSON"),
+    (lambda p: _tamper(p, lambda d: d["releases"].pop()), "does not match its recorded SHA-256"),
+    (lambda p: _tamper(p, lambda d: d["releases"][0].update({"noise-multiplier": 40.0})), "SHA-256"),
+    (lambda p: p.write_text("[]"), "not a privacy ledger"),
+])
+def test_a_damaged_ledger_is_refused_naming_the_file(tmp_path, damage, message):
+    file = LedgerFile.in_folder(tmp_path)
+    file.append(Release(2.0), Release(2.0))
+    damage(file.path)
+    with pytest.raises(LedgerError, match=message) as err:
+        file.releases()
+    assert str(file.path) in str(err.value)
+    with pytest.raises(LedgerError):  # and nothing more is released on top of it
+        Budget(file, DELTA, 0.0)
+
+
+@pytest.mark.parametrize("bad", [{"noise-multiplier": 1.0}, {**Release(1.0).to_json(), "count": 1.5},
+                                 {**Release(1.0).to_json(), "noise-multiplier": 0.0}])
+def test_a_malformed_release_is_refused(bad):
+    with pytest.raises(ValueError, match="release|noise multiplier"):
+        Release.from_json(bad)
 
 
 @pytest.mark.parametrize(("target", "rounds"), [(8.0, 100), (2.0, 10), (1.0, 1)])
@@ -268,33 +299,26 @@ def test_update_noise_std_is_sigma_times_clip():
     assert noise.std() == pytest.approx(1.3 * 0.5, rel=0.02)
 
 
-class DictStore:
-    def __init__(self):
-        self.values = {}
-
-    def save_values(self, key, values):
-        self.values[key] = json.loads(json.dumps(values))
-
-    def load_values(self, key, default=None):
-        return dict(self.values.get(key, default or {}))
-
-
-def test_budget_persists_and_stops_before_the_cap():
-    store = DictStore()
+def test_budget_persists_and_stops_before_the_cap(tmp_path):
+    file = LedgerFile.in_folder(tmp_path)
     release = Release(3.0)
     cap = Ledger(DELTA, [Release(3.0, 1.0, 4)]).epsilon() * 1.0001  # room for exactly four
     for _ in range(4):
-        metrics = Budget(store, DELTA, cap, who="partition 7").spend(release)  # a fresh Budget: from the store
+        metrics = Budget(file, DELTA, cap, who="partition 7").spend(release)  # a fresh Budget: from the file
         assert metrics["dp-delta"] == DELTA
     assert metrics["dp-epsilon"] == pytest.approx(independent_pld([(3.0, 1.0)] * 4), rel=1e-3)
     with pytest.raises(BudgetExhausted, match=r"partition 7 stops releasing: after 4 release\(s\).*dp-max-epsilon"):
-        Budget(store, DELTA, cap, who="partition 7").spend(release)
-    assert Ledger.from_dict(store.values["dp-ledger"]).count == 4
-    with pytest.raises(ValueError, match="cannot change delta"):
-        Budget(store, 1e-6, 0.0)
-    unlimited = Budget(store, DELTA, 0.0)
+        Budget(file, DELTA, cap, who="partition 7").spend(release)
+    assert len(file.releases()) == 4  # the refused release was not written
+    unlimited = Budget(file, DELTA, 0.0)
     unlimited.spend(release)
-    assert unlimited.ledger.count == 5
+    assert unlimited.ledger.count == 5 == len(file.releases())
+
+
+def test_the_cap_defaults_to_the_target_epsilon():
+    assert PrivacyConfig("payload", 1.0, 0.0, 4.0, DELTA, 0.0).cap == 4.0
+    assert PrivacyConfig("payload", 1.0, 0.0, 4.0, DELTA, 6.0).cap == 6.0
+    assert PrivacyConfig("payload", 1.0, 2.0, 0.0, DELTA, 0.0).cap == 0.0  # σ given, no cap set: none
 
 
 def test_privacy_config_rules():

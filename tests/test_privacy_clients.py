@@ -95,16 +95,18 @@ def test_payload_prototypes_release_noisy_sums_and_counts_and_report_epsilon(tmp
     assert metrics["num-examples"] == max(1, round(float(counts.astype(np.float64).sum())))
 
 
-def test_the_ledger_continues_after_a_restart_to_the_same_epsilon(tmp_path):
-    whole = clientapp_node(client_app, PAYLOAD, 0, 3, node_id=100, state_dir=str(tmp_path / "whole"))
-    eps_whole = [whole(train_message(r, node_id=100)).content["metrics"]["dp-epsilon"] for r in (1, 2, 3)]
-    first = clientapp_node(client_app, PAYLOAD, 0, 3, node_id=100, state_dir=str(tmp_path / "restarted"))
-    for r in (1, 2):
-        first(train_message(r, node_id=100))
-    # a new process: empty context.state, the same state folder on disk
-    again = clientapp_node(client_app, PAYLOAD, 0, 3, node_id=100, state_dir=str(tmp_path / "restarted"))
-    resumed = again(train_message(3, node_id=100)).content["metrics"]["dp-epsilon"]
-    assert resumed == eps_whole[2] and eps_whole[0] < eps_whole[1] < eps_whole[2]
+def test_the_ledger_outlives_a_restart_and_is_never_rolled_back(tmp_path):
+    """A restarted node (empty context.state, the same state folder) continues its ledger; asked for a
+    round it already trained (a resume from an older checkpoint rolls its state back), it trains it
+    again, and that release is counted on top of the first: the server may have seen both."""
+    first = clientapp_node(client_app, PAYLOAD, 0, 3, node_id=100, state_dir=str(tmp_path))
+    eps = [first(train_message(r, node_id=100)).content["metrics"]["dp-epsilon"] for r in (1, 2)]
+    again = clientapp_node(client_app, PAYLOAD, 0, 3, node_id=100, state_dir=str(tmp_path))  # a new process
+    eps += [again(train_message(r, node_id=100)).content["metrics"]["dp-epsilon"] for r in (2, 3)]
+    assert eps == pytest.approx([independent_epsilon(2.0, n) for n in (1, 2, 3, 4)], rel=1e-3)
+    state = RecordDict()
+    assert load_records(tmp_path, state) and "dp-ledger" not in state  # the ledger is not in the state
+    assert len(json.loads((tmp_path / "dp-ledger.json").read_text())["releases"]) == 4
 
 
 def test_a_client_stops_releasing_before_passing_dp_max_epsilon(tmp_path):

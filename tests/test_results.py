@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from pollen.app.results import RunRecorder
 
 
@@ -95,3 +97,25 @@ def test_the_summary_quotes_the_worst_clients_epsilon_not_the_mean(tmp_path):
     assert summary["privacy"] == {"dp-epsilon-max": 3.0, "dp-delta": 1e-5,
                                   "dp-epsilon-per-client": {"partition 0": 3.0, "partition 1": 2.5}}
     assert "privacy" not in RunRecorder(tmp_path / "off", {"method": "fedavg"}, num_rounds=1, echo=False).finish()
+
+
+def test_a_client_that_stopped_releasing_is_counted_at_the_epsilon_its_ledger_holds(tmp_path):
+    """A capped client's reply is an error (no metrics); its reason carries its ledger's exact ε, which the
+    summary counts even when the server never learnt which partition the node serves (a resumed run
+    whose node stopped before its first reply)."""
+    from pollen.privacy import Budget, BudgetExhausted, LedgerFile, Release
+
+    file = LedgerFile.in_folder(tmp_path / "node")
+    budget = Budget(file, 1e-5, 0.0, who="partition 1")
+    budget.spend(Release(1.0), Release(1.0))
+    with pytest.raises(BudgetExhausted) as stop:
+        Budget(file, 1e-5, budget.ledger.epsilon(), who="partition 1").check(Release(1.0))
+    rec = RunRecorder(tmp_path / "run", {"method": "fedproto"}, num_rounds=1, echo=False)
+    r = rec.round(1)
+    r["fit-clients"] = {"partition 0": {"dp-epsilon": 0.5, "dp-delta": 1e-5}}
+    r["failures"] = 1
+    r["failure-reasons"] = [{"stage": "train", "client": "node 17", "code": 2,
+                             "reason": f"BudgetExhausted: {stop.value}"}]
+    rec.end_round(1)
+    assert rec.finish()["privacy"]["dp-epsilon-per-client"] == {"partition 0": 0.5,
+                                                                "partition 1": budget.ledger.epsilon()}

@@ -17,6 +17,7 @@ restarts, so a node that carried on from its folder can be told from one that st
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
@@ -57,7 +58,8 @@ def _prepare(context: Context, before_round: int | None = None):
         trained = _rounds_trained(context)
         LOGGER.info("partition %d: state restored from %s (%d round(s) trained before)",
                     node.partition_id, folder, trained)
-    return cfg, spec, folder, spec.make_client(cfg, node, context)
+    # the client is told its folder: what outlives a rollback (the DP ledger) is kept there, not in the state
+    return cfg, spec, folder, spec.make_client(cfg, replace(node, state_dir=str(folder)), context)
 
 
 def _rounds_trained(context: Context) -> int:

@@ -243,15 +243,23 @@ class RunRecorder:
 
 
 def privacy_spent(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each client's last reported ε (a client's ledger only grows) and the largest of them: a privacy
-    report quotes the worst client, not the mean. Empty when no client reported ``dp-epsilon``."""
+    """Each client's largest reported ε (a client's ledger only grows, and counts every release it ever
+    made, resumes included) and the largest of them: a privacy report quotes the worst client, not the
+    mean. A client that stopped releasing reports its ε in its error reason. Empty when no client
+    reported ``dp-epsilon``."""
+    from pollen.privacy.budget import epsilon_in_refusal
+
     last: dict[str, float] = {}
     delta = None
     for rec in rounds:
         for client, metrics in rec.get("fit-clients", {}).items():
             if isinstance(metrics.get("dp-epsilon"), (int, float)):
-                last[client] = float(metrics["dp-epsilon"])
+                last[client] = max(last.get(client, 0.0), float(metrics["dp-epsilon"]))
                 delta = metrics.get("dp-delta", delta)
+        for failure in rec.get("failure-reasons", []):
+            spent = epsilon_in_refusal(str(failure.get("reason", "")))
+            if spent is not None:
+                last[spent[0]] = max(last.get(spent[0], 0.0), spent[1])
     if not last:
         return {}
     return {"dp-epsilon-max": max(last.values()), "dp-delta": delta,

@@ -23,6 +23,7 @@ from pollen.methods.training import LocalTraining, derive_seed, pick_device, see
 from pollen.models import SMALL_MODELS, SplitModel, build_model, to_channels_last
 from pollen.models.spec import ModelSpec, choose_model
 from pollen.privacy.config import PrivacyConfig
+from pollen.privacy.ledger import LedgerFile
 from pollen.privacy.payload import PayloadPrivacy
 from pollen.privacy.sample import SamplePrivacy
 from pollen.settings import NodeConfig, RunConfig
@@ -39,6 +40,9 @@ def state_keys(name: str, num_classes: int, channels: int, size: int, width: flo
 
 class PollenClient(NumPyClient):
     """Base NumPyClient: resolved config, device, seeded RNG, lazily built data, state access."""
+
+    # What this client releases under dp-mode = payload (pollen.privacy.config.PAYLOAD_UNITS).
+    release_kind = "weights"
 
     def __init__(self, cfg: RunConfig, node: NodeConfig, context: Context):
         self.cfg = cfg
@@ -67,20 +71,28 @@ class PollenClient(NumPyClient):
     def privacy_config(self) -> PrivacyConfig:
         return PrivacyConfig.of(self.cfg)
 
+    def ledger(self) -> LedgerFile:
+        """This node's append-only ε ledger, beside its state (``<state-dir>/dp-ledger.json``): never
+        rolled back with the state, so it counts every release the node ever made."""
+        if not self.node.state_dir:
+            raise ValueError(f"partition {self.partition_id}: differential privacy keeps its ledger in the node's "
+                             "state folder, and this node has none (node config 'state-dir')")
+        return LedgerFile.in_folder(self.node.state_dir)
+
     def payload_privacy(self) -> PayloadPrivacy | None:
-        """``dp-mode = payload``: the mechanism and this partition's ledger (in ``context.state``);
-        σ covers ``num-server-rounds`` releases. ``None`` in any other mode."""
+        """``dp-mode = payload``: the mechanism and this partition's ledger; σ covers ``num-server-rounds``
+        releases. ``None`` in any other mode."""
         if self.cfg.dp_mode != "payload":
             return None
-        return PayloadPrivacy(self.privacy_config, self.cfg.num_server_rounds, self.state,
-                              f"partition {self.partition_id}")
+        return PayloadPrivacy(self.privacy_config, self.cfg.num_server_rounds, self.ledger(),
+                              f"partition {self.partition_id}", self.release_kind)
 
     def sample_privacy(self, prototypes: bool = False) -> SamplePrivacy | None:
         """``dp-mode = sample``: this client's DP-SGD plan over its training set (and, for ``prototypes``,
         the prototype release after training) and its ledger. ``None`` in any other mode."""
         if self.cfg.dp_mode != "sample":
             return None
-        return SamplePrivacy(self.privacy_config, self.cfg.num_server_rounds, self.state,
+        return SamplePrivacy(self.privacy_config, self.cfg.num_server_rounds, self.ledger(),
                              f"partition {self.partition_id}", num_records=self.data.num_train,
                              batch_size=self.cfg.batch_size, epochs=self.cfg.local_epochs, prototypes=prototypes)
 

@@ -28,6 +28,7 @@ from pollen.protocol.glfc import TrainInstruction
 
 class IncrementalClient(PollenClient):
     """Learned classes, exemplar memory, detector state and cached old models in ``context.state``."""
+    release_kind = "glfc"
 
     def __init__(self, cfg, node, context: Context, settings: IncrementalSettings):
         super().__init__(cfg, node, context)

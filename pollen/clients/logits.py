@@ -25,6 +25,7 @@ class LogitClient(PollenClient):
     logits (and, in homogeneous mode, model weights) leave the node."""
 
     NET = LogitRound.NET
+    release_kind = "logits"
 
     def __init__(self, cfg, node, context: Context, recipe: Recipe = FCCL):
         super().__init__(cfg, node, context)

@@ -26,6 +26,7 @@ class PrototypeClient(PollenClient):
     """Private model in ``context.state``; only class prototypes leave the node."""
 
     MODEL_KEY = PrototypeRound.MODEL_KEY
+    release_kind = "prototypes"
 
     def __init__(self, cfg, node, context: Context, method: PrototypeMethod = FEDPROTO):
         super().__init__(cfg, node, context)

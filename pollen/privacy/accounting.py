@@ -1,4 +1,4 @@
-"""The per-client ε ledger and noise calibration, on Google's ``dp-accounting``.
+"""The ε of composed releases and noise calibration, on Google's ``dp-accounting``.
 
 How ε is computed: releases on all of a client's data (``dp-mode = payload``) are Gaussian mechanisms,
 and Gaussians compose into one Gaussian, whose ε at δ ``dp-accounting`` computes exactly (the analytic
@@ -7,10 +7,15 @@ privacy-loss-distribution (PLD) accountant gives the tightest ε ``dp-accounting
 a looser but independent bound, the cross-check: an ε above RDP's signals a bug. Flower's
 ``RdpAccountant`` would give only that looser bound.
 
-A ledger stores its releases, not an accountant object: run-length ``(noise multiplier, sampling
-probability, count)`` triples, a few numbers per client. ε is recomputed from them, so a ledger
-serialised to JSON, persisted with the node's state and read back after a restart reaches exactly the
-ε of one that never stopped.
+Every ε states what it protects: the *unit* (one ``record``; a ``client``'s whole dataset; one
+embedding ``row-given-model``, i.e. given a model trained on the same rows without DP) and the
+*neighbour* relation (``add-remove`` one unit, or ``replace-one`` unit by another). A release's noise
+multiplier is its noise std over the L2 distance one unit added or removed moves it by (for a whole
+dataset: the distance to the release of no data), ``dp-accounting``'s convention; replacing a unit
+moves it by at most twice that (triangle inequality), which is how ``dp-accounting``'s replace-one
+relation accounts a Gaussian. A ledger composes releases of one unit and one neighbour only.
+
+The ledger here is in memory; :mod:`pollen.privacy.ledger` keeps a node's releases on disk, append-only.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,15 +36,30 @@ if TYPE_CHECKING:
 # less than 1e-6 relative for the Gaussian mechanisms Pollen composes (tests/test_privacy.py checks).
 PLD_INTERVAL = 1e-3
 
+UNITS = ("record", "client", "row-given-model")
+NEIGHBOURS = ("replace-one", "add-remove")
+# The relation each unit's ε is stated under unless a release names another. A client's releases are
+# seen one by one by the server, so the dataset it could be confused with is any other dataset
+# (replace-one); DP-SGD's Poisson sampling is analysed, as usual, by adding or removing one record.
+DEFAULT_NEIGHBOUR = {"record": "add-remove", "client": "add-remove", "row-given-model": "add-remove"}
+# The units whose ε a run may quote as its guarantee (summary.json's headline, README, docs).
+HEADLINE_UNITS = ("record", "client")
+MECHANISMS = ("gaussian",)
+
 
 @dataclass(frozen=True)
 class Release:
     """``count`` invocations of a Gaussian mechanism with noise std = ``noise_multiplier`` × its L2
-    sensitivity, each on a Poisson sample of the records with ``sampling_probability`` (1 = all)."""
+    sensitivity to adding or removing one ``unit``, each on a Poisson sample of the records with
+    ``sampling_probability`` (1 = all), its ε stated under ``neighbour`` (default: the unit's,
+    :data:`DEFAULT_NEIGHBOUR`)."""
 
     noise_multiplier: float
     sampling_probability: float = 1.0
     count: int = 1
+    unit: str = "record"
+    neighbour: str = field(default="")
+    mechanism: str = "gaussian"
 
     def __post_init__(self):
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
@@ -48,6 +68,24 @@ class Release:
             raise ValueError(f"sampling probability must be in (0, 1], got {self.sampling_probability!r}")
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"release count must be an integer >= 1, got {self.count!r}")
+        if self.unit not in UNITS:
+            raise ValueError(f"release unit must be one of {', '.join(UNITS)}, got {self.unit!r}")
+        if not self.neighbour:
+            object.__setattr__(self, "neighbour", DEFAULT_NEIGHBOUR[self.unit])
+        if self.neighbour not in NEIGHBOURS:
+            raise ValueError(f"release neighbour must be one of {', '.join(NEIGHBOURS)}, got {self.neighbour!r}")
+        if self.mechanism not in MECHANISMS:
+            raise ValueError(f"release mechanism must be one of {', '.join(MECHANISMS)}, got {self.mechanism!r}")
+
+    @property
+    def kind(self) -> tuple[str, str]:
+        """(unit, neighbour): what the release's ε protects; a ledger composes one kind only."""
+        return self.unit, self.neighbour
+
+    def times(self, count: int) -> Release:
+        """The same mechanism, ``count`` invocations."""
+        return Release(self.noise_multiplier, self.sampling_probability, count, self.unit, self.neighbour,
+                       self.mechanism)
 
     def event(self) -> dp_accounting.DpEvent:
         import dp_accounting
@@ -57,6 +95,41 @@ class Release:
             return dp_accounting.SelfComposedDpEvent(gaussian, self.count)
         return dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(self.sampling_probability, gaussian), self.count)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mechanism": self.mechanism, "noise-multiplier": self.noise_multiplier,
+                "sampling-probability": self.sampling_probability, "count": self.count, "unit": self.unit,
+                "neighbour": self.neighbour}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Release:
+        """Inverse of :meth:`to_json`; a malformed entry is refused naming what is wrong."""
+        keys = ("mechanism", "noise-multiplier", "sampling-probability", "count", "unit", "neighbour")
+        if not isinstance(data, Mapping) or any(k not in data for k in keys):
+            raise ValueError(f"a release must be a dict with {', '.join(keys)}, got {data!r}")
+        count = data["count"]
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise ValueError(f"release count must be an integer, got {count!r}")
+        return cls(float(data["noise-multiplier"]), float(data["sampling-probability"]), count, str(data["unit"]),
+                   str(data["neighbour"]), str(data["mechanism"]))
+
+
+def _relation(neighbour: str):
+    from dp_accounting import NeighboringRelation
+
+    if neighbour not in NEIGHBOURS:
+        raise ValueError(f"neighbour must be one of {', '.join(NEIGHBOURS)}, got {neighbour!r}")
+    return NeighboringRelation.REPLACE_ONE if neighbour == "replace-one" else NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+def _neighbour_of(releases: list[Release], neighbour: str | None) -> str:
+    if neighbour is not None:
+        return neighbour
+    kinds = {r.neighbour for r in releases}
+    if len(kinds) > 1:
+        raise ValueError(f"releases under different neighbour relations ({', '.join(sorted(kinds))}) do not "
+                         "compose into one ε: name the relation")
+    return kinds.pop() if kinds else "add-remove"
 
 
 def _full_gaussian_sigma(releases: Iterable[Release]) -> float | None:
@@ -74,25 +147,31 @@ def _same_mechanisms_together(releases: Iterable[Release]) -> list[Release]:
     so its ledger holds one training release per round: composed one by one, ε cost more with every
     round (minutes per round after 70 rounds of the privacy study), together it costs the same at
     round 100 as at round 1, and the same ε to 1e-8 relative."""
-    counts: dict[tuple[float, float], int] = {}
+    counts: dict[Release, int] = {}
     for r in releases:
-        key = (r.noise_multiplier, r.sampling_probability)
+        key = r.times(1)
         counts[key] = counts.get(key, 0) + r.count
-    return [Release(sigma, q, n) for (sigma, q), n in counts.items()]
+    return [r.times(n) for r, n in counts.items()]
 
 
-def composed_epsilon(releases: Iterable[Release], delta: float) -> float:
-    """ε at ``delta`` of all ``releases`` composed (0 for none): exact for Gaussians on all the data,
-    by the PLD accountant once any release is subsampled."""
+def composed_epsilon(releases: Iterable[Release], delta: float, neighbour: str | None = None) -> float:
+    """ε at ``delta`` of all ``releases`` composed (0 for none), under ``neighbour`` (default: the
+    releases' own): exact for Gaussians on all the data, by the PLD accountant once any release is
+    subsampled."""
     from dp_accounting import GaussianDpEvent, gaussian_mechanism
     from dp_accounting.pld import pld_privacy_accountant
 
     releases = list(releases)
+    relation = _neighbour_of(releases, neighbour)
     sigma = _full_gaussian_sigma(releases)
     sampled = _same_mechanisms_together(r for r in releases if r.sampling_probability < 1.0)
     if not sampled:
-        return 0.0 if sigma is None else float(gaussian_mechanism.get_epsilon_gaussian(sigma, delta))
-    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
+        if sigma is None:
+            return 0.0
+        # replacing a unit moves a Gaussian release by up to twice its add/remove sensitivity: σ/2
+        effective = sigma / 2.0 if relation == "replace-one" else sigma
+        return float(gaussian_mechanism.get_epsilon_gaussian(effective, delta))
+    accountant = pld_privacy_accountant.PLDAccountant(_relation(relation), value_discretization_interval=PLD_INTERVAL)
     if sigma is not None:
         accountant.compose(GaussianDpEvent(sigma))
     for r in sampled:
@@ -104,17 +183,22 @@ def composed_epsilon(releases: Iterable[Release], delta: float) -> float:
                          "multiplier") from err
 
 
-def rdp_epsilon(releases: Iterable[Release], delta: float) -> float:
-    """ε at ``delta`` by the RDP accountant: an independent, looser bound (the cross-check)."""
+def rdp_epsilon(releases: Iterable[Release], delta: float, neighbour: str | None = None) -> float | None:
+    """ε at ``delta`` by the RDP accountant: an independent, looser bound (the cross-check). ``None``
+    where ``dp-accounting``'s RDP has no analysis (Poisson-sampled releases under replace-one)."""
     from dp_accounting.rdp import rdp_privacy_accountant
 
-    accountant = rdp_privacy_accountant.RdpAccountant()
+    releases = list(releases)
+    relation = _neighbour_of(releases, neighbour)
+    if relation == "replace-one" and any(r.sampling_probability < 1.0 for r in releases):
+        return None
+    accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=_relation(relation))
     for r in _same_mechanisms_together(releases):
         accountant.compose(r.event())
     return float(accountant.get_epsilon(delta))
 
 
-def _check_delta(delta: float) -> float:
+def check_delta(delta: float) -> float:
     delta = float(delta)
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
@@ -122,20 +206,24 @@ def _check_delta(delta: float) -> float:
 
 
 class Ledger:
-    """One client's composed releases and the ε they cost at a fixed δ."""
+    """Composed releases of one unit and neighbour, and the ε they cost at a fixed δ (in memory; a
+    node's releases on disk: :class:`pollen.privacy.ledger.LedgerFile`)."""
 
     def __init__(self, delta: float, releases: Iterable[Release] = ()):
-        self.delta = _check_delta(delta)
+        self.delta = check_delta(delta)
         self.releases: list[Release] = []
         for r in releases:
             self.add(r)
 
     def add(self, release: Release) -> None:
-        """Compose one more release (merged with the last one when it is the same mechanism)."""
+        """Compose one more release (merged with the last one when it is the same mechanism). A release of
+        another unit or neighbour is refused: ε of one record and ε of one client do not add up."""
+        if self.releases and release.kind != self.releases[0].kind:
+            raise ValueError(f"a ledger of {self.describe()} cannot compose a release of unit "
+                             f"{release.unit!r} under {release.neighbour!r}")
         last = self.releases[-1] if self.releases else None
-        if last is not None and (last.noise_multiplier, last.sampling_probability) == (
-                release.noise_multiplier, release.sampling_probability):
-            self.releases[-1] = Release(last.noise_multiplier, last.sampling_probability, last.count + release.count)
+        if last is not None and last.times(1) == release.times(1):
+            self.releases[-1] = last.times(last.count + release.count)
         else:
             self.releases.append(release)
 
@@ -143,47 +231,44 @@ class Ledger:
     def count(self) -> int:
         return sum(r.count for r in self.releases)
 
-    def epsilon(self) -> float:
-        return composed_epsilon(self.releases, self.delta)
+    @property
+    def unit(self) -> str | None:
+        return self.releases[0].unit if self.releases else None
 
-    def epsilon_rdp(self) -> float:
-        return rdp_epsilon(self.releases, self.delta)
+    @property
+    def neighbour(self) -> str | None:
+        return self.releases[0].neighbour if self.releases else None
+
+    def describe(self) -> str:
+        return f"unit {self.unit!r} under {self.neighbour!r}" if self.releases else "no release"
+
+    def epsilon(self, neighbour: str | None = None) -> float:
+        """ε under the releases' neighbour relation, or under ``neighbour`` (the other one, beside it)."""
+        return composed_epsilon(self.releases, self.delta, neighbour)
+
+    def epsilon_rdp(self, neighbour: str | None = None) -> float | None:
+        return rdp_epsilon(self.releases, self.delta, neighbour)
 
     def epsilon_after(self, *releases: Release) -> float:
         """ε if ``releases`` were composed next; the ledger is unchanged."""
         return composed_epsilon([*self.releases, *releases], self.delta)
 
-    def to_dict(self) -> dict[str, Any]:
-        """A small JSON-able dict (the node's persisted state keeps it)."""
-        return {"delta": self.delta,
-                "releases": [[r.noise_multiplier, r.sampling_probability, r.count] for r in self.releases]}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Ledger:
-        """Inverse of :meth:`to_dict`; a malformed dict is refused naming what is wrong."""
-        if not isinstance(data, Mapping) or "delta" not in data or "releases" not in data:
-            raise ValueError(f"privacy ledger must be a dict with 'delta' and 'releases', got {data!r}")
-        rows = data["releases"]
-        if not isinstance(rows, list) or not all(isinstance(row, (list, tuple)) and len(row) == 3 for row in rows):
-            raise ValueError(f"privacy ledger 'releases' must be [noise multiplier, sampling probability, count] "
-                             f"triples, got {rows!r}")
-        return cls(float(data["delta"]), [Release(float(s), float(q), int(c)) for s, q, c in rows])
-
 
 @functools.lru_cache(maxsize=64)
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: int,
                                sampling_probability: float = 1.0, steps_per_release: int = 1,
-                               full_per_release: int = 0, rtol: float = 1e-3) -> float:
+                               full_per_release: int = 0, rtol: float = 1e-3,
+                               neighbour: str = "add-remove") -> float:
     """The smallest noise multiplier (to ``rtol``) whose ``releases`` × (``steps_per_release``
     mechanisms at ``sampling_probability`` + ``full_per_release`` on all the data) stay within
-    ``target_epsilon`` at ``delta``: bisection on log σ over :func:`composed_epsilon`.
+    ``target_epsilon`` at ``delta`` under ``neighbour``: bisection on log σ over :func:`composed_epsilon`.
 
     ε falls as σ grows, so the bracket [lo, hi] keeps ε(lo) > target >= ε(hi) and the answer is hi:
     never above the target.
     """
     if not (math.isfinite(target_epsilon) and target_epsilon > 0):
         raise ValueError(f"target epsilon must be a finite number > 0, got {target_epsilon!r}")
-    _check_delta(delta)
+    check_delta(delta)
     if releases < 1 or steps_per_release < 1:
         raise ValueError(f"releases and steps per release must be >= 1, got {releases} and {steps_per_release}")
 
@@ -191,7 +276,7 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: in
         plan = [Release(sigma, sampling_probability, releases * steps_per_release)]
         if full_per_release:
             plan.append(Release(sigma, 1.0, releases * full_per_release))
-        return composed_epsilon(plan, delta)
+        return composed_epsilon(plan, delta, neighbour)
 
     lo, hi = 0.05, 1.0
     while eps(hi) > target_epsilon:

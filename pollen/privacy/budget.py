@@ -1,23 +1,26 @@
-"""A client's privacy budget between rounds: its ledger in the node's state, the stopping rule, the
-metrics each round reports. No torch: the store is anything with ``load_values``/``save_values``
-(Pollen's ``ClientState``, persisted with the node's state so a restarted node continues its ledger).
+"""A client's privacy budget between rounds: its append-only ledger on disk
+(:class:`~pollen.privacy.ledger.LedgerFile`), the stopping rule, the metrics each round reports. No torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+import re
 
 from pollen.privacy.accounting import Ledger, Release
+from pollen.privacy.ledger import LedgerFile
 
-LEDGER_KEY = "dp-ledger"  # context.state key of the ledger
 EPSILON, DELTA = "dp-epsilon", "dp-delta"  # reply metrics, every private round
+# A client that stops sends an error, not metrics: its reason ends with the ε its ledger holds, exactly,
+# so the run's summary still counts every release it made (epsilon_in_refusal reads it back).
+_SPENT = re.compile(r"\[(.+?) spent epsilon ([0-9.eE+-]+)\]")
 
 
-class ValueStore(Protocol):
-    def save_values(self, key: str, values: Mapping[str, Any]) -> None: ...
-
-    def load_values(self, key: str, default: Mapping[str, Any] | None = None) -> dict[str, Any]: ...
+def epsilon_in_refusal(reason: str) -> tuple[str, float] | None:
+    """(who, the ε it had spent) when a client stopped releasing, read off its error reason; ``None``
+    when the reason is not a stop of :class:`BudgetExhausted`. ``who`` is the client's own name for
+    itself (``partition 3``): the server may not know which partition a node that never replied serves."""
+    found = _SPENT.search(reason)
+    return (found.group(1), float(found.group(2))) if found else None
 
 
 class BudgetExhausted(RuntimeError):
@@ -25,15 +28,11 @@ class BudgetExhausted(RuntimeError):
 
 
 class Budget:
-    """The ledger of one client, read from and written back to its store."""
+    """The ledger of one client, read from its file; ``max_epsilon`` > 0 caps it (0: no cap)."""
 
-    def __init__(self, store: ValueStore, delta: float, max_epsilon: float, who: str = "this client"):
-        self.store, self.max_epsilon, self.who = store, max_epsilon, who
-        saved = store.load_values(LEDGER_KEY, {})
-        self.ledger = Ledger.from_dict(saved) if saved else Ledger(delta)
-        if self.ledger.delta != delta:
-            raise ValueError(f"{who}: the stored privacy ledger is at delta {self.ledger.delta}, the run's "
-                             f"'dp-delta' is {delta}; a ledger cannot change delta midway")
+    def __init__(self, ledger: LedgerFile, delta: float, max_epsilon: float, who: str = "this client"):
+        self.file, self.max_epsilon, self.who = ledger, max_epsilon, who
+        self.ledger = Ledger(delta, ledger.releases())
 
     def check(self, *releases: Release) -> float:
         """ε after ``releases``; raises :class:`BudgetExhausted` (saying so) when it would pass the cap."""
@@ -42,13 +41,15 @@ class Budget:
             raise BudgetExhausted(
                 f"{self.who} stops releasing: after {self.ledger.count} release(s) at epsilon "
                 f"{self.ledger.epsilon():.4g}, the next would reach {after:.4g} > dp-max-epsilon = "
-                f"{self.max_epsilon:g} (delta {self.ledger.delta:g})")
+                f"{self.max_epsilon:g} (delta {self.ledger.delta:g}; ledger {self.file.path}) "
+                f"[{self.who} spent epsilon {self.ledger.epsilon()!r}]")
         return after
 
     def spend(self, *releases: Release) -> dict[str, float]:
-        """Compose ``releases`` (after :meth:`check`), persist the ledger, and return the round's metrics."""
+        """Compose ``releases`` (after :meth:`check`), append them to the ledger file — before the reply
+        that carries them leaves — and return the round's metrics."""
         epsilon = self.check(*releases)
+        self.file.append(*releases)
         for release in releases:
             self.ledger.add(release)
-        self.store.save_values(LEDGER_KEY, self.ledger.to_dict())
         return {EPSILON: epsilon, DELTA: self.ledger.delta}

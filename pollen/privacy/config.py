@@ -10,9 +10,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pollen.privacy.accounting import calibrate_noise_multiplier
+from pollen.privacy.accounting import DEFAULT_NEIGHBOUR, calibrate_noise_multiplier
 from pollen.settings import DP_MODES as MODES
 from pollen.settings import RunConfig
+
+# What one release protects, per payload kind (pollen.privacy.mechanisms): under ``payload`` a client's
+# whole dataset, but for prototypes only one embedding row given the model (trained without DP);
+# under ``sample`` (DP-SGD) one record, whatever the kind.
+PAYLOAD_UNITS = {"prototypes": "row-given-model", "weights": "client", "logits": "client", "glfc": "client"}
+
+
+def release_unit(kind: str, mode: str) -> str:
+    """The unit a release of payload ``kind`` protects in ``mode`` (``record``, ``client`` or
+    ``row-given-model``): what its ε is about."""
+    if mode == "sample":
+        return "record"
+    if mode != "payload" or kind not in PAYLOAD_UNITS:
+        raise ValueError(f"no DP release of kind {kind!r} in dp-mode {mode!r}")
+    return PAYLOAD_UNITS[kind]
 
 
 @dataclass(frozen=True)
@@ -51,11 +66,19 @@ class PrivacyConfig:
     def private(self) -> bool:
         return self.mode != "off"
 
-    def payload_noise_multiplier(self, planned_releases: int) -> float:
-        """σ of each payload release: given, or calibrated so ``planned_releases`` stay within the target ε."""
+    @property
+    def cap(self) -> float:
+        """The ε no client passes (0: none): ``dp-max-epsilon``, by default the target ε. The ledger
+        counts every release ever made, so the cap holds across resumes, which repeat rounds."""
+        return self.max_epsilon if self.max_epsilon > 0 else self.target_epsilon
+
+    def payload_noise_multiplier(self, planned_releases: int, unit: str = "record") -> float:
+        """σ of each payload release: given, or calibrated so ``planned_releases`` stay within the target ε
+        (stated under ``unit``'s neighbour relation)."""
         if self.noise_multiplier > 0:
             return self.noise_multiplier
-        return calibrate_noise_multiplier(self.target_epsilon, self.delta, planned_releases)
+        return calibrate_noise_multiplier(self.target_epsilon, self.delta, planned_releases,
+                                          neighbour=DEFAULT_NEIGHBOUR[unit])
 
 
 def cross_sample_refusal(model_name: str, layer: str, kind: str) -> str:

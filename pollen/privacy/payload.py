@@ -10,8 +10,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from pollen.privacy.accounting import Release
-from pollen.privacy.budget import Budget, ValueStore
-from pollen.privacy.config import PrivacyConfig
+from pollen.privacy.budget import Budget
+from pollen.privacy.config import PrivacyConfig, release_unit
+from pollen.privacy.ledger import LedgerFile
 from pollen.privacy.mechanisms import (
     PrototypeRelease,
     release_glfc,
@@ -23,24 +24,27 @@ from pollen.privacy.mechanisms import (
 
 
 class PayloadPrivacy:
-    """σ for the run's planned releases (given, or calibrated to the target ε), the client's ledger in
-    ``store``, and one method per payload kind that releases, composes and reports ε."""
+    """σ for the run's planned releases (given, or calibrated to the target ε), the client's ledger
+    (``ledger``, on disk), and one method per payload kind that releases, composes and reports ε. ``kind``
+    (``prototypes``, ``weights``, ``logits``, ``glfc``) says what one release protects
+    (:func:`~pollen.privacy.config.release_unit`)."""
 
-    def __init__(self, config: PrivacyConfig, planned_releases: int, store: ValueStore, who: str):
+    def __init__(self, config: PrivacyConfig, planned_releases: int, ledger: LedgerFile, who: str, kind: str):
         if config.mode != "payload":
             raise ValueError(f"PayloadPrivacy needs dp-mode = 'payload', got {config.mode!r}")
-        self.config, self.planned_releases, self.store, self.who = config, planned_releases, store, who
+        self.config, self.planned_releases, self.ledger, self.who = config, planned_releases, ledger, who
+        self.unit = release_unit(kind, config.mode)
 
     @functools.cached_property
     def noise_multiplier(self) -> float:
-        return self.config.payload_noise_multiplier(self.planned_releases)
+        return self.config.payload_noise_multiplier(self.planned_releases, self.unit)
 
     @functools.cached_property
     def budget(self) -> Budget:
-        return Budget(self.store, self.config.delta, self.config.max_epsilon, self.who)
+        return Budget(self.ledger, self.config.delta, self.config.cap, self.who)
 
     def _release(self) -> Release:
-        return Release(self.noise_multiplier)
+        return Release(self.noise_multiplier, unit=self.unit)
 
     def check(self) -> None:
         """Raise :class:`~pollen.privacy.budget.BudgetExhausted` before any work when the next release

@@ -16,8 +16,9 @@ import math
 import numpy as np
 
 from pollen.privacy.accounting import Release, calibrate_noise_multiplier
-from pollen.privacy.budget import Budget, ValueStore
+from pollen.privacy.budget import Budget
 from pollen.privacy.config import PrivacyConfig
+from pollen.privacy.ledger import LedgerFile
 from pollen.privacy.mechanisms import PrototypeRelease, release_prototypes, secure_rng
 
 
@@ -32,11 +33,11 @@ class SamplePrivacy:
     """One client's DP-SGD plan: ``planned_rounds`` rounds of ``epochs`` over ``num_records`` records in
     batches of ``batch_size`` (plus one prototype release a round when ``prototypes``)."""
 
-    def __init__(self, config: PrivacyConfig, planned_rounds: int, store: ValueStore, who: str, *,
+    def __init__(self, config: PrivacyConfig, planned_rounds: int, ledger: LedgerFile, who: str, *,
                  num_records: int, batch_size: int, epochs: int, prototypes: bool):
         if config.mode != "sample":
             raise ValueError(f"SamplePrivacy needs dp-mode = 'sample', got {config.mode!r}")
-        self.config, self.planned_rounds, self.store, self.who = config, planned_rounds, store, who
+        self.config, self.planned_rounds, self.ledger, self.who = config, planned_rounds, ledger, who
         self.steps, self.rate = steps_and_rate(num_records, batch_size, epochs)
         self.with_prototypes = prototypes
 
@@ -50,7 +51,7 @@ class SamplePrivacy:
 
     @functools.cached_property
     def budget(self) -> Budget:
-        return Budget(self.store, self.config.delta, self.config.max_epsilon, self.who)
+        return Budget(self.ledger, self.config.delta, self.config.cap, self.who)
 
     def round_releases(self) -> list[Release]:
         """What one round composes: the DP-SGD steps, then the prototype release."""

@@ -204,7 +204,8 @@ class PrivacyKeys:
     dp_delta: float = setting("dp-delta", 1e-5, "float in (0, 0.1]", "δ of every client's (ε, δ) guarantee")
     dp_max_epsilon: float = setting(
         "dp-max-epsilon", 0.0, "float in [0, 1000000]",
-        "a client stops releasing before its ε would pass this (its replies become errors); 0 = no cap")
+        "a client stops releasing before its ε (every release it ever made, resumes included) would pass this "
+        "(its replies become errors); 0 = `dp-target-epsilon` when set, else no cap")
     leak_audit: bool = setting(
         "leak-audit", False, "bool",
         "simulations: each round reports what the server could learn from the clients' releases, against the "

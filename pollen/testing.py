@@ -105,6 +105,7 @@ def run_inprocess(run_config: dict, num_nodes: int | None = None, *,
     from pollen.app.client_app import query as answer_query
     from pollen.app.config import validated_run_config
     from pollen.app.registry import METHODS
+    from pollen.app.secure import secure_grid
 
     set_task_identity()
     cfg = validated_run_config(run_config)  # the ClientApps below reuse this check
@@ -123,7 +124,8 @@ def run_inprocess(run_config: dict, num_nodes: int | None = None, *,
         ctx = contexts[msg.metadata.dst_node_id]
         pid = msg.metadata.dst_node_id - FIRST_NODE_ID
         training = msg.metadata.message_type == MessageType.TRAIN
-        sent_round = msg.content["config"]["server-round"] if training else 0
+        # SecAgg+'s key stages carry no config: only its collect stage is "the round's training message"
+        sent_round = msg.content["config"]["server-round"] if training and "config" in msg.content else 0
         server_round = int(sent_round) if isinstance(sent_round, (int, float)) else 0
         if training and offline is not None and offline(server_round, pid):
             return None
@@ -159,10 +161,11 @@ def run_inprocess(run_config: dict, num_nodes: int | None = None, *,
         clock["t"] = time.perf_counter()
         return ev
 
-    grid = InProcessGrid(dict.fromkeys(contexts, node))  # a Grid to ``start``: the two methods it calls
+    # a Grid to ``start`` (the two methods it calls), secure as the ServerApp makes it
+    grid = secure_grid(cast(Grid, InProcessGrid(dict.fromkeys(contexts, node))), cfg, strategy)
     with tmp:
         try:
-            strategy.start(grid=cast(Grid, grid), initial_arrays=spec.initial_arrays(cfg),
+            strategy.start(grid=grid, initial_arrays=spec.initial_arrays(cfg),
                            num_rounds=cfg.num_server_rounds, evaluate_fn=end_of_round)
         except _StopAfter:
             pass

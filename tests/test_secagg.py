@@ -471,9 +471,9 @@ def test_a_reply_the_strategy_refuses_before_unmasking_is_taken_out_of_the_sum()
     rec = Recorder(_app(replies), 6)
     seen = []
 
-    def vet(node, reply):
-        seen.append(sorted(reply.content["metrics"].keys()))
-        return "partition 3 is claimed by another node" if node == FIRST + 3 else None
+    def vet(replies):
+        seen.extend(sorted(reply.content["metrics"].keys()) for reply in replies.values())
+        return {FIRST + 3: "partition 3 is claimed by another node"}
 
     result = SecAggPlus(cfg).aggregate(rec.grid(), _instructions(rec.nodes), vet=vet)
     assert seen == [["train-loss"]] * 6

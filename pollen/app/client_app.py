@@ -30,8 +30,9 @@ from pollen.app.results import run_directory
 from pollen.log import LOGGER
 from pollen.models.spec import choose_model
 from pollen.protocol.identity import encode_identity_reply
+from pollen.secagg import secagg_mod
 
-app = ClientApp()
+app = ClientApp(mods=[secagg_mod])  # SecAgg+ stages answered by the mod; plain messages pass through
 HISTORY = "node-history"  # context.state key: rounds trained by this partition, restarts included
 
 

@@ -3,7 +3,8 @@
 :func:`pollen.settings.read_run_config` checks every key against its declaration (type, range, choices,
 unknown keys, another method's keys); this module hands it the registered methods, tasks and models,
 then checks what the declarations cannot say: the partition pins, a user-data task's folder, the task's
-kind, the DP keys against the method (:func:`check_privacy`) and the method family's own rules
+kind, the DP keys against the method (:func:`check_privacy`), secure aggregation against the method
+(:func:`check_secure_aggregation`) and the method family's own rules
 (``MethodSpec.validate``, which holds the family's privacy rules too). :func:`validated_run_config` does
 it once per process and run config. The typed values themselves (:class:`RunConfig`,
 :class:`NodeConfig`, :class:`ConfigError`, ``DEFAULTS``) live in :mod:`pollen.settings`.
@@ -22,10 +23,11 @@ from pollen.privacy.config import PrivacyConfig, cross_sample_refusal
 from pollen.protocol.identity import parse_partition_pins
 from pollen.settings import DEFAULTS, ConfigError, NodeConfig, RunConfig, read_run_config, with_class_names
 from pollen.settings import parse_node_config as _read_node_config
-from pollen.settings.common import PrivacyKeys
+from pollen.settings.common import PrivacyKeys, SecureAggregationKeys
 from pollen.settings.keys import declared_keys
 
-__all__ = ["DEFAULTS", "ConfigError", "NodeConfig", "RunConfig", "check_privacy", "parse_node_config",
+__all__ = ["DEFAULTS", "ConfigError", "NodeConfig", "RunConfig", "check_privacy", "check_secure_aggregation",
+           "parse_node_config",
            "parse_run_config", "validated_run_config"]
 
 
@@ -43,6 +45,7 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
     spec = METHODS[cfg.method]
     check_task_kind(spec, cfg.task)
     check_privacy(cfg)
+    check_secure_aggregation(cfg)
     if spec.validate is not None:
         spec.validate(cfg)
     return cfg
@@ -134,6 +137,40 @@ def check_privacy(cfg: RunConfig) -> None:
                           f"(family {family!r}); it is for: {', '.join(supported) or 'no method yet'}")
     if cfg.dp_mode == "sample":
         _refuse_cross_sample_models(cfg)
+
+
+# The families whose train payload is a sum (pollen.secagg.payloads), and why the others cannot be summed.
+SECURE_FAMILIES = ("weights", "prototypes", "logits")
+NOT_A_SUM = {"glfc": "GLFC's proxy needs each client's prototype-gradient sets, not their sum",
+             "local": "nothing is aggregated"}
+
+
+def check_secure_aggregation(cfg: RunConfig) -> None:
+    """Before anything starts: the secagg keys only with secure aggregation, and secure aggregation only for a
+    family whose payload is a sum, with the plain mean (robust aggregation cannot see inside masked vectors)
+    and without per-release DP noise (sized for a server that reads each release)."""
+    family = METHODS[cfg.method].family
+    given = cfg.to_dict()
+    if not cfg.secure_aggregation:
+        stray = sorted(k for k in declared_keys(SecureAggregationKeys)
+                       if k != "secure-aggregation" and given[k] != DEFAULTS[k])
+        if stray:
+            raise ConfigError(f"run config key(s) {stray} have no effect with secure-aggregation = false; set it "
+                              "or remove them")
+        return
+    if family not in SECURE_FAMILIES:
+        raise ConfigError(f"secure-aggregation = true is not available for method {cfg.method!r} (family "
+                          f"{family!r}): {NOT_A_SUM.get(family, 'its payload is not a sum')}")
+    if cfg.aggregation != "mean":
+        raise ConfigError(f"secure-aggregation = true needs aggregation = 'mean', got {cfg.aggregation!r}: "
+                          "robust aggregation cannot see inside masked vectors (each client's values are "
+                          "clipped to ± secagg-clipping-range instead; docs/secure-aggregation.md)")
+    if family == "logits" and cfg.extra.get("fccl-average-weights"):
+        raise ConfigError("secure-aggregation = true with fccl-average-weights = true: only the logits are summed "
+                          "securely, the models would travel in clear")
+    if cfg.dp_mode == "payload":
+        raise ConfigError("secure-aggregation = true with dp-mode = 'payload': that noise is sized for a server "
+                          "that reads each release; under secure aggregation use dp-mode = 'sample', or none")
 
 
 def _refuse_cross_sample_models(cfg: RunConfig) -> None:

@@ -20,6 +20,7 @@ from pollen.app.config import RunConfig, validated_run_config
 from pollen.app.grid_poll import prompt_replies
 from pollen.app.registry import METHODS, all_defaults
 from pollen.app.results import RunRecorder, run_directory
+from pollen.app.secure import secure_grid
 from pollen.log import LOGGER
 from pollen.settings import RESUMABLE_CHANGES
 
@@ -123,8 +124,8 @@ def main(grid: Grid, context: Context) -> None:
         written.update(write_final(run_dir, cfg, strategy, cfg.num_server_rounds))
     else:
         try:
-            strategy.start(grid=grid, initial_arrays=initial, num_rounds=cfg.num_server_rounds,
-                           evaluate_fn=end_of_round, first_round=first_round)
+            strategy.start(grid=secure_grid(grid, cfg, strategy), initial_arrays=initial,
+                           num_rounds=cfg.num_server_rounds, evaluate_fn=end_of_round, first_round=first_round)
             written.update(write_final(run_dir, cfg, strategy, cfg.num_server_rounds))
         except Exception as err:
             reason = f"{type(err).__name__}: {err}"

@@ -59,12 +59,7 @@ from pollen.protocol.secagg import (
 from pollen.secagg import crypto, payloads
 from pollen.secagg import field as ring
 from pollen.secagg.client import pairwise_sign
-
-DEFAULT_NEIGHBOURS = 16
-DEFAULT_THRESHOLD = 2 / 3
-DEFAULT_CLIPPING_RANGE = 8.0
-DEFAULT_LEVELS = 1 << 22
-DEFAULT_MODULUS_BITS = 64
+from pollen.settings.common import SecureAggregationKeys
 
 
 class SecAggFailed(RuntimeError):
@@ -85,12 +80,12 @@ class SecAggConfig:
     timeout: seconds each stage waits for replies (None: until every node answered or failed).
     """
 
-    neighbours: int = DEFAULT_NEIGHBOURS
-    threshold: float = DEFAULT_THRESHOLD
-    clipping_range: float = DEFAULT_CLIPPING_RANGE
-    levels: int = DEFAULT_LEVELS
-    modulus_bits: int = DEFAULT_MODULUS_BITS
-    max_weight: int = 10_000_000
+    neighbours: int = SecureAggregationKeys.secagg_neighbours
+    threshold: float = SecureAggregationKeys.secagg_threshold
+    clipping_range: float = SecureAggregationKeys.secagg_clipping_range
+    levels: int = SecureAggregationKeys.secagg_quantization
+    modulus_bits: int = SecureAggregationKeys.secagg_modulus_bits
+    max_weight: int = 10_000_000  # the strategies' max_examples
     kind: str = "weights"
     weighting: str = payloads.SAMPLES
     timeout: float | None = None
@@ -171,13 +166,14 @@ class SecAggPlus:
 
     # -- one round ------------------------------------------------------------------------------------
     def aggregate(self, grid: Grid, instructions: Mapping[int, RecordDict], *, server_round: int = 0,
-                  layout: Layout | None = None, vet: Callable[[int, Message], str | None] | None = None) -> SecureSum:
+                  layout: Layout | None = None,
+                  vet: Callable[[dict[int, Message]], dict[int, str]] | None = None) -> SecureSum:
         """Run the four stages for these nodes (node id -> its train instruction) and return the sum.
 
         ``layout`` is what every contribution must look like; ``None`` takes the one most survivors
-        declared (a contribution unlike it is refused). ``vet(node, reply)`` judges each masked-input reply
-        by what travels in clear (its metrics: a partition claim, say) before anything is unmasked: a
-        reason refuses the reply, and the node's contribution is taken out of the sum like a dropout's."""
+        declared (a contribution unlike it is refused). ``vet({node: reply})`` judges the masked-input replies
+        by what travels in clear (their metrics: partition claims, say) before anything is unmasked and
+        returns ``{node: reason}`` for those it refuses: their contributions leave the sum like dropouts'."""
         cpu0 = time.process_time()
         self._grid, self._round = grid, server_round
         nodes = sorted(int(n) for n in instructions)
@@ -255,11 +251,12 @@ class SecAggPlus:
                 self._refuse(node, COLLECT, f"contribution laid out as {_layout_text(reply.layout)}, the round's "
                                             f"is {_layout_text(wanted)}")
                 continue
-            reason = vet(node, self._kept[node]) if vet is not None else None
-            if reason is not None:
-                self._refuse(node, COLLECT, reason)
-                continue
             masked[node] = reply
+        vetoes = vet({n: self._kept[n] for n in sorted(masked)}) if vet is not None else {}
+        for node, reason in sorted(vetoes.items()):
+            if node in masked:
+                self._refuse(node, COLLECT, reason)
+                del masked[node]
         survivors = set(masked)
         result.replies = {n: m for n, m in self._kept.items() if n in survivors}
         result.layout = wanted
@@ -356,10 +353,12 @@ class SecAggPlus:
         for node in sorted(owners):
             live = [n for n in self._graph[node] if n in holders]
             if len(live) < self._t:
+                errors = self.result.failures or self.result.refused
+                first = f"; first error: node {errors[0]['node']}: {errors[0]['reason'][-300:]}" if errors else ""
                 raise SecAggFailed(
                     f"secure aggregation round {self._round} failed after stage {stage!r}: node {node} has "
                     f"{len(live)} live holders of its shares, the threshold is {self._t} "
-                    f"({len(holders)} of {len(self.result.sampled)} nodes left)")
+                    f"({len(holders)} of {len(self.result.sampled)} nodes left){first}")
 
     def _check_shares(self, holder: int, reply: Shares, expected: list[int], survivors: set[int]) -> str | None:
         """The shares a holder hands in: exactly the owners asked for, each of its secret's length and

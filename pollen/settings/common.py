@@ -213,9 +213,38 @@ class PrivacyKeys:
         "themselves reveal the clients' data")
 
 
+@dataclass(frozen=True)
+class SecureAggregationKeys:
+    TITLE: ClassVar[str] = "Secure aggregation (docs/secure-aggregation.md)"
+
+    secure_aggregation: bool = setting(
+        "secure-aggregation", False, "bool",
+        "SecAgg+: the server learns only the sum of each round's train replies (weights, prototypes, logits), "
+        "never one client's; needs `aggregation = mean`; GLFC cannot (its proxy needs each client's gradients)")
+    secagg_neighbours: int = setting(
+        "secagg-neighbours", 16, "int in [2, 1000000]",
+        "nodes each node shares its secrets with (a k-regular graph, rounded up to even; all others in a round "
+        "of fewer nodes): client cost grows with it, dropouts are recovered per neighbourhood")
+    secagg_threshold: float = setting(
+        "secagg-threshold", 0.6, "float in (0.5, 1]",
+        "share of a node's neighbourhood (itself included) needed to rebuild its secrets: more tolerates fewer "
+        "dropouts and needs more colluding clients")
+    secagg_clipping_range: float = setting(
+        "secagg-clipping-range", 8.0, "float in (0, 1000000]",
+        "every summed value is clipped to ± this (the most a malicious client can move one coordinate, times "
+        "its weight)")
+    secagg_quantization: int = setting(
+        "secagg-quantization", 4194304, "int in [2, 1099511627776]",
+        "steps the clipping range is split into: rounding error at most clipping range / this per value")
+    secagg_modulus_bits: int = setting(
+        "secagg-modulus-bits", 64, "int in [8, 64]",
+        "masked vectors are integers modulo 2^this (uint32 on the wire up to 32): a round whose sum could wrap "
+        "(nodes × the largest example count × quantization / 2 >= 2^(bits-1)) is refused")
+
+
 # The sections in the order of docs/usage.md (and of pyproject.toml's table).
 SECTIONS: tuple[type, ...] = (RunKeys, PathKeys, SamplingKeys, TrainingKeys, TaskKeys, UserDataKeys, WeightKeys,
-                              CheckpointKeys, HostileKeys, PrivacyKeys)
+                              CheckpointKeys, HostileKeys, PrivacyKeys, SecureAggregationKeys)
 
 # Keys that may differ between an interrupted run and its resumption: where things are and how fast,
 # never what is computed. Any other changed key is refused, by the launcher before anything starts.

@@ -1,0 +1,128 @@
+"""A Grid whose train rounds are SecAgg+ rounds: any Message-API strategy aggregates securely, unchanged.
+
+``strategy.start(grid=SecureGrid(grid, SecAggConfig(kind=...)), ...)``: evaluate and query messages pass
+through; a round's train messages go out as one SecAgg+ round (:class:`~pollen.secagg.server.SecAggPlus`,
+each message's content the ``collect`` stage's instruction), and what comes back is, for every node
+whose contribution is in the sum, a reply in the family's own wire format that carries **the
+aggregate** — the secure mean of the family (:func:`~pollen.secagg.payloads.mean_of_sums`) — with that
+node's clear metrics. The strategy then screens and averages as always, and its mean of identical
+replies is the secure aggregate (Flower's legacy SecAgg+ workflow hands its strategy the aggregate the
+same way). ``num-examples`` stays inside the sum: the replies say 1 (for prototypes Σ of the class
+weights), so the round's client metrics are unweighted means.
+
+Before anything is unmasked the grid vets the clear part of every masked reply: a node that claims
+another partition than it did before, or a partition another node of the round also claims, is
+refused, and its contribution leaves the sum as a dropout's. A node that dropped out (or was refused)
+gets an error reply naming the stage, so the strategy records it as a failure; a round that cannot be
+unmasked gives every node an error reply with the reason, and the strategy's empty-round rule applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from pollen.protocol.identity import PARTITION_ID
+from pollen.protocol.logits import encode_logit_reply
+from pollen.protocol.prototypes import encode_prototype_reply
+from pollen.protocol.records import ARRAYS, METRICS, reply_content
+from pollen.secagg.payloads import CLASS_WEIGHTS, LOGITS, PROTOTYPES, mean_of_sums
+from pollen.secagg.server import SecAggConfig, SecAggFailed, SecAggPlus, SecureSum
+
+DROPPED_CODE = 910  # error code of the replies standing in for nodes that dropped out of a secure round
+
+
+class SecureGrid:
+    """A ``Grid`` (module docstring); every other Grid method is the wrapped grid's."""
+
+    def __init__(self, grid: Grid, config: SecAggConfig):
+        self.grid, self.config = grid, config
+        self.claims: dict[int, int] = {}  # node -> the partition it first claimed in a secure round
+        self.last: SecureSum | None = None  # the last round's sum, for reports and tests
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        messages = list(messages)
+        train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
+        other = [m for m in messages if m.metadata.message_type != MessageType.TRAIN]
+        replies = list(self.grid.send_and_receive(other, timeout=timeout)) if other else []
+        return replies + (self._secure_round(train, timeout) if train else [])
+
+    # ----------------------------------------------------------------------------------------------
+    def _secure_round(self, train: list[Message], timeout: float | None) -> list[Message]:
+        by_node = {int(m.metadata.dst_node_id): m for m in train}
+        server_round = _round_of(train[0])
+        driver = SecAggPlus(dataclasses.replace(self.config, timeout=timeout))
+        try:
+            result = driver.aggregate(self.grid, {n: m.content for n, m in by_node.items()},
+                                      server_round=server_round, vet=self._vet)
+        except SecAggFailed as err:
+            return [Message(Error(code=DROPPED_CODE, reason=f"secure aggregation failed: {err}"), reply_to=m)
+                    for m in train]
+        self.last = result
+        aggregate = mean_of_sums(self.config.kind, result.sums)
+        out = []
+        for node, msg in by_node.items():
+            if node in result.replies:
+                content = self._reply(aggregate, msg, result.replies[node].content.get(METRICS))
+                out.append(Message(content, reply_to=msg))
+                continue
+            why = next((r["reason"] for r in result.refused if r["node"] == node), None)
+            stage = result.dropped.get(node, "collect")
+            reason = (f"secure aggregation: refused at stage {stage!r}: {why}" if why
+                      else f"secure aggregation: no reply at stage {stage!r}")
+            out.append(Message(Error(code=DROPPED_CODE, reason=reason), reply_to=msg))
+        return out
+
+    def _vet(self, replies: dict[int, Message]) -> dict[int, str]:
+        """Partition claims in clear, judged before unmasking (module docstring)."""
+        claimed: dict[int, int] = {}
+        for node, reply in replies.items():
+            metrics = reply.content.get(METRICS)
+            value = metrics.get(PARTITION_ID) if isinstance(metrics, MetricRecord) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value):
+                claimed[node] = int(value)
+        twice = {p for p, c in Counter(claimed.values()).items() if c > 1}
+        out = {}
+        for node, pid in claimed.items():
+            first = self.claims.setdefault(node, pid)
+            if first != pid:
+                out[node] = f"claims partition {pid}, after partition {first} in an earlier round"
+            elif pid in twice:
+                others = sorted(n for n, p in claimed.items() if p == pid and n != node)
+                out[node] = f"partition {pid} is also claimed by node(s) {others} this round"
+        return out
+
+    def _reply(self, aggregate: dict[str, np.ndarray], msg: Message, metrics: Any) -> RecordDict:
+        clear = {k: v for k, v in (metrics or {}).items()}
+        kind = self.config.kind
+        if kind == "prototypes":
+            return encode_prototype_reply(aggregate[PROTOTYPES].astype(np.float32), aggregate[CLASS_WEIGHTS], clear)
+        if kind == "logits":
+            return encode_logit_reply(aggregate[LOGITS].astype(np.float32), 1, clear)
+        broadcast = msg.content.get(ARRAYS)
+        dtypes = {k: a.numpy().dtype for k, a in broadcast.items()} if isinstance(broadcast, ArrayRecord) else {}
+        arrays = {k: _cast(v, dtypes.get(k, np.dtype(np.float32))) for k, v in aggregate.items()}
+        return reply_content(arrays, 1, clear)
+
+
+def _cast(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Back to the broadcast's dtype; integers rounded and clipped so they never wrap."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.asarray(np.clip(np.rint(value), info.min, info.max)).astype(dtype)
+    return np.asarray(value).astype(dtype)
+
+
+def _round_of(msg: Message) -> int:
+    config = msg.content.get("config")
+    value = config.get("server-round", 0) if config is not None else 0
+    return int(value) if isinstance(value, (int, float)) else 0

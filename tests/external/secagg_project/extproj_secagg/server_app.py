@@ -1,52 +1,50 @@
-"""ServerApp: FedAvg whose every round is one SecAgg+ round of Pollen's driver (``SecAggPlus``): the
-server learns Σ n·w and Σ n, never a node's own update."""
+"""ServerApp: Pollen's own ``WeightAveraging`` or ``PrototypeStrategy`` (run key ``mode``), unchanged, on a
+``SecureGrid``: each train round is a SecAgg+ round of Pollen's driver, so the server learns sums, never a
+node's own reply."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.app import Array, ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from pollen.secagg import SecAggConfig, SecAggPlus, mean_of_sums
+from pollen.secagg import SecAggConfig
+from pollen.secagg.grid import SecureGrid
+from pollen.strategies import PrototypeStrategy, WeightAveraging
 
 from extproj_secagg.task import initial_state
 
 app = ServerApp()
 
 
-def _nodes(grid: Grid, count: int, wait_s: float = 120.0) -> list[int]:
-    deadline = time.monotonic() + wait_s
-    while len(ids := sorted(grid.get_node_ids())) < count:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(ids)} of {count} nodes connected")
-        time.sleep(0.5)
-    return ids
+def _strategy_run(grid: Grid, cfg, secagg: SecAggConfig) -> dict:
+    nodes, rounds = int(cfg["min-nodes"]), int(cfg["num-server-rounds"])
+    common = {"min_available_nodes": nodes, "min_train_nodes": nodes, "min_evaluate_nodes": nodes,
+              "num_rounds": rounds}
+    if cfg["mode"] == "prototypes":
+        strategy = PrototypeStrategy(num_classes=int(cfg["num-classes"]), embed_dim=int(cfg["embed-dim"]), **common)
+        initial = ArrayRecord()
+    else:
+        strategy = WeightAveraging(**common)
+        initial = ArrayRecord({k: Array(v) for k, v in initial_state(int(cfg["num-features"])).items()})
+    secure = SecureGrid(grid, secagg)
+    result = strategy.start(grid=secure, initial_arrays=initial, num_rounds=rounds)
+    return {"arrays": {k: a.numpy().tolist() for k, a in result.arrays.items()},
+            "train": {r: dict(m) for r, m in result.train_metrics_clientapp.items()},
+            "survivors": len(secure.last.survivors) if secure.last else 0,
+            "clear-metrics": sorted({k for m in secure.last.replies.values() for k in m.content["metrics"].keys()})
+            if secure.last else []}
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
-    driver = SecAggPlus(SecAggConfig(neighbours=int(cfg["secagg-neighbours"]),
-                                     threshold=float(cfg["secagg-threshold"]), kind="weights"))
-    nodes = _nodes(grid, int(cfg["min-nodes"]))
-    state = initial_state(int(cfg["num-features"]))
-    report: dict = {"rounds": {}}
-    for rnd in range(1, int(cfg["num-server-rounds"]) + 1):
-        content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in state.items()}),
-                              "config": ConfigRecord({"server-round": rnd})})
-        result = driver.aggregate(grid, dict.fromkeys(nodes, content), server_round=rnd)
-        mean = mean_of_sums("weights", result.sums)
-        state = {k: np.asarray(np.rint(mean[k]) if v.dtype.kind in "iu" else mean[k]).astype(v.dtype)
-                 for k, v in state.items()}
-        report["rounds"][rnd] = {
-            "arrays": {k: v.tolist() for k, v in state.items()}, "weight": int(result.sums["weight"]),
-            "survivors": len(result.survivors), "dropped": len(result.dropped), "refused": result.refused,
-            "metrics": sorted({k for m in result.replies.values() for k in m.content["metrics"].keys()}),
-            "bytes-up": result.bytes_up, "bytes-down": result.bytes_down}
+    mode = str(cfg["mode"])  # "weights" or "prototypes": the payload kind is the strategy's family
+    secagg = SecAggConfig(neighbours=int(cfg["secagg-neighbours"]), threshold=float(cfg["secagg-threshold"]),
+                          kind=mode, max_weight=100_000)
+    report = _strategy_run(grid, cfg, secagg)
     path = Path(str(cfg["report-path"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str))

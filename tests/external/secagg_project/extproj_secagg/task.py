@@ -50,3 +50,25 @@ def evaluate_state(state: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -
     p = _sigmoid(x @ state[WEIGHT].astype(np.float64) + float(state[BIAS][0]))
     loss = float(-(y * np.log(p + 1e-12) + (1 - y) * np.log(1 - p + 1e-12)).mean())
     return loss, float(((p > 0.5) == (y > 0.5)).mean())
+
+
+# --- prototypes: synthetic classes, a fixed random embedding; partition p never holds class p % C ------------
+
+def proto_partition(seed: int, pid: int, size: int, num_classes: int, num_features: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([seed, 70 + pid])
+    centres = np.random.default_rng([seed, 999]).normal(size=(num_classes, num_features)) * 2.0
+    labels = rng.choice([c for c in range(num_classes) if c != pid % num_classes], size=size)
+    return centres[labels] + 0.5 * rng.normal(size=(size, num_features)), labels
+
+
+def class_means(seed: int, pid: int, size: int, num_classes: int, num_features: int,
+                embed_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    x, labels = proto_partition(seed, pid, size, num_classes, num_features)
+    w = np.random.default_rng([seed, 12345]).normal(size=(num_features, embed_dim)) / np.sqrt(num_features)
+    emb = np.tanh(x @ w)
+    counts = np.bincount(labels, minlength=num_classes).astype(np.int64)
+    protos = np.zeros((num_classes, embed_dim))
+    for c in range(num_classes):
+        if counts[c]:
+            protos[c] = emb[labels == c].mean(axis=0)
+    return protos, counts

@@ -132,7 +132,8 @@ def test_cifar100_stream_and_client_on_fixture_files(tmp_path, monkeypatch):
 
     from pollen.app.config import parse_node_config, parse_run_config
     from pollen.app.methods_glfc import make_client
-    from pollen.methods.glfc import build_lenet, build_stream_model, model_state
+    from pollen.methods.glfc import build_lenet, build_stream_model
+    from pollen.methods.training import model_state
     from pollen.protocol.glfc import TrainInstruction
     from tests.conftest import make_context
     from tests.test_sources import write_cifar_batch
@@ -158,7 +159,8 @@ def test_cifar100_stream_and_client_on_fixture_files(tmp_path, monkeypatch):
     config = {"server-round": 1, "task": 0, "round-in-task": 0, "num-classes": 10,
               "old1-sent": False, "old2-sent": False}
     ins = TrainInstruction(model_state(model), {}, config)
-    state, grads, n, m, samples = make_client(cfg, parse_node_config(ctx.node_config), ctx).train(ins)
+    reply = make_client(cfg, parse_node_config(ctx.node_config), ctx).train(ins)
+    state, grads, n, samples = reply.state, reply.gradients, reply.num_examples, reply.samples
     lenet_shapes = {name: tuple(p.shape) for name, p in build_lenet("cifar100-cil", 0).named_parameters()}
     assert lenet_shapes["head.weight"] == (100, 768)  # the DLG LeNet of the paper: FC 768 -> 100
     assert list(state) == list(model.state_dict())  # the trained state by name

@@ -404,8 +404,9 @@ def test_weight_averaging_under_dp_keeps_honest_releases_and_refuses_one_beyond_
     releases = []
     for pid in range(3):
         trained = [a + rng.normal(0, 0.5, a.shape).astype(np.float32) for a in init]
-        release, metrics = privacy(pid).update(init, trained, rng)
-        releases.append(release)
+        # a legacy client names its positions (the release is by name) and lists them again for the reply
+        release, metrics = privacy(pid).update(dict(enumerate(init)), dict(enumerate(trained)), rng)
+        releases.append(list(release.values()))
     scaled = [b + 1.5 * (r - b) for b, r in zip(init, releases[2])]  # an honest release's update × 1.5
     results = [(stub_node(str(pid)), _fit_res(arrays, 1, pid))
                for pid, arrays in ((0, releases[0]), (1, releases[1]), (2, scaled))]

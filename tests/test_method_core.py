@@ -31,6 +31,7 @@ from pollen.methods.terms import CrossEntropy, LossTerm, Proximal, objective
 from pollen.methods.training import LocalTraining
 from pollen.models import build_model
 from pollen.models.spec import choose_model
+from pollen.protocol.prototypes import GlobalPrototypes, PrototypeReply
 from pollen.settings import declared_keys, from_values, setting
 from pollen.testing import InProcessGrid, clientapp_node
 
@@ -172,9 +173,8 @@ def _round(method, mu: float = 0.0, **proto) -> tuple[PrototypeRound, DictStore]
     return core, store
 
 
-def _global(reply: list[np.ndarray]) -> list[np.ndarray]:
-    protos, counts = reply
-    return [protos, (counts > 0).astype(np.float32), np.array([1.0], dtype=np.float32)]
+def _global(reply: PrototypeReply) -> GlobalPrototypes:
+    return GlobalPrototypes(reply.prototypes, (reply.class_counts > 0).astype(np.float32), 1.0)
 
 
 def _distance_moved(core: PrototypeRound, before: dict[str, torch.Tensor]) -> float:
@@ -186,12 +186,13 @@ def test_fedproto_prox_pulls_the_private_model_towards_where_the_round_started()
     moved = {}
     for mu in (0.0, 50.0):
         core, _ = _round(FEDPROTO_PROX, mu=mu)
-        reply, n, metrics = core.fit([], 1, round_seed=11, monitor=False)
+        reply = core.fit(None, 1, round_seed=11, monitor=False)
         start = {k: v.detach().clone() for k, v in core.load_model().named_parameters()}
-        reply2, _, metrics2 = core.fit(_global(reply), 2, round_seed=12, monitor=False)
+        reply2 = core.fit(_global(reply), 2, round_seed=12, monitor=False)
         moved[mu] = _distance_moved(core, start)
-        assert {"loss-ce", "loss-proto", "loss-prox"} <= set(metrics2) and n == core.data.num_train
-        assert np.isfinite(reply2[0]).all()
+        assert {"loss-ce", "loss-proto", "loss-prox"} <= set(reply2.metrics)
+        assert reply.num_examples == core.data.num_train
+        assert np.isfinite(reply2.prototypes).all()
     assert moved[50.0] < 0.5 * moved[0.0]  # a strong pull keeps round 2 close to its start
 
 
@@ -199,10 +200,9 @@ def test_fedproto_prox_with_mu_zero_trains_exactly_as_fedproto():
     replies = {}
     for method in (FEDPROTO, FEDPROTO_PROX):
         core, _ = _round(method, mu=0.0)
-        first, _, _ = core.fit([], 1, round_seed=11, monitor=False)
+        first = core.fit(None, 1, round_seed=11, monitor=False)
         replies[method.name] = core.fit(_global(first), 2, round_seed=12, monitor=True)
-    (p1, c1), _, m1 = replies["fedproto"]
-    (p2, c2), _, m2 = replies["fedproto-prox"]
+    (p1, c1, m1), (p2, c2, m2) = ((r.prototypes, r.class_counts, r.metrics) for r in replies.values())
     np.testing.assert_allclose(p2, p1, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(c2, c1)
     assert m2["loss-proto"] == pytest.approx(m1["loss-proto"], abs=1e-6) and "loss-prox" not in m1
@@ -210,8 +210,8 @@ def test_fedproto_prox_with_mu_zero_trains_exactly_as_fedproto():
 
 def test_bd_fedproto_round_uses_negatives_and_keeps_its_da_history_in_the_store():
     core, store = _round(BD_FEDPROTO)
-    first, _, _ = core.fit([], 1, round_seed=11, monitor=False)
-    _, _, metrics = core.fit(_global(first), 2, round_seed=12, monitor=True)
+    first = core.fit(None, 1, round_seed=11, monitor=False)
+    metrics = core.fit(_global(first), 2, round_seed=12, monitor=True).metrics
     assert {"loss-neg", "mi", "mi-classifier"} <= set(metrics)
     assert len(store.items[PrototypeRound.DA_KEY]["history"]) == 1
 

@@ -105,18 +105,18 @@ def test_honest_noisy_weight_updates_pass_and_a_scaled_one_is_refused():
     worst = 0.0
     for seed in range(SEEDS):
         rng = np.random.default_rng(seed)
-        reply, _ = privacy.update(BROADCAST, _trained(rng), rng)
-        assert bounds.check_update(_named(reply), broadcast) is None
-        worst = max(worst, float(np.linalg.norm(np.concatenate([(reply[i].astype(np.float64) - BROADCAST[i]).ravel()
-                                                                for i in (0, 1)]))))
+        reply, _ = privacy.update(broadcast, _named(_trained(rng)), rng)
+        assert bounds.check_update(reply, broadcast) is None
+        worst = max(worst, float(np.linalg.norm(np.concatenate([(reply[k].astype(np.float64) - broadcast[k]).ravel()
+                                                                for k in ("0", "1")]))))
     limit = bounds.update_limit(640, float(np.linalg.norm(BROADCAST[0])), 0.05 * 2.0)
     assert worst > 0.8 * limit  # the bound is near what honest replies reach, not vacuous
     # the update of an honest reply scaled by 1.5: beyond the clipped update plus the noise
     rng = np.random.default_rng(0)
-    reply, _ = privacy.update(BROADCAST, _trained(rng), rng)
-    assert bounds.check_update(_named(reply), broadcast) is None
+    reply, _ = privacy.update(broadcast, _named(_trained(rng)), rng)
+    assert bounds.check_update(reply, broadcast) is None
     scaled = {k: (broadcast[k] + 1.5 * (a - broadcast[k]) if a.dtype.kind == "f" else a)
-              for k, a in _named(reply).items()}
+              for k, a in reply.items()}
     reason = bounds.check_update(scaled, broadcast)
     assert reason is not None and "above the DP bound" in reason
     assert "dp-clip 2" in reason and "σ 0.05 from dp-noise-multiplier" in reason
@@ -126,14 +126,14 @@ def _dp_weights_node(pid, config, rounds, scale=1.0, sent=None):
     privacy = client(config, rounds)
 
     def handle(msg):
-        got = [a.numpy() for a in msg.content["arrays"].values()]
-        keys = list(msg.content["arrays"].keys())
+        got = {k: a.numpy() for k, a in msg.content["arrays"].items()}
         rng = np.random.default_rng(pid)
-        reply, metrics = privacy.update(got, _trained(rng), rng)
-        reply = [b + scale * (r - b) if b.dtype.kind == "f" else r for b, r in zip(got, reply)]
+        trained = dict(zip(got, _trained(rng)))
+        released, metrics = privacy.update(got, trained, rng)
+        reply = {k: got[k] + scale * (r - got[k]) if got[k].dtype.kind == "f" else r for k, r in released.items()}
         if sent is not None and msg.metadata.message_type == "train":
-            sent[pid] = dict(zip(keys, reply))
-        return encode_weights_reply(dict(zip(keys, reply)), 1, {"partition-id": pid, **metrics})
+            sent[pid] = reply
+        return encode_weights_reply(reply, 1, {"partition-id": pid, **metrics})
     return handle
 
 
@@ -206,15 +206,14 @@ def test_honest_noisy_glfc_replies_pass_and_a_scaled_gradient_set_is_refused():
     lenet = [(6, 3, 5, 5), (6,), (12, 6, 5, 5), (12,)]
     for seed in range(SEEDS // 4):
         rng = np.random.default_rng(seed)
-        grads = [[rng.normal(0, 1.0, s).astype(np.float32) for s in lenet] for _ in range(3)]
-        state, sets, _ = privacy.glfc(BROADCAST, _trained(rng), grads, 4, rng)
-        named = [{str(j): g for j, g in enumerate(gs)} for gs in sets]
-        assert bounds.check_glfc(_named(state), _named(BROADCAST), named, 4) is None
+        grads = [{str(j): rng.normal(0, 1.0, s).astype(np.float32) for j, s in enumerate(lenet)} for _ in range(3)]
+        state, named, _ = privacy.glfc(_named(BROADCAST), _named(_trained(rng)), grads, 4, rng)
+        assert bounds.check_glfc(state, _named(BROADCAST), named, 4) is None
     named[1] = {k: 1.5 * g for k, g in named[1].items()}
-    reason = bounds.check_glfc(_named(state), _named(BROADCAST), named, 4)
+    reason = bounds.check_glfc(state, _named(BROADCAST), named, 4)
     assert reason is not None and reason.startswith("gradient set g1 norm") and "K = 4" in reason
     assert "dp-noise-multiplier" in reason
-    moved = {k: (a + 0.5 if a.dtype.kind == "f" else a) for k, a in _named(state).items()}  # ‖Δ‖ ≈ 0.5·√640
+    moved = {k: (a + 0.5 if a.dtype.kind == "f" else a) for k, a in state.items()}  # ‖Δ‖ ≈ 0.5·√640
     assert "update norm" in bounds.check_glfc(moved, _named(BROADCAST), named[:1], 4)
 
 
@@ -355,14 +354,14 @@ def test_the_glfc_strategy_refuses_a_gradient_set_beyond_the_dp_bound():
     names = list(strat.lenet_shapes)
 
     def released(msg, pid, scale=1.0):
-        keys = list(msg.content["arrays"].keys())
-        broadcast = [a.numpy() for a in msg.content["arrays"].values()]
+        broadcast = {k: a.numpy() for k, a in msg.content["arrays"].items()}
         rng = np.random.default_rng(pid)
-        trained = [b + rng.normal(0, 0.01, b.shape).astype(b.dtype) if b.dtype.kind == "f" else b for b in broadcast]
-        grads = [[_grad_set(strat)[n] for n in names]]
+        trained = {k: b + rng.normal(0, 0.01, b.shape).astype(b.dtype) if b.dtype.kind == "f" else b
+                   for k, b in broadcast.items()}
+        grads = [{n: _grad_set(strat)[n] for n in names}]
         state, sets, _ = privacy.glfc(broadcast, trained, grads, strat.schedule.classes_per_task, rng)
-        grad_sets = [{n: scale * g for n, g in zip(names, gs)} for gs in sets]
-        return _reply(msg, pid, grad_sets, state=dict(zip(keys, state)), transition=1)
+        grad_sets = [{n: scale * g for n, g in gs.items()} for gs in sets]
+        return _reply(msg, pid, grad_sets, state=state, transition=1)
 
     honest = released(msgs[0], 0)
     model, metrics = strat.aggregate_train(1, [honest, released(msgs[1], 1, scale=2.0)])

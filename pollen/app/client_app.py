@@ -1,7 +1,8 @@
 """Flower ClientApp (Message API): validate run and node config, hand the message to the method's client.
 
 Each handler builds the method's ``NumPyClient`` for this node and lets the family's adapter
-(:mod:`pollen.app.adapters`) translate named records to the client's arrays and back. An exception
+(``MethodSpec.adapter``: its protocol module's decode) hand it the message as named values; the client
+answers with named values, encoded by the protocol too. An exception
 here becomes an error reply, which the strategy counts as a failure with its reason.
 
 What the client remembers (``context.state``: private model, teachers, histories) is also kept on

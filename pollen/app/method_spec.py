@@ -10,9 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from flwr.app import ArrayRecord, Context
+from flwr.app import ArrayRecord, Context, RecordDict
 
-from pollen.app.adapters import ClientAdapter
 from pollen.datasets.tasks import TASK_KINDS, TASKS, TaskOptions, get_task, resolve_task
 from pollen.privacy.bounds import dp_bounds
 from pollen.privacy.config import PrivacyConfig
@@ -23,6 +22,22 @@ from pollen.strategies.base import PollenStrategy
 
 if TYPE_CHECKING:
     from flwr.client import NumPyClient
+
+
+@dataclass(frozen=True)
+class ClientAdapter:
+    """How one family's messages reach its ``NumPyClient``: ``decode`` (the family's protocol module) turns
+    a message's named records into the typed instruction; the client's ``train``/``test`` take it and
+    return named values (a reply with its ``content()``, an :class:`~pollen.protocol.records.Evaluation`),
+    so the records on the wire are exactly what an external client would send."""
+
+    decode: Callable[[RecordDict], Any]
+
+    def train(self, client: Any, content: RecordDict) -> RecordDict:
+        return client.train(self.decode(content)).content()
+
+    def evaluate(self, client: Any, content: RecordDict) -> RecordDict:
+        return client.test(self.decode(content)).content()
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord
 
-from pollen.app.adapters import ClientAdapter
-from pollen.app.method_spec import MethodSpec, register_method, strategy_options
+from pollen.app.method_spec import ClientAdapter, MethodSpec, register_method, strategy_options
 from pollen.datasets.incremental import StreamConfig, StreamError, plan_stream, stream_data
 from pollen.datasets.tasks import get_task
 from pollen.methods.glfc_settings import GlfcOptions, IncrementalSettings
@@ -172,18 +171,9 @@ def make_client(cfg: RunConfig, node, context):
     return IncrementalClient(cfg, node, context, settings_for(cfg))
 
 
-# -- records <-> IncrementalClient: named arrays in, named arrays out ---------------------------------
-def _glfc_train(client, content: RecordDict) -> RecordDict:
-    state, grads, n, metrics, samples = client.train(protocol.decode_train_content(content))
-    return protocol.encode_train_reply(state, n, grads, metrics, samples)
-
-
-def _glfc_evaluate(client, content: RecordDict) -> RecordDict:
-    loss, n, metrics = client.evaluate_received(protocol.decode_train_content(content))
-    return protocol.encode_evaluate_reply(n, {**metrics, "loss": float(loss)})
-
-
-GLFC_ADAPTER = ClientAdapter(_glfc_train, _glfc_evaluate)
+# How a GLFC client's messages reach it: the global model, the old models and the plan by name, its named
+# reply out (evaluate messages carry the same records: detect-only).
+GLFC_ADAPTER = ClientAdapter(protocol.decode_train_content)
 
 
 for _name, _desc in DESCRIPTIONS.items():

@@ -15,17 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from flwr.app import ArrayRecord, RecordDict
-
-from pollen.app.adapters import (
-    ClientAdapter,
-    arrays_of,
-    config_of,
-    evaluate_reply,
-    named_arrays,
-    state_in_client_order,
-)
-from pollen.app.method_spec import MethodSpec, register_method, strategy_options
+from pollen.app.method_spec import ClientAdapter, MethodSpec, register_method, strategy_options
 from pollen.datasets.public import PUBLIC_FOLDER
 from pollen.datasets.tasks import TaskOptions, get_task, resolve_task
 from pollen.datasets.user_data import UserDataError, count_unlabeled_images
@@ -42,7 +32,6 @@ from pollen.methods.logit_settings import (
     resolve_settings,
 )
 from pollen.protocol import logits as logit_protocol
-from pollen.protocol.records import array_record, reply_content
 from pollen.settings import ConfigError, Key, NodeConfig, RunConfig, declared_keys, from_values
 from pollen.strategies.base import PollenStrategy
 from pollen.strategies.logits import LogitAveraging
@@ -58,21 +47,7 @@ LOGIT_KEYS: dict[str, Key] = declared_keys(LogitOptions)
 
 
 # How a logit client's messages reach it: the consensus (and in homogeneous mode the model) in, logits out.
-def _logit_train(client, content: RecordDict) -> RecordDict:
-    params = named_arrays(arrays_of(content), (logit_protocol.CONSENSUS, logit_protocol.CONTRIBUTORS))
-    model_in = content.get(logit_protocol.MODEL)
-    if isinstance(model_in, ArrayRecord) and len(model_in):
-        params += state_in_client_order(client, model_in)[1]
-    arrays, n, metrics = client.fit(params, config_of(content))
-    if not arrays:  # SOLO: nothing leaves the client
-        return reply_content(ArrayRecord(), n, metrics)
-    model_out = None
-    if len(arrays) > 1:  # homogeneous mode: the state dict by name
-        model_out = array_record(dict(zip(client.state_keys(), arrays[1:])))
-    return logit_protocol.encode_logit_reply(arrays[0], n, metrics, model=model_out)
-
-
-LOGITS = ClientAdapter(_logit_train, lambda client, content: evaluate_reply(client, [], config_of(content)))
+LOGITS = ClientAdapter(logit_protocol.decode_instruction)
 
 
 def settings(cfg: RunConfig) -> LogitSettings:

@@ -15,10 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from flwr.app import RecordDict
-
-from pollen.app.adapters import ClientAdapter, arrays_of, config_of, evaluate_reply, named_arrays
-from pollen.app.method_spec import MethodSpec, register_method, strategy_options
+from pollen.app.method_spec import ClientAdapter, MethodSpec, register_method, strategy_options
 from pollen.datasets.tasks import TaskOptions, get_task, resolve_task
 from pollen.methods.prototype_settings import MODEL_KEY, ProtoSettings, heterogeneous_channels
 from pollen.models.spec import choose_model
@@ -35,23 +32,7 @@ PROTO_KEYS: dict[str, Key] = declared_keys(ProtoSettings)
 
 
 # How a prototype client's messages reach it: the global prototypes by name in, its release out.
-_GLOBAL_KEYS = (proto_protocol.PROTOTYPES, proto_protocol.PRESENT, proto_protocol.MARGIN)
-
-
-def _proto_train(client, content: RecordDict) -> RecordDict:
-    arrays, n, metrics = client.fit(named_arrays(arrays_of(content), _GLOBAL_KEYS), config_of(content))
-    if len(arrays) == 3:  # dp-mode = payload: noisy sums, noisy counts, count noise std
-        sums, noisy_counts, count_std = arrays
-        return proto_protocol.encode_dp_prototype_reply(sums, noisy_counts, float(count_std[0]), metrics, n)
-    protos, counts = arrays
-    return proto_protocol.encode_prototype_reply(protos, counts, metrics, num_examples=n)
-
-
-def _proto_evaluate(client, content: RecordDict) -> RecordDict:
-    return evaluate_reply(client, named_arrays(arrays_of(content), _GLOBAL_KEYS), config_of(content))
-
-
-PROTOTYPES = ClientAdapter(_proto_train, _proto_evaluate)
+PROTOTYPES = ClientAdapter(proto_protocol.decode_instruction)
 
 
 PRETRAINED_MODELS = ("resnet18", "resnet34")

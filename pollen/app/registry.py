@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, Context
 
-from pollen.app.adapters import LOCAL, WEIGHTS
 from pollen.app.method_spec import (
     METHODS,
+    ClientAdapter,
     MethodSpec,
     check_task_kind,
     method_defaults,
@@ -33,6 +33,7 @@ from pollen.app.method_spec import (
 from pollen.datasets.tasks import TASKS, TaskOptions, resolve_task
 from pollen.models.catalog import MODEL_NAMES
 from pollen.models.spec import choose_model
+from pollen.protocol import weights as weights_protocol
 from pollen.settings import COMMON, ConfigError, Key, NodeConfig, RunConfig, allowed_values
 from pollen.strategies.base import PollenStrategy
 from pollen.strategies.weights import LocalOnly, WeightAveraging
@@ -108,6 +109,9 @@ def _local_client(cfg: RunConfig, node: NodeConfig, context: Context) -> NumPyCl
     return LocalClient(cfg, node, context)
 
 
+# A weights (and local) client reads the global state by name; a local client ignores it (none is sent).
+WEIGHTS = ClientAdapter(weights_protocol.decode_instruction)
+
 # context.state key of a local client's model (pollen.clients.weights.LocalClient.STATE_KEY; a test keeps them equal)
 LOCAL_MODEL_KEY = "local-model"
 
@@ -123,7 +127,7 @@ register_method(MethodSpec(
     initial_arrays=initial_model_arrays, validate=validate_weights, dp_modes=("payload", "sample")))
 register_method(MethodSpec(
     name="local", family="local", description="Local-only training: no communication (lower bound)",
-    make_strategy=_local_strategy, make_client=_local_client, adapter=LOCAL,
+    make_strategy=_local_strategy, make_client=_local_client, adapter=WEIGHTS,
     personal_model=LOCAL_MODEL_KEY))
 
 # Every other family registers itself on import: each ``pollen/app/methods_<family>.py`` module, found rather

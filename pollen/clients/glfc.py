@@ -2,28 +2,27 @@
 ablations, FedAvg + iCaRL, Finetune) on this node's data, state and device.
 
 It works on named arrays only: :meth:`IncrementalClient.train` takes the message as
-:func:`pollen.protocol.glfc.decode_train_content` decodes it and answers with what
-:func:`pollen.protocol.glfc.encode_train_reply` encodes (``pollen.app.methods_glfc.GLFC_ADAPTER`` joins
-them), so no positional list or array count exists between the wire and the core.
+:func:`pollen.protocol.glfc.decode_train_content` decodes it and answers with a
+:class:`pollen.protocol.glfc.TrainReply`, so no positional list or array count exists between the wire
+and the core.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
-import numpy as np
 from flwr.common import Context
 
 from pollen.clients.base import PollenClient, state_keys
 from pollen.datasets.tasks import get_task
 from pollen.methods.glfc import IncrementalRound, build_stream_model
 from pollen.methods.glfc_settings import IncrementalSettings
-from pollen.methods.training import model_arrays
+from pollen.methods.training import model_state
 from pollen.models import SplitModel
 from pollen.models.spec import ModelSpec, choose_model
-from pollen.protocol.glfc import TrainInstruction
+from pollen.protocol.glfc import TrainInstruction, TrainReply
+from pollen.protocol.records import Evaluation
 
 
 class IncrementalClient(PollenClient):
@@ -60,7 +59,7 @@ class IncrementalClient(PollenClient):
                                 self.cfg.download, self.payload_privacy())
 
     def get_parameters(self, config):
-        return model_arrays(self._model(self.settings.stream.classes_per_task))
+        return list(model_state(self._model(self.settings.stream.classes_per_task)).values())
 
     def check_model(self, ins: TrainInstruction) -> None:
         """Refuse a global state whose names are not this client's model's, naming the model."""
@@ -72,16 +71,15 @@ class IncrementalClient(PollenClient):
                              f"missing {missing}, unexpected {extra}; do server and client use the same model "
                              "and width?")
 
-    def train(self, ins: TrainInstruction) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]], int,
-                                                     dict[str, Any], list[tuple[np.ndarray, int]]]:
+    def train(self, ins: TrainInstruction) -> TrainReply:
         """One round: the trained state by name, the gradient sets by LeNet parameter name, examples,
         metrics, and under ``leak-audit`` the sample behind each set (else none: the reply is unchanged)."""
         self.check_model(ins)
         state, grads, num, metrics, samples = self.core.fit(ins)
-        return state, grads, num, {**self.base_metrics(), **metrics}, samples if self.cfg.leak_audit else []
+        return TrainReply(state, grads, num, {**self.base_metrics(), **metrics}, samples if self.cfg.leak_audit else [])
 
-    def evaluate_received(self, ins: TrainInstruction) -> tuple[float, int, dict[str, Any]]:
+    def test(self, ins: TrainInstruction) -> Evaluation:
         """A detect-only (or plain) evaluate message: loss, examples, metrics."""
         self.check_model(ins)
         loss, num, metrics = self.core.evaluate(ins)
-        return loss, num, {**self.base_metrics(), **metrics}
+        return Evaluation(loss, num, {**self.base_metrics(), **metrics})

@@ -1,11 +1,18 @@
 """The public-logit family's NumPyClient: a thin adapter from Flower's ``fit``/``evaluate`` to
 :class:`pollen.methods.logits.LogitRound` (the method — FCCL, FCCL w/o CON, FedMD, FedDF, SOLO — lives
 there; which one is the :class:`~pollen.methods.logit_settings.Recipe` the client is built with).
+
+It reads a :class:`~pollen.protocol.logits.LogitInstruction` and answers with a
+:class:`~pollen.protocol.logits.LogitReply`: ``fit``/``evaluate`` are the ``NumPyClient`` boundary, where
+Flower's positional parameters become those named values and back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from flwr.common import Context, NDArrays, Scalar
@@ -16,7 +23,8 @@ from pollen.datasets.public import PUBLIC_FOLDER
 from pollen.methods.logit_settings import FCCL, LogitOptions, Recipe, resolve_settings
 from pollen.methods.logits import LogitRound, solo_cache_file
 from pollen.privacy.leakage import logit_audit
-from pollen.protocol.logits import PUBLIC_DIGEST
+from pollen.protocol.logits import PUBLIC_DIGEST, LogitInstruction, LogitReply
+from pollen.protocol.records import Evaluation
 from pollen.settings import from_values
 
 
@@ -65,25 +73,33 @@ class LogitClient(PollenClient):
                           self.task.top_k, self.device, self.new_model, self.cfg.seed, self.partition_id,
                           self._solo_cache_path(), self.payload_privacy())
 
-    def contributed(self, config: dict) -> bool:
+    def contributed(self, config: Mapping[str, Any]) -> bool:
         """Are this client's last logits in the consensus? By node (``contributed``) or, after a
         restart under a new node id, by partition (``contributor-partitions``)."""
         partitions = config.get("contributor-partitions", [])
         return bool(config.get("contributed", False)) or self.partition_id in [int(p) for p in partitions]
 
     def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        server_round = int(config.get("server-round", 0))
-        reply, num, metrics = self.core.fit(list(parameters), server_round, self.contributed(config))
-        if reply:  # the server refuses logits on a public set other than the federation's
-            metrics[PUBLIC_DIGEST] = self.public.digest
-        if reply and self.cfg.leak_audit:  # the released logits (reply[0]) against the true label counts
-            metrics.update(logit_audit(reply[0], np.bincount(self.data.y_train.numpy(),
-                                                             minlength=self.task.num_classes)))
-        return reply, num, {**self.base_metrics(), **metrics}
+        reply = self.train(LogitInstruction.from_parameters(parameters, config, self.state_keys()))
+        return reply.parameters(), reply.num_examples, dict(reply.metrics)
 
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
+        result = self.test(LogitInstruction.from_parameters(parameters, config, self.state_keys()))
+        return result.loss, result.num_examples, dict(result.metrics)
+
+    def train(self, ins: LogitInstruction) -> LogitReply:
+        reply = self.core.fit(ins, self.contributed(ins.config))
+        metrics = dict(reply.metrics)
+        if reply.logits is not None:  # the server refuses logits on a public set other than the federation's
+            metrics[PUBLIC_DIGEST] = self.public.digest
+            if self.cfg.leak_audit:  # the released logits against the true label counts
+                metrics.update(logit_audit(reply.logits, np.bincount(self.data.y_train.numpy(),
+                                                                     minlength=self.task.num_classes)))
+        return dataclasses.replace(reply, metrics={**self.base_metrics(), **metrics})
+
+    def test(self, ins: LogitInstruction) -> Evaluation:
         loss, num, metrics = self.core.evaluate()
-        return loss, num, {**self.base_metrics(), **metrics}
+        return Evaluation(loss, num, {**self.base_metrics(), **metrics})
 
 
 def logit_client(recipe: Recipe):

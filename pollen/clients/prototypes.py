@@ -2,11 +2,15 @@
 :class:`pollen.methods.prototypes.PrototypeRound` (the method math lives there).
 
 One class serves every prototype method; which one is the :class:`PrototypeMethod` it is built with
-(:func:`prototype_client` makes the registry's client factory).
+(:func:`prototype_client` makes the registry's client factory). It reads a
+:class:`~pollen.protocol.prototypes.PrototypeInstruction` and answers with a
+:class:`~pollen.protocol.prototypes.PrototypeReply` (or its private form): ``fit``/``evaluate`` are the
+``NumPyClient`` boundary, where Flower's positional parameters become those named values and back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -18,7 +22,8 @@ from pollen.methods.prototype_settings import ProtoSettings, heterogeneous_chann
 from pollen.methods.prototypes import FEDPROTO, PrototypeMethod, PrototypeRound
 from pollen.methods.training import derive_seed
 from pollen.privacy.leakage import prototype_audit
-from pollen.protocol.prototypes import held_at
+from pollen.protocol.prototypes import PrivatePrototypeReply, PrototypeInstruction, PrototypeReply, held_at
+from pollen.protocol.records import Evaluation
 from pollen.settings import from_values
 
 
@@ -53,23 +58,30 @@ class PrototypeClient(PollenClient):
         return []
 
     def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        server_round = int(config.get("server-round", 0))
-        seed = derive_seed(self.cfg.seed, self.partition_id, server_round, 0)
-        reply, num, metrics = self.core.fit(list(parameters), server_round, seed, bool(config.get("monitor", True)))
-        if self.cfg.leak_audit:
-            metrics.update(self.leak_audit(reply))
-        return reply, num, {**self.base_metrics(), **metrics}
-
-    def leak_audit(self, reply: NDArrays) -> dict[str, float]:
-        """What the server reads off the released counts (``reply[1]``; under DP ``reply[2]`` is their
-        noise std), against this client's true label counts."""
-        count_std = float(reply[2][0]) if len(reply) == 3 else 0.0
-        truth = np.bincount(self.data.y_train.numpy(), minlength=self.task.num_classes)
-        return prototype_audit(truth, reply[1], held_at(count_std))
+        reply = self.train(PrototypeInstruction.from_parameters(parameters, config))
+        return reply.parameters(), reply.num_examples, dict(reply.metrics)
 
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
-        loss, num, metrics = self.core.evaluate(list(parameters))
-        return loss, num, {**self.base_metrics(), **metrics}
+        result = self.test(PrototypeInstruction.from_parameters(parameters, config))
+        return result.loss, result.num_examples, dict(result.metrics)
+
+    def train(self, ins: PrototypeInstruction) -> PrototypeReply | PrivatePrototypeReply:
+        seed = derive_seed(self.cfg.seed, self.partition_id, ins.server_round, 0)
+        reply = self.core.fit(ins.glob, ins.server_round, seed, ins.monitor)
+        metrics = dict(reply.metrics)
+        if self.cfg.leak_audit:
+            metrics.update(self.leak_audit(reply))
+        return dataclasses.replace(reply, metrics={**self.base_metrics(), **metrics})
+
+    def leak_audit(self, reply: PrototypeReply | PrivatePrototypeReply) -> dict[str, float]:
+        """What the server reads off the released counts (exact, or noisy with their noise std), against
+        this client's true label counts."""
+        truth = np.bincount(self.data.y_train.numpy(), minlength=self.task.num_classes)
+        return prototype_audit(truth, reply.released_counts, held_at(reply.count_std))
+
+    def test(self, ins: PrototypeInstruction) -> Evaluation:
+        loss, num, metrics = self.core.evaluate(ins.glob)
+        return Evaluation(loss, num, {**self.base_metrics(), **metrics})
 
 
 def prototype_client(method: PrototypeMethod):

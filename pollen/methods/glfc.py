@@ -60,7 +60,8 @@ from pollen.methods.optim import SGD
 from pollen.methods.training import (
     LocalTraining,
     derive_seed,
-    load_model_arrays,
+    load_state,
+    model_state,
     predict_logits,
     seed_everything,
     train_epochs,
@@ -95,22 +96,6 @@ def perturb_prototype(model: torch.nn.Module, x: torch.Tensor, label: int, num_c
         F.binary_cross_entropy_with_logits(model(data), target).backward()
         opt.step()
     return data.detach().squeeze(0)
-
-
-def load_state(model: torch.nn.Module, state: Mapping[str, np.ndarray]) -> None:
-    """Load a state by name; the names must be exactly the model's (a clear error otherwise)."""
-    keys = list(model.state_dict().keys())
-    if set(keys) != set(state):
-        missing = sorted(set(keys) - set(state))[:5]
-        extra = sorted(set(state) - set(keys))[:5]
-        raise ValueError(f"model state does not match this client's model: missing {missing}, unexpected {extra}; "
-                         "do server and client use the same model and width?")
-    load_model_arrays(model, [state[k] for k in keys])
-
-
-def model_state(model: torch.nn.Module) -> Named:
-    """The full state (parameters and buffers) by name, in ``state_dict`` order."""
-    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
 
 
 class IncrementalRound:
@@ -275,7 +260,7 @@ class IncrementalRound:
             history += train_epochs(model, x_train, y_train, epochs=1, batch_size=self.training.batch_size,
                                     optimizer=opt, generator=generator, device=self.device, loss_fn=loss_fn)
 
-        grad_sets: list[list[np.ndarray]] = []
+        grad_sets: list[Named] = []
         samples: list[tuple[np.ndarray, int]] = []
         lenet_names: list[str] = []
         if transition and s.shares_gradients:
@@ -288,7 +273,8 @@ class IncrementalRound:
                     continue
                 proto = x_cur[rows[nearest_to_mean(feats[rows])]].to(self.device)
                 proto = perturb_prototype(model, proto, c, num_classes, s.perturb_steps, s.perturb_lr)
-                grad_sets.append([g.cpu().numpy().astype(np.float32) for g in lenet.gradient(proto, c)])
+                grads = lenet.gradient(proto, c)
+                grad_sets.append({name: g.cpu().numpy().astype(np.float32) for name, g in zip(lenet_names, grads)})
                 samples.append((proto.cpu().numpy().astype(np.float32), int(c)))
 
         self.store.save_values(self.STATE, st)
@@ -299,15 +285,14 @@ class IncrementalRound:
                    "old2-version": int(self.store.load_values("old2-meta", {"version": 0})["version"])}
         trained = model_state(model)
         if self.privacy is not None:  # what the mechanism released; metrics that reveal no data
-            keys = list(trained)
-            released, grad_sets, dp_metrics = self.privacy.glfc([ins.model[k] for k in keys], list(trained.values()),
-                                                                grad_sets, s.stream.classes_per_task)
+            released, grad_sets, dp_metrics = self.privacy.glfc(ins.model, trained, grad_sets,
+                                                                s.stream.classes_per_task)
             keep = ("task", "old1-version", "old2-version")
-            return (dict(zip(keys, released)), [dict(zip(lenet_names, g)) for g in grad_sets], 1,
+            return (released, grad_sets, 1,
                     {**{k: metrics[k] for k in keep}, **dp_metrics}, samples)
         if history:
             metrics["train-loss"] = history[-1].loss
-        return trained, [dict(zip(lenet_names, g)) for g in grad_sets], int(len(y_train)), metrics, samples
+        return trained, grad_sets, int(len(y_train)), metrics, samples
 
     def evaluate(self, ins: TrainInstruction) -> tuple[float, int, dict[str, Any]]:
         """Accuracy of the global model on this client's current data (the server evaluates globally).

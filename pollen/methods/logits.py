@@ -52,14 +52,15 @@ from pollen.methods.logit_settings import (  # declared without torch (the regis
 from pollen.methods.optim import Adam
 from pollen.methods.training import (
     derive_seed,
-    load_model_arrays,
-    model_arrays,
+    load_state,
+    model_state,
     predict_logits,
     seed_everything,
     train_epochs,
 )
 from pollen.models import SplitModel
 from pollen.privacy.payload import PayloadPrivacy
+from pollen.protocol.logits import LogitInstruction, LogitReply
 
 # Purposes for derive_seed, so each random stream is independent of the others.
 _PUBLIC_ORDER, _PUBLIC_VIEW, _LOCAL, _SOLO, _COLLAB = 11, 12, 13, 14, 15
@@ -251,14 +252,15 @@ class LogitRound:
         x = public_view(self.x_public, self.seed, server_round + 1, self.settings.public_augment)
         return predict_logits(net, x, self.device).numpy().astype(np.float32)
 
-    def fit(self, arrays: list[np.ndarray], server_round: int,
-            contributed: bool) -> tuple[list[np.ndarray], int, dict[str, Any]]:
-        """Collaborative step towards the consensus (``arrays``: consensus, contributor count[, model
-        state]), local step, then this client's public logits (and model state when averaging).
+    def fit(self, ins: LogitInstruction, contributed: bool) -> LogitReply:
+        """Collaborative step towards the consensus (``ins``: the consensus and its contributor count, in
+        homogeneous mode the averaged model), local step, then this client's public logits (and model
+        state when averaging); ``contributed``: this client's last logits are in the consensus.
 
         Under ``privacy`` the logits are the mechanism's release (kept as this client's own for the
         leave-one-out target, since that is what the consensus holds) and the metrics say only ε."""
         s = self.settings
+        server_round = ins.server_round
         releases = self.privacy is not None and (self.recipe.collaborative or s.average_weights)
         if releases:
             assert self.privacy is not None
@@ -268,26 +270,24 @@ class LogitRound:
         if fresh:  # the SOLO row (round 0): the pretrained model before any collaboration
             solo_acc = domain_accuracies(solo, self.data, self.device, self.top_k)
             metrics.update({f"solo-{k}": v for k, v in solo_acc.items() if k != "loss"})
-        if s.average_weights and len(arrays) > 2:
-            load_model_arrays(net, arrays[2:])
-        if self.recipe.collaborative and len(arrays) >= 2:
-            target = self.collaborative_target(arrays[0], int(arrays[1][0]), contributed)
+        if s.average_weights and ins.model:
+            load_state(net, ins.model)
+        if self.recipe.collaborative and ins.consensus is not None:
+            target = self.collaborative_target(ins.consensus, ins.contributors, contributed)
             if target is not None:
                 metrics["collab-loss"] = self.collaborative_update(net, target, server_round)
         metrics.update(self.local_update(net, solo, prev, server_round))
         self.store.save_module(self.NET, net)
         self.store.save_module(self.PREV, net)  # prev ← net: next round's inter-domain teacher
-        reply: list[np.ndarray] = []
-        if self.recipe.collaborative or s.average_weights:
-            logits = self.public_logits(net, server_round)
-            if releases:
-                assert self.privacy is not None
-                logits, metrics = self.privacy.logits(logits)
-            self.store.save_arrays(self.LAST, {"logits": logits})
-            reply.append(logits)
-            if s.average_weights:
-                reply.extend(model_arrays(net))
-        return reply, 1 if releases else self.data.num_train, metrics
+        num_examples = 1 if releases else self.data.num_train
+        if not (self.recipe.collaborative or s.average_weights):
+            return LogitReply(None, None, num_examples, metrics)  # SOLO: nothing leaves the client
+        logits = self.public_logits(net, server_round)
+        if releases:
+            assert self.privacy is not None
+            logits, metrics = self.privacy.logits(logits)
+        self.store.save_arrays(self.LAST, {"logits": logits})
+        return LogitReply(logits, model_state(net) if s.average_weights else None, num_examples, metrics)
 
     def evaluate(self) -> tuple[float, int, dict[str, Any]]:
         net, _, _, _ = self.models()

@@ -48,13 +48,15 @@ from pollen.models import SplitModel
 from pollen.models.pretrained import load_stage_weights
 from pollen.privacy.payload import PayloadPrivacy
 from pollen.privacy.sample import SamplePrivacy
+from pollen.protocol.prototypes import GlobalPrototypes, PrivatePrototypeReply, PrototypeReply
 
 # DA clamps λ_D to [LOW, HIGH]·λ_0 (spec defaults).
 DA_LOW, DA_HIGH = 0.1, 2.0
 
 
-class GlobalPrototypes:
-    """Decoded server payload: prototypes C×d, presence mask C (bool), CPA margin."""
+class PrototypeTargets:
+    """The global prototypes on this client's device, as the loss terms read them: prototypes C×d,
+    presence mask C (bool), CPA margin."""
 
     def __init__(self, protos: torch.Tensor, present: torch.Tensor, margin: float):
         self.protos = protos
@@ -62,22 +64,15 @@ class GlobalPrototypes:
         self.margin = margin
 
     @classmethod
-    def decode(cls, arrays: list[np.ndarray], num_classes: int, embed_dim: int,
-               device: torch.device) -> GlobalPrototypes | None:
-        """``None`` for the empty first-round payload; ``ValueError`` for a malformed one."""
-        if len(arrays) == 0:
+    def of(cls, glob: GlobalPrototypes | None, num_classes: int, embed_dim: int,
+           device: torch.device) -> PrototypeTargets | None:
+        """``None`` for round 1 (nothing received); ``ValueError`` for a payload this client cannot use."""
+        if glob is None:
             return None
-        if len(arrays) != 3:
-            raise ValueError(f"global prototype payload must be 3 arrays (protos, mask, margin), got {len(arrays)}")
-        protos, mask, margin = (np.asarray(a) for a in arrays)
-        if protos.shape != (num_classes, embed_dim) or mask.shape != (num_classes,) or margin.shape != (1,):
-            raise ValueError(f"global prototype payload shapes {protos.shape}, {mask.shape}, {margin.shape} "
-                             f"!= ({num_classes}, {embed_dim}), ({num_classes},), (1,)")
-        present = mask.astype(bool)
-        if not np.isfinite(protos[present]).all() or not np.isfinite(margin).all():
-            raise ValueError("global prototype payload contains NaN or infinite values")
-        return cls(torch.from_numpy(protos.astype(np.float32)).to(device),
-                   torch.from_numpy(present).to(device), float(margin[0]))
+        glob.check(num_classes, embed_dim)
+        protos, present = np.asarray(glob.prototypes), np.asarray(glob.present).astype(bool)
+        return cls(torch.from_numpy(protos.astype(np.float32)).to(device), torch.from_numpy(present).to(device),
+                   float(glob.margin))
 
 
 def class_means(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +90,7 @@ class PrototypeDistance(LossTerm):
 
     name = "proto"
 
-    def __init__(self, glob: GlobalPrototypes, weight: float):
+    def __init__(self, glob: PrototypeTargets, weight: float):
         self.glob, self.weight = glob, weight
 
     def value(self, batch: Batch) -> torch.Tensor:
@@ -107,7 +102,7 @@ class ContrastiveNegatives(LossTerm):
 
     name = "neg"
 
-    def __init__(self, glob: GlobalPrototypes, own_classes: Sequence[int], form: str, tau: float, weight: float):
+    def __init__(self, glob: PrototypeTargets, own_classes: Sequence[int], form: str, tau: float, weight: float):
         if form not in NEGATIVE_FORMS:
             raise ValueError(f"negative form must be one of {NEGATIVE_FORMS}, got {form!r}")
         self.glob, self.form, self.tau, self.weight = glob, form, tau, weight
@@ -126,7 +121,7 @@ class RoundInputs:
 
     settings: ProtoSettings
     training: LocalTraining
-    glob: GlobalPrototypes | None  # None in round 1
+    glob: PrototypeTargets | None  # None in round 1
     lam: float  # λ this round (λ_D under DA)
     own_classes: Sequence[int]
 
@@ -215,8 +210,8 @@ class PrototypeRound:
             load_stage_weights(model, self.settings.pretrained.strip())
         return model
 
-    def decode(self, arrays: list[np.ndarray], model: SplitModel) -> GlobalPrototypes | None:
-        return GlobalPrototypes.decode(list(arrays), self.num_classes, model.feature_dim, self.device)
+    def targets(self, glob: GlobalPrototypes | None, model: SplitModel) -> PrototypeTargets | None:
+        return PrototypeTargets.of(glob, self.num_classes, model.feature_dim, self.device)
 
     @torch.no_grad()
     def embed(self, model: SplitModel, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
@@ -224,7 +219,7 @@ class PrototypeRound:
         out = [model.features(x[i:i + batch_size].to(self.device)) for i in range(0, len(x), batch_size)]
         return torch.cat(out) if out else torch.zeros(0, model.feature_dim, device=self.device)
 
-    def lambda_for_round(self, server_round: int, glob: GlobalPrototypes | None) -> tuple[float, dict]:
+    def lambda_for_round(self, server_round: int, glob: PrototypeTargets | None) -> tuple[float, dict]:
         s = self.settings
         da = self.store.load_values(self.DA_KEY, {"history": [], "lambda": s.lam})
         if not (self.method.dynamic_lambda and s.da) or glob is None:
@@ -234,16 +229,17 @@ class PrototypeRound:
             alpha=s.da_alpha, t0=s.da_t0, kappa=s.da_kappa, t_min=s.da_tmin, low=DA_LOW, high=DA_HIGH)
         return float(da["lambda"]), da
 
-    def fit(self, arrays: list[np.ndarray], server_round: int, round_seed: int,
-            monitor: bool) -> tuple[list[np.ndarray], int, dict[str, Any]]:
-        """Train one round; returns (prototypes C×d f32 and class counts C i64, samples, metrics), or
-        under ``privacy`` (noisy sums C×d, noisy counts C, count noise std (1,), all f32; a sample count
-        from the noisy counts; ε metrics)."""
+    def fit(self, received: GlobalPrototypes | None, server_round: int, round_seed: int,
+            monitor: bool) -> PrototypeReply | PrivatePrototypeReply:
+        """Train one round against the ``received`` global prototypes (None in round 1): the local
+        prototypes (C×d f32) and class counts (C i64) with the samples and metrics, or under ``privacy``
+        the mechanism's release (noisy sums C×d, noisy counts C, the count noise's std; a sample count from
+        the noisy counts; ε metrics)."""
         if self.privacy is not None:
             self.privacy.check()  # out of budget: stop before training, saying so
             monitor = False  # the monitors read the training data: not released under DP
         model = self.load_model()
-        glob = self.decode(arrays, model)
+        glob = self.targets(received, model)
         lam, da_state = self.lambda_for_round(server_round, glob)
         data, training = self.data, self.training
         terms = self.method.terms(RoundInputs(self.settings, training, glob, lam, data.classes))
@@ -288,17 +284,17 @@ class PrototypeRound:
                 dp_metrics = self.privacy.spend(trained)
             else:
                 released, dp_metrics = self.privacy.prototypes(z_np, y_np, self.num_classes)
-            private_reply = [released.sums.astype(np.float32), released.counts.astype(np.float32),
-                             np.array([released.count_std], dtype=np.float32)]
-            return private_reply, max(1, round(float(released.counts.sum()))), dp_metrics
+            return PrivatePrototypeReply(released.sums.astype(np.float32), released.counts.astype(np.float32),
+                                         float(np.float32(released.count_std)),  # as it travels
+                                         max(1, round(float(released.counts.sum()))), dp_metrics)
         if monitor:  # only on rounds the server evaluates
             assert z_train is not None
             metrics.update(self.monitors(model, z_train, glob))
-        reply: list[np.ndarray] = [protos.cpu().numpy().astype(np.float32), counts.cpu().numpy().astype(np.int64)]
-        return reply, data.num_train, metrics
+        return PrototypeReply(protos.cpu().numpy().astype(np.float32), counts.cpu().numpy().astype(np.int64),
+                              data.num_train, metrics)
 
     @torch.no_grad()
-    def monitors(self, model: SplitModel, z_train: torch.Tensor, glob: GlobalPrototypes | None) -> dict[str, float]:
+    def monitors(self, model: SplitModel, z_train: torch.Tensor, glob: PrototypeTargets | None) -> dict[str, float]:
         """Mutual information of the classifier's and the prototypes' predictions on the training set."""
         metrics = {"mi-classifier": mutual_information(torch.softmax(model.head(z_train), dim=1))}
         if glob is not None:  # scale-free temperature τ·m: MSE distances are tiny next to τ alone
@@ -307,11 +303,11 @@ class PrototypeRound:
             metrics["mi"] = mutual_information(prototype_probabilities(z_train, glob.protos, glob.present, tau_mi))
         return metrics
 
-    def evaluate(self, arrays: list[np.ndarray]) -> tuple[float, int, dict[str, Any]]:
+    def evaluate(self, received: GlobalPrototypes | None) -> tuple[float, int, dict[str, Any]]:
         """The private classifier's loss and accuracy on the client's test set, and the nearest-prototype
         accuracy among its own classes once global prototypes exist."""
         model = self.load_model()
-        glob = self.decode(arrays, model)
+        glob = self.targets(received, model)
         x, y = self.data.x_test, self.data.y_test
         loss, acc = evaluate_classifier(model, x, y, self.device)
         metrics: dict[str, Any] = {"accuracy": acc}

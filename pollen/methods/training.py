@@ -9,7 +9,7 @@ optimiser step.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,19 +120,23 @@ def train_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, ep
     return history
 
 
-def model_arrays(model: torch.nn.Module) -> list[np.ndarray]:
-    """The full state (parameters and buffers) in ``state_dict`` order, as sent to the server."""
-    return [v.detach().cpu().numpy() for v in model.state_dict().values()]
+def model_state(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The full state (parameters and buffers) by name, in ``state_dict`` order, as sent to the server."""
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
 
 
-def load_model_arrays(model: torch.nn.Module, arrays: list[np.ndarray]) -> None:
+def load_state(model: torch.nn.Module, state: Mapping[str, np.ndarray], model_name: str = "") -> None:
+    """Load a state by name; the names must be exactly the model's (a clear error otherwise, naming the
+    model when ``model_name`` is given)."""
     keys = list(model.state_dict().keys())
-    if len(keys) != len(arrays):
-        raise ValueError(f"received {len(arrays)} arrays for a model with {len(keys)} state entries; "
-                         "do server and client use the same model and width?")
+    if set(keys) != set(state):
+        missing = sorted(set(keys) - set(state))[:5]
+        extra = sorted(set(state) - set(keys))[:5]
+        named = f" {model_name!r}" if model_name else ""
+        raise ValueError(f"server model state does not match this client's model{named}: missing {missing}, "
+                         f"unexpected {extra}; do server and client use the same model and width?")
     device = next(model.parameters()).device
-    model.load_state_dict({k: torch.from_numpy(np.array(a, copy=True)).to(device)
-                           for k, a in zip(keys, arrays)})
+    model.load_state_dict({k: torch.from_numpy(np.array(state[k], copy=True)).to(device) for k in keys})
 
 
 @torch.no_grad()

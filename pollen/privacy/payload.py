@@ -5,7 +5,7 @@ reply, with the budget check and the ledger around it. No torch: callers pass nu
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -58,13 +58,14 @@ class PayloadPrivacy:
                                       rng or secure_rng())
         return released, self.budget.spend(self._release())
 
-    def update(self, broadcast: list[np.ndarray], trained: list[np.ndarray],
-               rng: np.random.Generator | None = None) -> tuple[list[np.ndarray], dict[str, float]]:
-        """A model state (positional, as received): float entries (parameters and BatchNorm statistics
-        alike: both come from the data) become broadcast + clipped, noisy update; integer entries (batch
-        counters, which would count the samples) go back as received. And the round's ε metrics."""
+    def update(self, broadcast: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray],
+               rng: np.random.Generator | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """A model state by name (in ``trained``'s order): float entries (parameters and BatchNorm
+        statistics alike: both come from the data) become broadcast + clipped, noisy update; integer
+        entries (batch counters, which would count the samples) go back as received. And the round's ε
+        metrics."""
         floats = _float_entries(broadcast, trained)
-        released, _norm = release_update({str(i): trained[i] for i in floats}, {str(i): broadcast[i] for i in floats},
+        released, _norm = release_update({k: trained[k] for k in floats}, {k: broadcast[k] for k in floats},
                                          self.config.clip, self.noise_multiplier, rng or secure_rng())
         return _with_floats(broadcast, trained, released), self.budget.spend(self._release())
 
@@ -73,30 +74,30 @@ class PayloadPrivacy:
         released, _clipped = release_logits(logits, self.config.clip, self.noise_multiplier, rng or secure_rng())
         return released.astype(np.float32), self.budget.spend(self._release())
 
-    def glfc(self, broadcast: list[np.ndarray], trained: list[np.ndarray], gradient_sets: list[list[np.ndarray]],
-             max_sets: int, rng: np.random.Generator | None = None
-             ) -> tuple[list[np.ndarray], list[list[np.ndarray]], dict[str, float]]:
-        """GLFC: the model state as in :meth:`update` and each gradient set clipped, one mechanism sized
-        for ``max_sets`` sets; float32 gradient sets, and ε metrics."""
+    def glfc(self, broadcast: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray],
+             gradient_sets: Sequence[Mapping[str, np.ndarray]], max_sets: int, rng: np.random.Generator | None = None
+             ) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]], dict[str, float]]:
+        """GLFC: the model state as in :meth:`update` and each gradient set (by parameter name) clipped,
+        one mechanism sized for ``max_sets`` sets; float32 gradient sets, and ε metrics."""
         floats = _float_entries(broadcast, trained)
-        model, sets = release_glfc({str(i): trained[i] for i in floats}, {str(i): broadcast[i] for i in floats},
-                                   [{str(j): g for j, g in enumerate(grads)} for grads in gradient_sets], max_sets,
-                                   self.config.clip, self.noise_multiplier, rng or secure_rng())
-        released_sets = [[released[str(j)].astype(np.float32) for j in range(len(grads))]
+        model, sets = release_glfc({k: trained[k] for k in floats}, {k: broadcast[k] for k in floats},
+                                   list(gradient_sets), max_sets, self.config.clip, self.noise_multiplier,
+                                   rng or secure_rng())
+        released_sets = [{name: released[name].astype(np.float32) for name in grads}
                          for grads, released in zip(gradient_sets, sets)]
         return _with_floats(broadcast, trained, model), released_sets, self.budget.spend(self._release())
 
 
-def _float_entries(broadcast: list[np.ndarray], trained: list[np.ndarray]) -> list[int]:
-    if len(broadcast) != len(trained):
-        raise ValueError(f"the trained state has {len(trained)} entries, the broadcast {len(broadcast)}")
-    return [i for i, a in enumerate(trained) if np.asarray(a).dtype.kind == "f"]
+def _float_entries(broadcast: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray]) -> list[str]:
+    if set(broadcast) != set(trained):
+        raise ValueError(f"the trained state's names differ from the broadcast's: "
+                         f"{sorted(set(trained) ^ set(broadcast))[:5]}")
+    return [k for k, a in trained.items() if np.asarray(a).dtype.kind == "f"]
 
 
-def _with_floats(broadcast: list[np.ndarray], trained: list[np.ndarray],
-                 released: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    """The broadcast state with its float entries replaced by the released ones, in the trained dtypes."""
-    out = [np.array(b, copy=True) for b in broadcast]
-    for key, value in released.items():
-        out[int(key)] = value.astype(np.asarray(trained[int(key)]).dtype)
-    return out
+def _with_floats(broadcast: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray],
+                 released: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The broadcast state (in ``trained``'s order) with its float entries replaced by the released ones,
+    in the trained dtypes."""
+    return {k: released[k].astype(np.asarray(trained[k]).dtype) if k in released else np.array(broadcast[k], copy=True)
+            for k in trained}

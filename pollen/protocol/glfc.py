@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
@@ -225,12 +225,20 @@ def decode_audit(record: Any, audit: AuditSpec | None, num_sets: int
     return [(arrays[sample_key(i)[0]], int(arrays[sample_key(i)[1]][0])) for i in range(num_sets)], None
 
 
+class GlfcUpdate(NamedTuple):
+    """Server side: one accepted reply: the state by name, the gradient sets by LeNet parameter name and,
+    under ``leak-audit``, the sample behind each set."""
+
+    state: dict[str, np.ndarray]
+    gradients: list[dict[str, np.ndarray]]
+    samples: list[tuple[np.ndarray, int]]
+
+
 def decode_train_reply(content: RecordDict, model_specs: Sequence[ArraySpec],
                        lenet_shapes: Mapping[str, Sequence[int]] | None, max_sets: int,
                        broadcast: Mapping[str, np.ndarray] | None = None, bounds: PayloadBounds | None = None,
                        audit: AuditSpec | None = None,
-                       ) -> tuple[tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]],
-                                        list[tuple[np.ndarray, int]]] | None, str | None]:
+                       ) -> tuple[GlfcUpdate | None, str | None]:
     """Server side: ``((state by name, gradient sets, audit samples), None)`` or ``(None, reason naming
     the key)``; the samples (set i's at i) only with ``audit``, else ``[]``.
 
@@ -254,7 +262,7 @@ def decode_train_reply(content: RecordDict, model_specs: Sequence[ArraySpec],
     samples, reason = decode_audit(content.get(AUDIT_SAMPLES), audit, len(grads))
     if samples is None:
         return None, reason
-    return (state, grads, samples), None
+    return GlfcUpdate(state, grads, samples), None
 
 
 # -- client side ------------------------------------------------------------------------------------
@@ -291,6 +299,21 @@ def decode_train_content(content: RecordDict) -> TrainInstruction:
             raise ValueError(f"'{name}' keys differ from the global model's")
         old[slot] = {k: record[k].numpy() for k in keys}
     return TrainInstruction({k: model[k].numpy() for k in keys}, old, config)
+
+
+@dataclass(frozen=True)
+class TrainReply:
+    """Client side: the trained state by name, the gradient sets by LeNet parameter name, the metrics, and
+    under ``leak-audit`` the sample behind each set (else none)."""
+
+    state: Mapping[str, np.ndarray]
+    gradients: Sequence[Mapping[str, np.ndarray]]
+    num_examples: int
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    samples: Sequence[tuple[np.ndarray, int]] = ()
+
+    def content(self) -> RecordDict:
+        return encode_train_reply(self.state, self.num_examples, self.gradients, self.metrics, self.samples)
 
 
 def encode_train_reply(state: ArrayRecord | Mapping[str, np.ndarray], num_examples: int,

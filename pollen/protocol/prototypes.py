@@ -18,17 +18,21 @@ Under ``dp-mode = payload`` a reply carries the three ``dp-mode`` keys instead o
 count is at least ``DP_HELD_STDS`` stds of the count noise (and 1), its prototype is sum / count.
 
 Round 1 (before any aggregation) the server sends an **empty** ``arrays`` record.
+
+A client reads a message as a :class:`PrototypeInstruction` (:func:`decode_instruction`) and answers with
+a :class:`PrototypeReply`, or under DP a :class:`PrivatePrototypeReply`: named values on both sides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from pollen.protocol.records import array_record, reply_content
+from pollen.protocol.records import array_record, arrays_of, config_of, reply_content
 from pollen.protocol.screening import ArraySpec, decode_record
 
 PROTOTYPES = "prototypes"
@@ -43,6 +47,119 @@ COUNT_NOISE_STD = "count-noise-std"
 DP_HELD_STDS = 3.0
 # How a server weighs each client's prototype of a class: by the class counts the reply carries, or equally.
 PROTO_WEIGHTINGS = ("samples", "uniform")
+
+
+@dataclass(frozen=True)
+class GlobalPrototypes:
+    """Server → client: the global prototypes (C×d), which classes some client has held (C; nonzero =
+    held) and CPA's margin."""
+
+    prototypes: np.ndarray
+    present: np.ndarray
+    margin: float
+
+    def check(self, num_classes: int, embed_dim: int) -> None:
+        """``ValueError`` unless the shapes are this client's (C classes, its model's d) and the held
+        classes' prototypes and the margin are finite."""
+        protos, present = np.asarray(self.prototypes), np.asarray(self.present)
+        if protos.shape != (num_classes, embed_dim) or present.shape != (num_classes,):
+            raise ValueError(f"global prototype payload shapes {protos.shape}, {present.shape} "
+                             f"!= ({num_classes}, {embed_dim}), ({num_classes},)")
+        if not np.isfinite(protos[present.astype(bool)]).all() or not np.isfinite(self.margin):
+            raise ValueError("global prototype payload contains NaN or infinite values")
+
+
+@dataclass(frozen=True)
+class PrototypeInstruction:
+    """Client side: a prototype-family train or evaluate message, decoded (``glob`` is None in round 1)."""
+
+    glob: GlobalPrototypes | None
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def server_round(self) -> int:
+        return int(self.config.get("server-round", 0))
+
+    @property
+    def monitor(self) -> bool:
+        """Whether the server evaluates this round (the client then reports its monitors)."""
+        return bool(self.config.get("monitor", True))
+
+    @classmethod
+    def from_parameters(cls, parameters: Sequence[np.ndarray], config: Mapping[str, Any]) -> PrototypeInstruction:
+        """A ``NumPyClient``'s positional parameters: none (round 1), or prototypes, presence and margin."""
+        if len(parameters) == 0:
+            return cls(None, dict(config))
+        if len(parameters) != 3:
+            raise ValueError(f"global prototype payload must be 3 arrays (protos, mask, margin), got {len(parameters)}")
+        protos, present, margin = (np.asarray(a) for a in parameters)
+        return cls(GlobalPrototypes(protos, present, _margin(margin)), dict(config))
+
+
+def _margin(margin: np.ndarray) -> float:
+    if np.shape(margin) != (1,):
+        raise ValueError(f"global prototype payload: '{MARGIN}' has shape {np.shape(margin)}, expected (1,)")
+    return float(margin[0])
+
+
+def decode_instruction(content: RecordDict) -> PrototypeInstruction:
+    """Client side: the global prototypes by name (none in round 1) and the config; ``ValueError`` naming
+    a missing key."""
+    record = arrays_of(content)
+    if len(record) == 0:
+        return PrototypeInstruction(None, config_of(content))
+    missing = [k for k in (PROTOTYPES, PRESENT, MARGIN) if k not in record]
+    if missing:
+        raise ValueError(f"server message lacks key(s) {missing}; got {list(record.keys())}")
+    glob = GlobalPrototypes(record[PROTOTYPES].numpy(), record[PRESENT].numpy(), _margin(record[MARGIN].numpy()))
+    return PrototypeInstruction(glob, config_of(content))
+
+
+@dataclass(frozen=True)
+class PrototypeReply:
+    """Client side: local prototypes (C×d float32) and class counts (C, whole numbers)."""
+
+    prototypes: np.ndarray
+    class_counts: np.ndarray
+    num_examples: int
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def released_counts(self) -> np.ndarray:
+        return self.class_counts
+
+    count_std = 0.0  # exact counts: no noise
+
+    def content(self) -> RecordDict:
+        return encode_prototype_reply(self.prototypes, self.class_counts, self.metrics, self.num_examples)
+
+    def parameters(self) -> list[np.ndarray]:
+        """As a ``NumPyClient`` returns it: prototypes, class counts."""
+        return [self.prototypes, self.class_counts]
+
+
+@dataclass(frozen=True)
+class PrivatePrototypeReply:
+    """Client side, under DP: what the mechanism released (noisy per-class sums C×d and noisy counts C,
+    all classes) and the count noise's std (as it travels: float32)."""
+
+    sums: np.ndarray
+    noisy_counts: np.ndarray
+    count_std: float
+    num_examples: int
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def released_counts(self) -> np.ndarray:
+        return self.noisy_counts
+
+    def content(self) -> RecordDict:
+        return encode_dp_prototype_reply(self.sums, self.noisy_counts, self.count_std, self.metrics, self.num_examples)
+
+    def parameters(self) -> list[np.ndarray]:
+        """As a ``NumPyClient`` returns it: noisy sums, noisy counts, count noise std (1,), float32."""
+        return [np.asarray(self.sums, dtype=np.float32), np.asarray(self.noisy_counts, dtype=np.float32),
+                np.array([self.count_std], dtype=np.float32)]
 
 
 def encode_global_prototypes(protos: np.ndarray, present: np.ndarray, margin: float) -> ArrayRecord:
@@ -113,8 +230,16 @@ def divide_release(sums: np.ndarray, counts: np.ndarray, count_std: float) -> tu
     return protos.astype(np.float32), np.where(held, counts, 0.0)
 
 
+class ClientPrototypes(NamedTuple):
+    """Server side: one accepted reply, as the average reads it: prototypes C×d and each class's weight C
+    (its count; under DP the noisy count where the class is taken as held, else 0)."""
+
+    prototypes: np.ndarray
+    weights: np.ndarray
+
+
 def _decode_dp_reply(record: Any, num_classes: int, embed_dim: int,
-                     max_count: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+                     max_count: int) -> tuple[ClientPrototypes | None, str | None]:
     specs = [ArraySpec(PROTO_SUMS, (num_classes, embed_dim), "float32", max_abs=MAX_PROTOTYPE_ABS),
              ArraySpec(NOISY_COUNTS, (num_classes,), "float32", max_abs=float(max_count)),
              ArraySpec(COUNT_NOISE_STD, (1,), "float32", nonnegative=True, max_value=float(max_count))]
@@ -124,7 +249,7 @@ def _decode_dp_reply(record: Any, num_classes: int, embed_dim: int,
     std = float(arrays[COUNT_NOISE_STD][0])
     if std <= 0:
         return None, f"'{COUNT_NOISE_STD}': {std} is not > 0"
-    return divide_release(arrays[PROTO_SUMS], arrays[NOISY_COUNTS], std), None
+    return ClientPrototypes(*divide_release(arrays[PROTO_SUMS], arrays[NOISY_COUNTS], std)), None
 
 
 # Embeddings far beyond this make squared distances (losses, CPA's margin) overflow float32 on every
@@ -133,7 +258,7 @@ MAX_PROTOTYPE_ABS = 1e6
 
 
 def decode_prototype_reply(record: Any, num_classes: int, embed_dim: int,
-                           max_count: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+                           max_count: int) -> tuple[ClientPrototypes | None, str | None]:
     """Server side: ``((protos, counts), None)`` or ``(None, reason)``; nothing decoded before the
     metadata checks pass. Prototypes of held classes must be finite and within ``MAX_PROTOTYPE_ABS``;
     counts within ``max_count``. A ``dp-mode = payload`` reply (noisy sums and counts) comes back in the
@@ -152,4 +277,4 @@ def decode_prototype_reply(record: Any, num_classes: int, embed_dim: int,
     if not np.isfinite(protos[held]).all():
         bad = [int(c) for c in np.flatnonzero(held & ~np.isfinite(protos).all(axis=1))]
         return None, f"'{PROTOTYPES}': NaN or infinite values for held class(es) {bad}"
-    return (protos, counts), None
+    return ClientPrototypes(protos, counts), None

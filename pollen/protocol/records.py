@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -86,3 +87,26 @@ def finite_float(value: Any, default: float = math.nan) -> float:
     except (TypeError, ValueError):
         return default
     return out if math.isfinite(out) else default
+
+
+def config_of(content: RecordDict) -> dict[str, Any]:
+    """The message's config as a plain dict (empty when it has none)."""
+    return dict(content.get(CONFIG) or {})
+
+
+def arrays_of(content: RecordDict, key: str = ARRAYS) -> ArrayRecord:
+    """The ArrayRecord under ``key`` (empty when the message has none)."""
+    rec = content.get(key)
+    return rec if isinstance(rec, ArrayRecord) else ArrayRecord()
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Client side, every family: what an evaluate message is answered with (metrics only)."""
+
+    loss: float
+    num_examples: int
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+    def content(self) -> RecordDict:
+        return RecordDict({METRICS: metric_record(self.num_examples, {**self.metrics, "loss": float(self.loss)})})

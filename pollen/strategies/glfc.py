@@ -492,11 +492,11 @@ class IncrementalFedAvg(PollenStrategy):
         lenet_names = list(self.lenet_shapes or {})  # without a proxy, replies carry no gradient sets
         for a in accepted:
             self.confirmed[a.node_id] = (int(a.metrics.get("old1-version", 0)), int(a.metrics.get("old2-version", 0)))
-            pool += [[g[name] for name in lenet_names] for g in a.payload[1]]
-            truth += a.payload[2]
+            pool += [[g[name] for name in lenet_names] for g in a.payload.gradients]
+            truth += a.payload.samples
         extra: dict[str, Any] = {"task": self.task, "num-classes": self.num_classes}
         if accepted:
-            self._global = self.combine([[a.payload[0][k] for k in self.keys] for a in accepted],
+            self._global = self.combine([[a.payload.state[k] for k in self.keys] for a in accepted],
                                         [1.0] * len(accepted))
             extra["transitions"] = sum(int(a.metrics.get(protocol.TRANSITION, 0)) for a in accepted)
             if self.old_model == "proxy":

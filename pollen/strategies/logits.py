@@ -17,7 +17,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from pollen.protocol.logits import MODEL, PUBLIC_DIGEST, decode_logit_reply, encode_consensus
+from pollen.protocol.logits import MODEL, PUBLIC_DIGEST, LogitUpdate, decode_logit_reply, encode_consensus
 from pollen.protocol.records import ARRAYS, CONFIG, METRICS, array_record
 from pollen.protocol.weights import decode_weights_reply
 from pollen.strategies.aggregation import robust_stack
@@ -154,13 +154,15 @@ class LogitAveraging(PollenStrategy):
         dp = self.bounds.dp
         if logits is not None and dp is not None and dp.bounds_models:
             reason = dp.check_logits(logits)
-        if reason is not None or not self.average_weights:
-            return (logits, None), reason
+        if logits is None or reason is not None:
+            return None, reason
+        if not self.average_weights:
+            return LogitUpdate(logits), None
         model = msg.content.get(MODEL)
         if reference is None:
             return None, f"homogeneous mode needs the model state under '{MODEL}'"
         state, reason = decode_weights_reply(model, reference, self.bounds.max_update_norm, self._broadcast)
-        return ((logits, state), None) if reason is None else (None, f"{MODEL}: {reason}")
+        return (LogitUpdate(logits, state), None) if reason is None else (None, f"{MODEL}: {reason}")
 
     def _majority_state(self, replies: list[Message]) -> ArrayRecord | None:
         """Without an initial model, the state layout most round-1 replies share (on a tie, the least in
@@ -199,15 +201,15 @@ class LogitAveraging(PollenStrategy):
         self.close_train_round(server_round, accepted)
         if not accepted:  # keep last round's consensus: better stale than nothing
             return None, metrics
-        self.consensus = (mean_logits([a.payload[0] for a in accepted]) if self.aggregation == "mean" else
-                          robust_stack([a.payload[0] for a in accepted], self.aggregation,
+        self.consensus = (mean_logits([a.payload.logits for a in accepted]) if self.aggregation == "mean" else
+                          robust_stack([a.payload.logits for a in accepted], self.aggregation,
                                        self.trim_fraction).astype(np.float32))
         self.contributors = {a.node_id for a in accepted}
         self.contributor_partitions = {self.partition_of[a.node_id] for a in accepted if a.node_id in self.partition_of}
         if self.average_weights:
             assert reference is not None  # without a reference state _decode rejects every reply
             keys = list(reference.keys())
-            averaged = self.combine([[a.payload[1][k] for k in keys] for a in accepted],
+            averaged = self.combine([[a.payload.model[k] for k in keys] for a in accepted],
                                     [float(a.num_examples) for a in accepted])
             self.weights = array_record(dict(zip(keys, averaged)))
         return self.consensus_record(), metrics

@@ -169,8 +169,8 @@ class PrototypeStrategy(PollenStrategy):
 
         accepted = self.screen(server_round, "train", replies, decode)
         if accepted:
-            protos, present = aggregate_prototypes([a.payload[0] for a in accepted],
-                                                   [a.payload[1] for a in accepted], self.weighting,
+            protos, present = aggregate_prototypes([a.payload.prototypes for a in accepted],
+                                                   [a.payload.weights for a in accepted], self.weighting,
                                                    self.aggregation, self.trim_fraction)
             self.protos[present] = protos[present]  # unreported classes keep their last prototype
             self.present |= present

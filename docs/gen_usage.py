@@ -58,12 +58,6 @@ the registered methods and tasks, and its exit codes.
 """
 
 
-# Each family's table title on the page (the family's name otherwise).
-FAMILY_TITLES = {
-    "prototypes": "Prototype methods",
-    "logits": "Logit methods",
-    "glfc": "Class-incremental methods",
-}
 PYPROJECT = ROOT / "pyproject.toml"
 TABLE = "[tool.flwr.app.config]"
 
@@ -97,7 +91,7 @@ def groups() -> list[tuple[str, list[str]]]:
     """(title, keys) of every table: the common sections, then each family's keys."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from pollen.app.registry import METHODS
+    from pollen.app.registry import FAMILIES, METHODS
     from pollen.settings import SECTIONS, declared_keys
 
     out = [(section.TITLE, list(declared_keys(section))) for section in SECTIONS]
@@ -106,8 +100,8 @@ def groups() -> list[tuple[str, list[str]]]:
         if spec.keys:
             families.setdefault(spec.family, []).append(spec.name)
     # by title, so the page does not depend on which family module happened to be imported first
-    for family, names in sorted(families.items(), key=lambda item: FAMILY_TITLES.get(item[0], item[0])):
-        title = FAMILY_TITLES.get(family, family)
+    for family, names in sorted(families.items(), key=lambda item: FAMILIES[item[0]].title):
+        title = FAMILIES[family].title
         out.append((f"{title} ({', '.join(names)})", list(METHODS[names[0]].keys)))
     return out
 

@@ -230,7 +230,8 @@ def test_the_prototype_server_reads_d_of_the_first_clients_model():
 
 def test_the_registry_names_the_clients_own_keys_and_methods():
     """The registry declares these without importing the clients; here they meet."""
-    from pollen.app.registry import LOCAL_MODEL_KEY, METHODS
+    from pollen.app.methods_weights import LOCAL_MODEL_KEY
+    from pollen.app.registry import METHODS
     from pollen.clients.weights import LocalClient
     from pollen.methods.logits import LogitRound
     from pollen.methods.prototypes import PROTOTYPE_METHODS, PrototypeRound

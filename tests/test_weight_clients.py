@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pollen.app.config import parse_node_config, parse_run_config
-from pollen.app.registry import METHODS, initial_model_arrays
+from pollen.app.methods_weights import initial_model_arrays
+from pollen.app.registry import METHODS
 from tests.conftest import make_context
 
 

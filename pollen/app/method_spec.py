@@ -1,7 +1,8 @@
-"""What a method is (:class:`MethodSpec`) and the table methods register in (:data:`METHODS`).
+"""What a family and a method are (:class:`Family`, :class:`MethodSpec`) and the tables they register in
+(:data:`FAMILIES`, :data:`METHODS`).
 
-The mechanism only: :mod:`pollen.app.registry` fills the table (the weights family there, the other
-families from their ``methods_*`` modules), so a family module imports this and never the registry.
+The mechanism only: :mod:`pollen.app.registry` fills the tables from the ``methods_<family>`` modules, so a
+family module imports this and never the registry.
 """
 
 from __future__ import annotations
@@ -41,6 +42,27 @@ class ClientAdapter:
 
 
 @dataclass(frozen=True)
+class Family:
+    """A payload kind, in one place: its name, the heading of its keys in ``docs/usage.md``, and the
+    modules that are its own (protocol, strategy, settings, core, client, this registration), by import
+    name. Whatever else it uses is shared machinery (``tests/test_families.py`` lists and bounds them)."""
+
+    name: str
+    title: str
+    modules: tuple[str, ...]
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    if family.name in FAMILIES:
+        raise ValueError(f"family {family.name!r} is already registered")
+    FAMILIES[family.name] = family
+    return family
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     name: str
     family: str
@@ -77,6 +99,8 @@ METHODS: dict[str, MethodSpec] = {}
 
 
 def register_method(spec: MethodSpec) -> MethodSpec:
+    if spec.family not in FAMILIES:
+        raise ValueError(f"method {spec.name!r}: register its family {spec.family!r} first (register_family)")
     if spec.name in METHODS:
         raise ValueError(f"method {spec.name!r} is already registered")
     METHODS[spec.name] = spec

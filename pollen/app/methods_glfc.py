@@ -24,7 +24,7 @@ import math
 import numpy as np
 from flwr.app import ArrayRecord
 
-from pollen.app.method_spec import ClientAdapter, MethodSpec, register_method, strategy_options
+from pollen.app.method_spec import ClientAdapter, Family, MethodSpec, register_family, register_method, strategy_options
 from pollen.datasets.incremental import StreamConfig, StreamError, plan_stream, stream_data
 from pollen.datasets.tasks import get_task
 from pollen.methods.glfc_settings import GlfcOptions, IncrementalSettings
@@ -32,6 +32,13 @@ from pollen.models.spec import choose_model
 from pollen.protocol import glfc as protocol
 from pollen.settings import ConfigError, Key, RunConfig, declared_keys, from_values
 from pollen.strategies.glfc import IncrementalFedAvg, seeded_model
+
+# Its own modules: the proxy server, the iCaRL memory and the losses are apart from the round and the
+# strategy for their size (the proxy alone is ~600 lines); the streams are a kind of task (pollen.datasets).
+FAMILY = register_family(Family("glfc", "Class-incremental methods", (
+    "pollen.protocol.glfc", "pollen.strategies.glfc", "pollen.strategies.proxy", "pollen.methods.glfc_settings",
+    "pollen.methods.glfc", "pollen.methods.incremental_losses", "pollen.methods.memory", "pollen.clients.glfc",
+    "pollen.app.methods_glfc")))
 
 # The class-incremental family's run keys, declared by its typed options.
 GLFC_KEYS: dict[str, Key] = declared_keys(GlfcOptions)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pollen.app.method_spec import ClientAdapter, MethodSpec, register_method, strategy_options
+from pollen.app.method_spec import ClientAdapter, Family, MethodSpec, register_family, register_method, strategy_options
 from pollen.datasets.public import PUBLIC_FOLDER
 from pollen.datasets.tasks import TaskOptions, get_task, resolve_task
 from pollen.datasets.user_data import UserDataError, count_unlabeled_images
@@ -40,6 +40,10 @@ from pollen.strategies.weights import LocalOnly
 if TYPE_CHECKING:
     from flwr.app import Context
     from flwr.client import NumPyClient
+
+FAMILY = register_family(Family("logits", "Logit methods", (
+    "pollen.protocol.logits", "pollen.strategies.logits", "pollen.methods.logit_settings", "pollen.methods.logits",
+    "pollen.methods.logit_losses", "pollen.clients.logits", "pollen.app.methods_logits")))
 
 # The logit family's run keys, declared by its typed options (0 / "" = the profile's value, see
 # pollen.methods.logit_settings.QUICK / PAPER).

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pollen.app.method_spec import ClientAdapter, MethodSpec, register_method, strategy_options
+from pollen.app.method_spec import ClientAdapter, Family, MethodSpec, register_family, register_method, strategy_options
 from pollen.datasets.tasks import TaskOptions, get_task, resolve_task
 from pollen.methods.prototype_settings import MODEL_KEY, ProtoSettings, heterogeneous_channels
 from pollen.models.spec import choose_model
@@ -26,6 +26,11 @@ from pollen.strategies.prototypes import PrototypeStrategy
 if TYPE_CHECKING:
     from flwr.app import Context
     from flwr.client import NumPyClient
+
+FAMILY = register_family(Family("prototypes", "Prototype methods", (
+    "pollen.protocol.prototypes", "pollen.strategies.prototypes", "pollen.methods.prototype_settings",
+    "pollen.methods.prototypes", "pollen.methods.prototype_losses", "pollen.clients.prototypes",
+    "pollen.app.methods_prototypes")))
 
 # The prototype family's run keys, declared by its typed settings.
 PROTO_KEYS: dict[str, Key] = declared_keys(ProtoSettings)

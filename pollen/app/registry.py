@@ -1,48 +1,40 @@
-"""One table from method name to (Message-API strategy, NumPyClient + records adapter, method run keys).
+"""One table from method name to (Message-API strategy, NumPyClient + records adapter, method run keys),
+and the run keys of every registered family.
 
 Method families register here; the ServerApp and ClientApp only ever look methods up by name, so a
 new method is one entry, and ``method = "..."`` errors list exactly what exists. The mechanism
-(:class:`MethodSpec`, :func:`register_method`) is :mod:`pollen.app.method_spec`; importing this module
-fills the table: the weights family below, the other families from their ``methods_*`` modules.
+(:class:`Family`, :class:`MethodSpec`, :func:`register_method`) is :mod:`pollen.app.method_spec`; importing
+this module fills the table from the ``methods_<family>`` modules, each a family in one place.
 
 Filling the table imports no torch (nor any client): the launcher checks run configs with it and a
 ServerApp whose strategy is numpy-only never needs torch (issue 30: start-up cost). So a ``make_client``
-imports its client when a node first calls it, and :func:`initial_model_arrays` imports torch when the
-weights family's server builds its starting model.
+imports its client when a node first calls it, and the weights family's ``initial_model_arrays`` imports
+torch when its server builds its starting model.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from flwr.app import ArrayRecord, Context
 
 from pollen.app.method_spec import (
+    FAMILIES,
     METHODS,
-    ClientAdapter,
+    Family,
     MethodSpec,
     check_task_kind,
     method_defaults,
+    register_family,
     register_method,
     strategy_options,
 )
-from pollen.datasets.tasks import TASKS, TaskOptions, resolve_task
+from pollen.datasets.tasks import TASKS
 from pollen.models.catalog import MODEL_NAMES
-from pollen.models.spec import choose_model
-from pollen.protocol import weights as weights_protocol
-from pollen.settings import COMMON, ConfigError, Key, NodeConfig, RunConfig, allowed_values
-from pollen.strategies.base import PollenStrategy
-from pollen.strategies.weights import LocalOnly, WeightAveraging
+from pollen.settings import COMMON, Key, allowed_values
 
-if TYPE_CHECKING:
-    from flwr.client import NumPyClient
-
-__all__ = ["METHODS", "MethodSpec", "all_defaults", "all_keys", "check_task_kind", "choices", "initial_model_arrays",
-           "method_defaults", "register_method", "registered_choices", "strategy_options"]
+__all__ = ["FAMILIES", "METHODS", "Family", "MethodSpec", "all_defaults", "all_keys", "check_task_kind", "choices",
+           "method_defaults", "register_family", "register_method", "registered_choices", "strategy_options"]
 
 
 def all_keys() -> dict[str, Key]:
@@ -68,70 +60,8 @@ def choices(key: str) -> tuple[str, ...]:
     return allowed_values(key, all_keys()[key], registered_choices())
 
 
-def initial_model_arrays(cfg: RunConfig) -> ArrayRecord:
-    """The shared starting model of weight-averaging methods, from the run seed (same as clients').
-    The one place the weights family's server imports torch: when it builds this model."""
-    import torch
-
-    task = resolve_task(cfg.task, TaskOptions.of(cfg))
-    torch.manual_seed(cfg.seed)
-    model = choose_model(cfg, task).build()
-    return ArrayRecord(model.state_dict())
-
-
-def validate_weights(cfg: RunConfig) -> None:
-    """The weights family's rule: under DP the clients' sample counts are not released."""
-    if cfg.dp_mode != "off" and cfg.avg_weighting != "uniform":
-        raise ConfigError(f"run config key 'avg-weighting' = {cfg.avg_weighting!r} weights clients by their sample "
-                          f"counts, which dp-mode = {cfg.dp_mode!r} does not release: set avg-weighting = 'uniform'")
-
-
-def _weight_strategy(proximal: bool) -> Callable[[RunConfig], PollenStrategy]:
-    def make(cfg: RunConfig) -> PollenStrategy:
-        return WeightAveraging(weighting=cfg.avg_weighting, proximal_mu=cfg.fedprox_mu if proximal else 0.0,
-                               **strategy_options(cfg))
-    return make
-
-
-def _local_strategy(cfg: RunConfig) -> PollenStrategy:
-    return LocalOnly(**strategy_options(cfg))
-
-
-def _weight_client(cfg: RunConfig, node: NodeConfig, context: Context) -> NumPyClient:
-    from pollen.clients.weights import WeightClient  # torch: on the node, when it first builds a client
-
-    return WeightClient(cfg, node, context)
-
-
-def _local_client(cfg: RunConfig, node: NodeConfig, context: Context) -> NumPyClient:
-    from pollen.clients.weights import LocalClient  # torch: on the node, when it first builds a client
-
-    return LocalClient(cfg, node, context)
-
-
-# A weights (and local) client reads the global state by name; a local client ignores it (none is sent).
-WEIGHTS = ClientAdapter(weights_protocol.decode_instruction)
-
-# context.state key of a local client's model (pollen.clients.weights.LocalClient.STATE_KEY; a test keeps them equal)
-LOCAL_MODEL_KEY = "local-model"
-
-
-register_method(MethodSpec(
-    name="fedavg", family="weights", description="FedAvg (McMahan et al. 2017): average full model state",
-    make_strategy=_weight_strategy(proximal=False), make_client=_weight_client, adapter=WEIGHTS,
-    initial_arrays=initial_model_arrays, validate=validate_weights, dp_modes=("payload", "sample")))
-register_method(MethodSpec(
-    name="fedprox", family="weights",
-    description="FedProx (Li et al. 2020): FedAvg plus a proximal term mu/2·||w - w_global||² (key fedprox-mu)",
-    make_strategy=_weight_strategy(proximal=True), make_client=_weight_client, adapter=WEIGHTS,
-    initial_arrays=initial_model_arrays, validate=validate_weights, dp_modes=("payload", "sample")))
-register_method(MethodSpec(
-    name="local", family="local", description="Local-only training: no communication (lower bound)",
-    make_strategy=_local_strategy, make_client=_local_client, adapter=WEIGHTS,
-    personal_model=LOCAL_MODEL_KEY))
-
-# Every other family registers itself on import: each ``pollen/app/methods_<family>.py`` module, found rather
-# than listed, so a new family is its own module and nothing here.
-for _family in sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])
-                      if m.name.startswith("methods_")):
+# Every family registers itself on import: each ``pollen/app/methods_<family>.py`` module, found rather than
+# listed, so a new family is its own module and nothing here (the default method's family first, then by name).
+for _family in sorted((m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])
+                       if m.name.startswith("methods_")), key=lambda name: (name != "methods_weights", name)):
     importlib.import_module(f"pollen.app.{_family}")

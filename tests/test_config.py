@@ -87,7 +87,7 @@ def test_node_config_validation():
 def test_sample_by_partition_reaches_the_strategy():
     for value in (True, False):
         cfg = parse_run_config({"method": "fedavg", "task": "uci-dirichlet", "sample-by-partition": value})
-        assert METHODS["fedavg"].make_strategy(cfg).identify_nodes is value
+        assert METHODS["fedavg"].make_strategy(cfg).nodes.identify_nodes is value
 
 
 @pytest.mark.parametrize("spec,inside,outside", [

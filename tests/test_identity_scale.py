@@ -27,7 +27,7 @@ from flwr.superlink.grid import InMemoryGrid
 from pollen.protocol.identity import PARTITION_ID, encode_identity_reply
 from pollen.protocol.weights import encode_weights_reply
 from pollen.strategies import WeightAveraging
-from pollen.strategies.base import engine_partitions
+from pollen.strategies.sampling import engine_partitions
 from pollen.testing import InProcessGrid, set_task_identity
 
 STATE = {"w": np.zeros((2, 3), np.float32)}
@@ -158,7 +158,7 @@ def test_pins_win_over_the_engine_mapping(caplog):
     assert engine_node not in strategy.partition_of and strategy.node_of[7] == pinned_elsewhere
     assert all(strategy.partition_of[n] == p for n, p in grid.mapping.items() if p != 7)
     reason = f"partition 7 is pinned to node {pinned_elsewhere}, not to this node ({engine_node})"
-    assert strategy._check_partition(engine_node, {PARTITION_ID: 7}) == reason
+    assert strategy.book.refusal(engine_node, 7) == reason
     with caplog.at_level(logging.WARNING, logger="flwr.pollen"):
         strategy.start(grid=grid, initial_arrays=_record(), num_rounds=2)
     for rnd in (1, 2):

@@ -26,10 +26,10 @@ from flwr.server.client_proxy import ClientProxy
 
 from pollen.protocol.screening import PayloadBounds
 from pollen.strategies.legacy import (
-    LocalOnly,
-    LogitAveraging,
-    PrototypeStrategy,
-    WeightAveraging,
+    LegacyLocalOnly,
+    LegacyLogitAveraging,
+    LegacyPrototypeStrategy,
+    LegacyWeightAveraging,
     client_label,
     parameters_record,
 )
@@ -79,7 +79,7 @@ def test_a_client_is_named_by_a_valid_partition_id_only(metrics, label):
 # -- weights ---------------------------------------------------------------------------------------------
 def test_weight_averaging_drops_bad_replies_with_protocol_reasons_and_averages_the_rest():
     init = [np.zeros((2,), np.float32), np.zeros((1, 2), np.float32)]
-    strat = WeightAveraging(initial_parameters=ndarrays_to_parameters(init), weighting="samples")
+    strat = LegacyWeightAveraging(initial_parameters=ndarrays_to_parameters(init), weighting="samples")
     good1 = [np.array([1.0, 1.0], np.float32), np.array([[2.0, 2.0]], np.float32)]
     good2 = [np.array([4.0, 4.0], np.float32), np.array([[8.0, 8.0]], np.float32)]
     wrong_shape = [np.array([1.0, 1.0, 1.0], np.float32), good1[1]]
@@ -111,7 +111,7 @@ def test_weight_averaging_drops_bad_replies_with_protocol_reasons_and_averages_t
 
 def test_weight_averaging_takes_its_bounds_and_weighting():
     init = [np.ones(2, np.float32)]
-    strat = WeightAveraging(initial_parameters=ndarrays_to_parameters(init), weighting="uniform",
+    strat = LegacyWeightAveraging(initial_parameters=ndarrays_to_parameters(init), weighting="uniform",
                             bounds=PayloadBounds(max_update_norm=2.0))
     res = [(stub_node("a"), _fit_res([np.array([1.0, 1.0], np.float32)], 10, 0)),
            (stub_node("b"), _fit_res([np.array([2.5, 3.0], np.float32)], 30, 1)),  # moved by 2.5 <= 2·√2
@@ -127,7 +127,7 @@ def test_weight_averaging_sends_round_and_mu_and_screens_evaluate_replies():
     manager = SimpleClientManager()
     for cid in "ab":
         manager.register(stub_node(cid))
-    strat = WeightAveraging(initial_parameters=ndarrays_to_parameters([np.zeros(2, np.float32)]), proximal_mu=0.5)
+    strat = LegacyWeightAveraging(initial_parameters=ndarrays_to_parameters([np.zeros(2, np.float32)]), proximal_mu=0.5)
     fit = strat.configure_fit(3, strat.initial_parameters, manager)
     assert len(fit) == 2 and all(ins.config == {"server-round": 3, "proximal-mu": 0.5} for _, ins in fit)
     loss, metrics = strat.aggregate_evaluate(1, [(stub_node("a"), _eval_res(0.5, 10, 0, accuracy=0.75)),
@@ -140,14 +140,14 @@ def test_weight_averaging_sends_round_and_mu_and_screens_evaluate_replies():
 
 
 def test_string_metrics_a_legacy_client_may_send_are_left_out_not_refused():
-    strat = WeightAveraging(initial_parameters=ndarrays_to_parameters([np.zeros(2, np.float32)]))
+    strat = LegacyWeightAveraging(initial_parameters=ndarrays_to_parameters([np.zeros(2, np.float32)]))
     params, metrics = strat.aggregate_fit(1, [(stub_node("a"), _fit_res([np.ones(2, np.float32)], 4, 0,
                                                                         model="cnn", fast=True))], [])
     assert metrics["accepted"] == 1 and "model" not in metrics
 
 
 def test_local_only_screens_metrics():
-    local = LocalOnly()
+    local = LegacyLocalOnly()
     _, metrics = local.aggregate_fit(1, [(stub_node("a"), _fit_res([], 4, 0)),
                                          (stub_node("b"), _fit_res([], 4, 1, **{"train-loss": float("inf")}))], [])
     assert (metrics["accepted"], metrics["rejected"]) == (1, 1)
@@ -166,7 +166,7 @@ def _reply(rows: dict[int, list[float]], counts: dict[int, int]):
 
 
 def test_prototype_replies_are_screened_as_on_the_message_api():
-    strategy = PrototypeStrategy(num_classes=C, embed_dim=D, max_examples=1000)
+    strategy = LegacyPrototypeStrategy(num_classes=C, embed_dim=D, max_examples=1000)
     good_a = _reply({0: [1, 1, 1], 1: [2, 2, 2]}, {0: 1, 1: 1})
     good_b = _reply({0: [3, 3, 3]}, {0: 3})
     nan = _reply({0: [1, 1, 1]}, {0: 1, 2: 2})
@@ -197,7 +197,7 @@ def test_prototype_replies_are_screened_as_on_the_message_api():
 
 
 def test_first_round_sends_nothing_and_unreported_classes_keep_their_prototype():
-    strategy = PrototypeStrategy(num_classes=C, embed_dim=D)
+    strategy = LegacyPrototypeStrategy(num_classes=C, embed_dim=D)
     assert strategy.global_payload() == []
     first = _reply({0: [1, 0, 0], 1: [0, 1, 0]}, {0: 2, 1: 2})
     strategy.aggregate_fit(1, [(stub_node("0"), _fit_res(first, 4, 0))], [])
@@ -208,7 +208,7 @@ def test_first_round_sends_nothing_and_unreported_classes_keep_their_prototype()
 
 
 def test_all_replies_bad_keeps_the_previous_global_state():
-    strategy = PrototypeStrategy(num_classes=C, embed_dim=D)
+    strategy = LegacyPrototypeStrategy(num_classes=C, embed_dim=D)
     strategy.aggregate_fit(1, [(stub_node("0"), _fit_res(_reply({0: [1, 0, 0]}, {0: 2}), 2, 0))], [])
     before = [a.copy() for a in strategy.global_payload()]
     _, metrics = strategy.aggregate_fit(2, [(stub_node("0"), _fit_res([np.zeros(3, np.float32)], 2, 0))], [])
@@ -218,7 +218,7 @@ def test_all_replies_bad_keeps_the_previous_global_state():
 
 
 def test_evaluate_every_skips_rounds_but_always_evaluates_the_last():
-    strategy = PrototypeStrategy(num_classes=C, embed_dim=D, evaluate_every=3, num_rounds=7,
+    strategy = LegacyPrototypeStrategy(num_classes=C, embed_dim=D, evaluate_every=3, num_rounds=7,
                                  min_available_clients=1)
     manager = SimpleClientManager()
     manager.register(stub_node("0"))
@@ -228,17 +228,17 @@ def test_evaluate_every_skips_rounds_but_always_evaluates_the_last():
 
 def test_constructors_reject_bad_arguments():
     with pytest.raises(ValueError, match="weighting"):
-        PrototypeStrategy(num_classes=C, embed_dim=D, weighting="max")
+        LegacyPrototypeStrategy(num_classes=C, embed_dim=D, weighting="max")
     with pytest.raises(ValueError, match="evaluate_every"):
-        PrototypeStrategy(num_classes=C, embed_dim=D, evaluate_every=0)
+        LegacyPrototypeStrategy(num_classes=C, embed_dim=D, evaluate_every=0)
     with pytest.raises(ValueError, match="max_examples"):
-        PrototypeStrategy(num_classes=C, embed_dim=D, max_examples=0)
+        LegacyPrototypeStrategy(num_classes=C, embed_dim=D, max_examples=0)
     with pytest.raises(ValueError, match="num_public"):
-        LogitAveraging(num_public=0, num_classes=10)
+        LegacyLogitAveraging(num_public=0, num_classes=10)
     with pytest.raises(ValueError, match="fraction_fit"):
-        LogitAveraging(num_public=5, num_classes=10, fraction_fit=0.0)
+        LegacyLogitAveraging(num_public=5, num_classes=10, fraction_fit=0.0)
     with pytest.raises(ValueError, match="max_update_norm"):
-        LogitAveraging(num_public=5, num_classes=10, bounds=PayloadBounds(max_update_norm=-1.0))
+        LegacyLogitAveraging(num_public=5, num_classes=10, bounds=PayloadBounds(max_update_norm=-1.0))
 
 
 class InProcessProxy(ClientProxy):
@@ -299,7 +299,7 @@ def test_prototype_strategy_runs_a_plain_flower_server_with_foreign_clients():
     manager = SimpleClientManager()
     for i, client in enumerate(clients):
         manager.register(InProcessProxy(str(i), client))
-    strategy = PrototypeStrategy(num_classes=C, embed_dim=D, min_available_clients=3)
+    strategy = LegacyPrototypeStrategy(num_classes=C, embed_dim=D, min_available_clients=3)
     history, _ = Server(client_manager=manager, strategy=strategy).fit(num_rounds=2, timeout=None)
     # independent computation: the count-weighted mean of each class over every point of every client
     for c in range(3):
@@ -322,7 +322,7 @@ def test_logits_round_one_sends_nothing_then_the_consensus_and_its_count():
     proxies = [stub_node(str(i)) for i in range(4)]
     for p in proxies:
         manager.register(p)
-    strat = LogitAveraging(num_public=3, num_classes=2, min_available_clients=4)
+    strat = LegacyLogitAveraging(num_public=3, num_classes=2, min_available_clients=4)
     first = strat.configure_fit(1, strat.initialize_parameters(manager), manager)
     assert len(first) == 4
     assert all(parameters_to_ndarrays(ins.parameters) == [] and ins.config["server-round"] == 1
@@ -361,7 +361,7 @@ def test_logits_round_one_sends_nothing_then_the_consensus_and_its_count():
 
 
 def test_homogeneous_mode_screens_states_and_averages_them_by_samples():
-    strat = LogitAveraging(num_public=3, num_classes=2, average_weights=True)
+    strat = LegacyLogitAveraging(num_public=3, num_classes=2, average_weights=True)
     w1 = [np.array([1.0, 1.0], np.float32), np.array(2, np.int64)]
     w2 = [np.array([4.0, 7.0], np.float32), np.array(4, np.int64)]
     params, metrics = strat.aggregate_fit(1, [(stub_node("a"), _fit_res([A, *w1], 10, 0)),
@@ -398,7 +398,7 @@ def _payload_privacy(clip: float, sigma: float, kind: str = "weights"):
 def test_weight_averaging_under_dp_keeps_honest_releases_and_refuses_one_beyond_the_dp_bound():
     bounds, privacy = _payload_privacy(clip=2.0, sigma=0.05)
     init = [np.linspace(-1, 1, 600, dtype=np.float32).reshape(20, 30), np.zeros(40, np.float32)]
-    strat = WeightAveraging(initial_parameters=ndarrays_to_parameters(init), weighting="uniform",
+    strat = LegacyWeightAveraging(initial_parameters=ndarrays_to_parameters(init), weighting="uniform",
                             bounds=PayloadBounds(dp=bounds))
     rng = np.random.default_rng(0)
     releases = []
@@ -418,7 +418,7 @@ def test_weight_averaging_under_dp_keeps_honest_releases_and_refuses_one_beyond_
     for got, a, b in zip(parameters_to_ndarrays(params), releases[0], releases[1]):
         np.testing.assert_allclose(got, (a + b) / 2, rtol=1e-6)
     # without DP the relative max-update-norm (1e4 × the broadcast) admits the scaled reply
-    loose = WeightAveraging(initial_parameters=ndarrays_to_parameters(init), weighting="uniform")
+    loose = LegacyWeightAveraging(initial_parameters=ndarrays_to_parameters(init), weighting="uniform")
     assert loose.aggregate_fit(1, results, [])[1]["accepted"] == 3
 
 
@@ -426,7 +426,7 @@ def test_logit_averaging_under_dp_refuses_logits_beyond_the_dp_bound_and_homogen
     bounds, privacy = _payload_privacy(clip=1.0, sigma=0.5)
     rng = np.random.default_rng(1)
     honest, _ = privacy(0).logits(rng.normal(size=(5, 3)), rng)
-    strat = LogitAveraging(num_public=5, num_classes=3, bounds=PayloadBounds(dp=bounds))
+    strat = LegacyLogitAveraging(num_public=5, num_classes=3, bounds=PayloadBounds(dp=bounds))
     params, metrics = strat.aggregate_fit(1, [(stub_node("0"), _fit_res([honest], 1, 0)),
                                               (stub_node("1"), _fit_res([10.0 * honest], 1, 1))], [])
     assert metrics["accepted"] == 1
@@ -434,4 +434,4 @@ def test_logit_averaging_under_dp_refuses_logits_beyond_the_dp_bound_and_homogen
     assert rejection.client == "partition 1" and "logit matrix norm" in rejection.reason
     np.testing.assert_allclose(parameters_to_ndarrays(params)[0], honest, rtol=1e-6)
     with pytest.raises(ValueError, match="homogeneous mode.*differential privacy"):
-        LogitAveraging(num_public=5, num_classes=3, average_weights=True, bounds=PayloadBounds(dp=bounds))
+        LegacyLogitAveraging(num_public=5, num_classes=3, average_weights=True, bounds=PayloadBounds(dp=bounds))

@@ -249,7 +249,7 @@ def test_max_empty_rounds_tolerates_that_many():
 
     strategy = WeightAveraging(min_available_nodes=1, max_empty_rounds=1)
     result = strategy.start(grid=InProcessGrid({11: flaky}), initial_arrays=_record(STATE), num_rounds=2)
-    assert result.train_metrics_clientapp[2]["accepted"] == 1 and strategy.empty_rounds == 1
+    assert result.train_metrics_clientapp[2]["accepted"] == 1 and strategy.replies.empty_rounds == 1
 
 
 def test_too_few_nodes_fails_within_the_wait_naming_both_numbers():

@@ -133,4 +133,4 @@ def test_a_round_that_accepts_nobody_keeps_the_global_model():
     np.testing.assert_allclose(sent[1], after_1, rtol=1e-6)
     np.testing.assert_allclose(sent[2], after_1, rtol=1e-6)  # round 2 changed nothing
     np.testing.assert_allclose(result.arrays["w"].numpy(), after_1 + _delta(0, 3, "w", (2, 3)), rtol=1e-6)
-    assert strategy.empty_rounds == 1 and result.train_metrics_clientapp[2]["accepted"] == 0
+    assert strategy.replies.empty_rounds == 1 and result.train_metrics_clientapp[2]["accepted"] == 0

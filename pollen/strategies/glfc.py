@@ -389,7 +389,8 @@ class IncrementalFedAvg(PollenStrategy):
         self.proxy = proxy
         self.acc_rows = {int(t): row for t, row in values["acc-rows"].items()}
         self.proxy_rng.bit_generator.state = values["proxy-rng"]
-        self.confirmed, self._queried, self._sampled, self._old_records = {}, set(), set(), {}
+        self.confirmed, self._sampled, self._old_records = {}, set(), {}
+        self.book.asked = set()
         # older checkpoints lack it: then every node is sent the old models once more
         self._cached_at_restore = {int(pid): (int(v[0]), int(v[1]))
                                    for pid, v in values.get("old-models-cached", {}).items()}
@@ -413,8 +414,8 @@ class IncrementalFedAvg(PollenStrategy):
         active = self.schedule.active_clients(task)
         nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, len(active)))
         self.identify(server_round, grid, nodes)
-        self._prune_claims()  # a claimant that left no longer keeps its partition quarantined
-        self._warn_quarantine(server_round)  # a quarantined partition is never sampled: say so every round
+        self.book.prune(nodes)  # a claimant that left no longer keeps its partition quarantined
+        self.replies.note_quarantine(server_round)  # a quarantined partition is never sampled: say so every round
         connected = set(nodes)
         candidates = sorted(pid for pid in active if self.node_of.get(pid) in connected)
         self._sampled = set()

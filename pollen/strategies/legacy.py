@@ -2,7 +2,9 @@
 
 For projects still built on ``ServerAppComponents`` / ``server_fn`` / ``NumPyClient``: these classes
 run under Flower's legacy ``Server`` loop with positional array lists (contracts in each class's
-docstring). New projects use the Message-API strategies of :mod:`pollen.strategies`.
+docstring). New projects use the Message-API strategies of :mod:`pollen.strategies`. Each class is named
+``Legacy<Message-API class>`` (``LegacyWeightAveraging``, ``LegacyPrototypeStrategy``,
+``LegacyLogitAveraging``, ``LegacyLocalOnly``), so the two APIs' classes are never confused in one import.
 
 The adapters hold no rules of their own. A legacy reply is converted into what :mod:`pollen.protocol`
 takes — its positional tensors become a named ``ArrayRecord`` whose dtypes and shapes come from each
@@ -220,7 +222,7 @@ def weighted_evaluate(results: list[tuple[ClientProxy, EvaluateRes]],
     return float(loss), dict(mean_std_metrics([(w, r.metrics) for w, (_, r) in zip(weights, results)]))
 
 
-class WeightAveraging(RejectionLog, FedAvg):
+class LegacyWeightAveraging(RejectionLog, FedAvg):
     """FedAvg (``proximal_mu = 0``) or FedProx (``proximal_mu > 0``) over full model state.
 
     ``weighting = "samples"`` weights each client by its number of training examples (McMahan et al.),
@@ -247,7 +249,7 @@ class WeightAveraging(RejectionLog, FedAvg):
         self._global = parameters_to_ndarrays(initial_parameters)
 
     def __repr__(self) -> str:
-        return f"WeightAveraging(weighting={self.weighting}, proximal_mu={self.proximal_mu})"
+        return f"LegacyWeightAveraging(weighting={self.weighting}, proximal_mu={self.proximal_mu})"
 
     def configure_fit(self, server_round: int, parameters: Parameters,
                       client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
@@ -296,7 +298,7 @@ class WeightAveraging(RejectionLog, FedAvg):
         return super().aggregate_evaluate(server_round, self.screen_evaluate(server_round, results), failures)
 
 
-class LocalOnly(RejectionLog, Strategy):
+class LegacyLocalOnly(RejectionLog, Strategy):
     """No collaboration: every client trains its own model, kept in its state; nothing is averaged.
 
     Rounds still exist so that local training is scheduled, evaluated and recorded exactly like the
@@ -310,7 +312,7 @@ class LocalOnly(RejectionLog, Strategy):
         self.min_available_clients = min_available_clients
 
     def __repr__(self) -> str:
-        return "LocalOnly()"
+        return "LegacyLocalOnly()"
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         return ndarrays_to_parameters([])
@@ -339,7 +341,7 @@ class LocalOnly(RejectionLog, Strategy):
         return None
 
 
-class PrototypeStrategy(RejectionLog, Strategy):
+class LegacyPrototypeStrategy(RejectionLog, Strategy):
     """FedProto (and BD-FedProto, whose extras live on the clients) as a legacy Flower ``Strategy``.
 
     Payload: server → client ``[protos C×d float32, present C int64, margin (1,) float32]`` (``[]``
@@ -389,7 +391,7 @@ class PrototypeStrategy(RejectionLog, Strategy):
         self.margin = 0.0
 
     def __repr__(self) -> str:
-        return (f"PrototypeStrategy(C={self.num_classes}, d={self.embed_dim}, weighting={self.weighting}, "
+        return (f"LegacyPrototypeStrategy(C={self.num_classes}, d={self.embed_dim}, weighting={self.weighting}, "
                 f"evaluate_every={self.evaluate_every})")
 
     # payloads ------------------------------------------------------------------------------
@@ -450,7 +452,7 @@ class PrototypeStrategy(RejectionLog, Strategy):
         return None  # no global model: clients evaluate their own models
 
 
-class LogitAveraging(RejectionLog, Strategy):
+class LegacyLogitAveraging(RejectionLog, Strategy):
     """Averages clients' public-set logits into a consensus; never sees model parameters.
 
     Payload: server → client ``[]`` in round 1, else ``[consensus N0×C float32, contributors (1,)
@@ -493,7 +495,7 @@ class LogitAveraging(RejectionLog, Strategy):
         self.weights: list[np.ndarray] | None = None
 
     def __repr__(self) -> str:
-        return (f"LogitAveraging(num_public={self.num_public}, num_classes={self.num_classes}, "
+        return (f"LegacyLogitAveraging(num_public={self.num_public}, num_classes={self.num_classes}, "
                 f"average_weights={self.average_weights})")
 
     # Flower Strategy API --------------------------------------------------------------------

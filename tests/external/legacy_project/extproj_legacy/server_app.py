@@ -12,10 +12,10 @@ from pathlib import Path
 from flwr.common import Context, parameters_to_ndarrays
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
-from pollen.strategies.legacy import PrototypeStrategy
+from pollen.strategies.legacy import LegacyPrototypeStrategy
 
 
-class RecordingPrototypes(PrototypeStrategy):
+class RecordingPrototypes(LegacyPrototypeStrategy):
     def __init__(self, report_path: str, **kwargs):
         super().__init__(**kwargs)
         self.report_path = Path(report_path)

@@ -25,7 +25,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip >/dev/null
-	$(PY) -m pip install -e ".[train,test]"
+	$(PY) -m pip install -e ".[train,tracking,test]"
 	@touch $(STAMP)
 
 install: $(STAMP)

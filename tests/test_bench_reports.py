@@ -108,7 +108,13 @@ def privacy():
     return s.markdown(s.RunFiles(s.FOLDER).load())
 
 
-REPORTS = {"privacy.md": privacy, "fccl_digits_offline.md": fccl_study, "glfc_methods.md": glfc_study,
+def stragglers():
+    from bench import stragglers as s
+
+    return s.report(s.RunFiles(s.FOLDER).load(s.SETTING))
+
+
+REPORTS = {"privacy.md": privacy, "stragglers.md": stragglers, "fccl_digits_offline.md": fccl_study, "glfc_methods.md": glfc_study,
            "bd_fedproto_study.md": bd_fedproto_study, "bd_fedproto_alternatives.md": bd_fedproto_alternatives,
            "prototypes_mnist.md": prototypes_mnist, "prototypes_reference.md": prototypes_reference,
            "glfc_proxy_case.md": glfc_proxy_case, "glfc_regime.md": glfc_regime,
@@ -278,3 +284,20 @@ def test_overhead_measured_reads_the_cpu_counter_at_each_round_line(tmp_path, mo
     assert len(at) == 3 and 0 < at[0] < at[1] < at[2] <= row["cpu-s"]
     assert 0.2 < row["steady-round-cpu-s"] < 0.6 and row["fixed-cpu-s"] > 0
     assert row["fixed-cpu-s"] + 3 * row["steady-round-cpu-s"] == pytest.approx(row["cpu-s"], abs=0.02)
+
+
+def test_stragglers_pairs_each_arm_with_the_perfect_network_and_times_the_target_on_the_simulated_clock():
+    from bench import stragglers as s
+
+    def rec(arm, seed, acc, clock):
+        return {"arm": arm, "seed": seed, "accuracy": acc, "clock": clock, "dropped": 1, "late": 2}
+
+    perfect, cut = s.arm_name("fedavg", 0, 0, 0), s.arm_name("fedavg", 0.2, 0.2, 6.0)
+    waited = s.arm_name("fedavg", 0.2, 0.2, 0.0)
+    rows = s.summarize([rec(perfect, 0, [0.5, 0.8], [3.0, 6.0]), rec(cut, 0, [0.7, 0.76], [6.0, 12.0]),
+                        rec(waited, 0, [0.6, 0.9], [3600.0, 7200.0]), rec(cut, 1, [0.1, 0.2], [6.0, 12.0])])
+    assert rows[cut]["delta-final"] == {0: pytest.approx(-0.04)}  # seed 1 has no perfect run: unpaired
+    assert rows[cut]["time-to-target"] == {0: 12.0}  # 0.95 × 0.8 = 0.76, reached in round 2; seed 1: no target
+    assert rows[waited]["time-to-target"] == {0: 7200.0}
+    assert rows[cut]["vs-wait"] == {0: pytest.approx(0.76 - 0.9)}
+    assert s.time_to([None, 0.5], [1.0, 2.0], 0.5) == 2.0 and s.time_to([0.1], [1.0], 0.5) is None

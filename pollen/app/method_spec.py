@@ -20,6 +20,7 @@ from pollen.protocol.identity import parse_partition_pins
 from pollen.protocol.screening import PayloadBounds
 from pollen.settings import ConfigError, Key, NodeConfig, RunConfig
 from pollen.strategies.base import PollenStrategy
+from pollen.strategies.network import NetworkModel
 
 if TYPE_CHECKING:
     from flwr.client import NumPyClient
@@ -130,7 +131,8 @@ def strategy_options(cfg: RunConfig) -> dict[str, Any]:
     return {"fraction_train": cfg.fraction_fit, "fraction_evaluate": cfg.fraction_evaluate,
             "min_available_nodes": cfg.min_available_clients, "num_rounds": cfg.num_server_rounds,
             "min_evaluate_nodes": 1 if cfg.fraction_evaluate > 0 else 0, "seed": cfg.seed,
-            "max_empty_rounds": cfg.max_empty_rounds,
+            "max_empty_rounds": cfg.max_empty_rounds, "min_train_nodes": cfg.min_train_clients,
+            "network": NetworkModel.of(cfg),  # dropouts, slow clients, a round deadline (docs/stragglers.md)
             "identify_nodes": cfg.sample_by_partition,  # Pollen's ClientApp answers QUERY
             "aggregation": cfg.aggregation, "trim_fraction": cfg.trim_fraction,
             "bounds": PayloadBounds(cfg.max_update_norm, cfg.max_logit_abs, cfg.max_grad_norm,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pollen.app.checkpoints import atomic_write, write_json
+from pollen.app.tracking import Tracker, round_scalars
 from pollen.strategies.base import RoundReport
 
 STATUSES = ("completed", "failed", "interrupted")
@@ -101,8 +102,9 @@ class RunRecorder:
     """Collects one record per round and writes the run's files under ``run_dir``."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any], num_rounds: int, echo: bool = True,
-                 resume_after: int = 0, flower_run_id: int | None = None):
+                 resume_after: int = 0, flower_run_id: int | None = None, tracker: Tracker | None = None):
         self.run_dir = Path(run_dir)
+        self.tracker = tracker if tracker is not None else Tracker()  # fed after the files (pollen.app.tracking)
         self.flower_run_id = flower_run_id
         self.first_round = resume_after + 1
         self.config = config
@@ -158,6 +160,8 @@ class RunRecorder:
             rec.setdefault("dropped-metrics", []).extend(
                 {**d, "value": None if d["value"] is None else repr(d["value"])} for d in report.dropped_metrics)
         rec["failures"] += len(report.failures)
+        if report.network:  # the simulated network's round: its clock, who was missing and why
+            rec["network"] = report.network
         if report.failures:
             rec.setdefault("failure-reasons", []).extend(
                 {"stage": f["stage"], "client": f["client"], "code": f["code"], "reason": f["reason"]}
@@ -175,6 +179,7 @@ class RunRecorder:
         with (self.run_dir / "metrics.jsonl").open("a") as fh:
             fh.write(json.dumps(rec, sort_keys=True) + "\n")
         self._print(self.round_line(rec))
+        self.tracker.log_round(server_round, round_scalars(rec))
 
     def round_line(self, rec: dict[str, Any]) -> str:
         parts = [f"[pollen] round {rec['round']}/{self.num_rounds}"]
@@ -188,6 +193,11 @@ class RunRecorder:
         parts.append(f"down {_fmt_bytes(rec['bytes-down'])} up {_fmt_bytes(rec['bytes-up'])}")
         if rec["rejected"] or rec["failures"]:
             parts.append(f"rejected {len(rec['rejected'])} failed {rec['failures']}")
+        missing = (rec.get("network") or {}).get("missing") or []
+        if missing:
+            parts.append(f"missing {len(missing)} (" + ", ".join(
+                f"{sum(m['why'] == why for m in missing)} {why}" for why in ("dropped", "late", "unused")
+                if any(m["why"] == why for m in missing)) + ")")
         if rec.get("dropped-metrics"):
             parts.append(f"dropped metrics {len(rec['dropped-metrics'])}")
         parts.append(f"{rec['wall-time-s']:.1f}s")
@@ -235,6 +245,7 @@ class RunRecorder:
         plot_curves(self.rounds, self.run_dir / "curves.png", title=f"{summary['method']} on {summary['task']}")
         # Last and whole: a launcher that sees this run's summary knows the ServerApp has nothing left to write.
         write_summary(self.run_dir / "summary.json", summary)
+        self.tracker.finish(summary, self.run_dir)  # optional, after everything is on disk; a failure only warns
         if status == "completed":
             self._print(f"[pollen] done in {summary['wall-time-s']:.1f}s; summary: {self.run_dir / 'summary.json'}")
         else:

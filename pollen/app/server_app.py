@@ -21,6 +21,7 @@ from pollen.app.grid_poll import prompt_replies
 from pollen.app.registry import METHODS, all_defaults
 from pollen.app.results import RunRecorder, run_directory
 from pollen.app.secure import secure_grid
+from pollen.app.tracking import open_tracker
 from pollen.log import LOGGER
 from pollen.settings import RESUMABLE_CHANGES
 
@@ -98,7 +99,8 @@ def main(grid: Grid, context: Context) -> None:
         first_round = ckpt.round + 1
         LOGGER.info("resuming %s after round %d (%s)", run_dir, ckpt.round, ckpt.path.name)
     recorder = RunRecorder(run_dir, cfg.to_dict(), cfg.num_server_rounds, resume_after=first_round - 1,
-                           flower_run_id=context.run_id)
+                           flower_run_id=context.run_id,
+                           tracker=open_tracker(cfg.tracking, cfg.tracking_uri, run_dir, cfg.to_dict()))
     record_task(run_dir, cfg)
     server_evaluate = getattr(strategy, "evaluate_global", None)  # GLFC evaluates on the server
     written: dict[str, str] = {}

@@ -14,6 +14,7 @@ from pollen.settings.common import (
     PROFILES,
     RESUMABLE_CHANGES,
     SECTIONS,
+    TRACKERS,
     WEIGHTINGS,
 )
 from pollen.settings.errors import ConfigError
@@ -45,7 +46,7 @@ from pollen.settings.run_config import (
 
 __all__ = [
     "AGGREGATIONS", "COMMON", "DATA_SPLITS", "DEFAULTS", "DP_MODES", "PROFILES", "RESUMABLE_CHANGES", "SECTIONS",
-    "WEIGHTINGS", "Choices", "ConfigError", "Key", "NodeConfig", "Range", "Registered", "RunConfig", "allowed_values",
-    "check_value", "declared_keys", "derived", "field_keys", "field_name", "floats", "from_values", "parse_node_config",
-    "parse_range", "read_run_config", "setting", "with_class_names",
+    "TRACKERS", "WEIGHTINGS", "Choices", "ConfigError", "Key", "NodeConfig", "Range", "Registered", "RunConfig",
+    "allowed_values", "check_value", "declared_keys", "derived", "field_keys", "field_name", "floats", "from_values",
+    "parse_node_config", "parse_range", "read_run_config", "setting", "with_class_names",
 ]

@@ -23,6 +23,8 @@ WEIGHTINGS = ("samples", "uniform")
 DP_MODES = ("off", "payload", "sample")
 # How a user-data task's folder is split across partitions (pollen.datasets.user_tasks).
 DATA_SPLITS = ("iid", "dirichlet")
+# Where the ServerApp streams a run (pollen.app.tracking).
+TRACKERS = ("none", "tensorboard", "mlflow")
 # The models' width under each profile when ``model-width = 0`` (pollen.models.catalog.model_width).
 PROFILES = ("quick", "paper")
 
@@ -72,6 +74,9 @@ class SamplingKeys:
                                        "fraction of connected clients evaluated per round")
     min_available_clients: int = setting("min-available-clients", 2, "int in [1, 1000000]",
                                          "clients the server waits for before a round")
+    min_train_clients: int = setting(
+        "min-train-clients", 1, "int in [1, 1000000]",
+        "clients sampled for training at least, and replies a round needs by its deadline to aggregate")
     max_empty_rounds: int = setting(
         "max-empty-rounds", 0, "int in [0, 1000000]",
         "rounds allowed to train nobody (every reply failed or rejected) before the run fails")
@@ -242,11 +247,51 @@ class SecureAggregationKeys:
         "(nodes × the largest example count × quantization / 2 >= 2^(bits-1)) is refused")
 
 
+@dataclass(frozen=True)
+class NetworkKeys:
+    TITLE: ClassVar[str] = "Stragglers and dropouts (docs/stragglers.md)"
+
+    client_dropout: float = setting(
+        "client-dropout", 0.0, "float in [0, 1)",
+        "simulation: the probability that a sampled client drops out of a round (drawn from the seed per round and "
+        "client; it gets no instruction, does no work and never answers)")
+    client_slow_fraction: float = setting(
+        "client-slow-fraction", 0.0, "float in [0, 1]",
+        "simulation: the share of clients that are slow (chosen once from the seed), each `client-slowdown` × slower")
+    client_slowdown: float = setting("client-slowdown", 4.0, "float in [1, 1000]",
+                                     "simulation: how many times longer a slow client takes")
+    client_time_spread: float = setting(
+        "client-time-spread", 0.0, "float in [0, 10]",
+        "simulation: σ of each client's lognormal time factor per round (mean 1; 0 = none)")
+    client_sample_time: float = setting(
+        "client-sample-time", 0.001, "float in (0, 1000]",
+        "simulation: simulated seconds a client of normal speed takes per training example and local epoch")
+    round_timeout: float = setting(
+        "round-timeout", 0.0, "float in [0, 1000000]",
+        "deadline for training replies in seconds (simulated in simulation, wall-clock on a fleet): the round "
+        "aggregates what arrived if at least `min-train-clients` did; 0 = wait for every reply")
+
+
+@dataclass(frozen=True)
+class TrackingKeys:
+    TITLE: ClassVar[str] = "Tracking (docs/tracking.md)"
+
+    tracking: str = setting(
+        "tracking", "none", "choice",
+        "stream the run to a tracker from the ServerApp (nodes need no access): `tensorboard` or `mlflow` "
+        "(extra `pollen-fl[tracking]`); a tracker that fails is a WARNING, the run goes on", choices=TRACKERS)
+    tracking_uri: str = setting(
+        "tracking-uri", "", "string",
+        "TensorBoard: the log folder, one subfolder per run (empty = the run folder's `tensorboard/`); MLflow: "
+        "the tracking URI (empty = `$MLFLOW_TRACKING_URI`, else the file store `<out-dir>/mlruns`)")
+
+
 # The sections in the order of docs/usage.md (and of pyproject.toml's table).
 SECTIONS: tuple[type, ...] = (RunKeys, PathKeys, SamplingKeys, TrainingKeys, TaskKeys, UserDataKeys, WeightKeys,
-                              CheckpointKeys, HostileKeys, PrivacyKeys, SecureAggregationKeys)
+                              CheckpointKeys, HostileKeys, NetworkKeys, TrackingKeys, PrivacyKeys,
+                              SecureAggregationKeys)
 
 # Keys that may differ between an interrupted run and its resumption: where things are and how fast,
 # never what is computed. Any other changed key is refused, by the launcher before anything starts.
 RESUMABLE_CHANGES = frozenset({"resume-from", "out-dir", "run-name", "num-server-rounds", "data-root", "device",
-                               "torch-threads"})
+                               "torch-threads", "tracking", "tracking-uri"})

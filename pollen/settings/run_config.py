@@ -21,12 +21,14 @@ from typing import Any
 from pollen.settings.common import (
     CheckpointKeys,
     HostileKeys,
+    NetworkKeys,
     PathKeys,
     PrivacyKeys,
     RunKeys,
     SamplingKeys,
     SecureAggregationKeys,
     TaskKeys,
+    TrackingKeys,
     TrainingKeys,
     UserDataKeys,
     WeightKeys,
@@ -37,8 +39,8 @@ from pollen.settings.keys import Key, check_value, declared_keys, derived, field
 
 # The sections, first to last (dataclass fields follow the reverse of the bases' order).
 @dataclass(frozen=True)
-class RunConfig(SecureAggregationKeys, PrivacyKeys, HostileKeys, CheckpointKeys, WeightKeys, UserDataKeys, TaskKeys,
-                TrainingKeys, SamplingKeys, PathKeys, RunKeys):
+class RunConfig(SecureAggregationKeys, PrivacyKeys, TrackingKeys, NetworkKeys, HostileKeys, CheckpointKeys, WeightKeys,
+                UserDataKeys, TaskKeys, TrainingKeys, SamplingKeys, PathKeys, RunKeys):
     """Validated run configuration: every common key as a field of its name (``num-server-rounds`` ->
     ``num_server_rounds``; every key: ``docs/usage.md``), the method's own keys in ``extra``."""
 

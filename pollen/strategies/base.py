@@ -35,6 +35,8 @@ from pollen.log import LOGGER
 from pollen.protocol.records import ARRAYS, CONFIG
 from pollen.protocol.screening import PayloadBounds
 from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION, average_arrays, robust_arrays
+from pollen.strategies.exchange import NetworkExchange
+from pollen.strategies.network import NetworkModel
 from pollen.strategies.options import check_options
 from pollen.strategies.partitions import PartitionBook, Quarantine
 from pollen.strategies.replies import (
@@ -68,6 +70,9 @@ class PollenStrategy(Strategy):
         bounds: the declared payload bounds (:class:`~pollen.protocol.screening.PayloadBounds`).
         partition_pins: ``{partition: node id}`` the operator vouches for; a pinned partition is
             served by that node only (:mod:`pollen.strategies.partitions`).
+        network: a simulated network (:class:`~pollen.strategies.network.NetworkModel`: dropouts, slow
+            clients, a round deadline after which at least ``min_train_nodes`` replies are aggregated);
+            on a fleet only its deadline applies, as wall time (:mod:`pollen.strategies.exchange`).
         train_metrics_aggr_fn / evaluate_metrics_aggr_fn: Flower's: ``fn(contents, "num-examples") ->
             MetricRecord`` replaces the clients' mean ± std; ``contents`` holds one
             ``RecordDict({"metrics": MetricRecord})`` per accepted reply, its metrics as screened.
@@ -85,7 +90,7 @@ class PollenStrategy(Strategy):
                  max_empty_rounds: int = 0, node_wait_s: float = 120.0, seed: int = 0,
                  identify_nodes: bool = False, query_timeout: float | None = None, aggregation: str = "mean",
                  trim_fraction: float = DEFAULT_TRIM_FRACTION, bounds: PayloadBounds | None = None,
-                 partition_pins: Mapping[int, int] | None = None,
+                 partition_pins: Mapping[int, int] | None = None, network: NetworkModel | None = None,
                  train_metrics_aggr_fn: MetricsAggrFn | None = None,
                  evaluate_metrics_aggr_fn: MetricsAggrFn | None = None,
                  weighted_by_key: str = "num-examples", arrayrecord_key: str = ARRAYS, configrecord_key: str = CONFIG,
@@ -123,6 +128,8 @@ class PollenStrategy(Strategy):
                                    evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
         self.nodes = NodeSampler(self.book, self.replies, self.rng, node_wait_s=node_wait_s,
                                  min_available_nodes=min_available_nodes, identify_nodes=identify_nodes)
+        # the simulated network (dropouts, slow clients, a round deadline), applied to training exchanges
+        self.network = NetworkExchange(network, min_train_nodes) if network is not None and network.simulated else None
 
     @classmethod
     def supported_options(cls) -> list[str]:
@@ -251,18 +258,27 @@ class PollenStrategy(Strategy):
         Partition bindings are not kept: a restarted run's nodes have new node ids and bind anew.
         """
         version, internal, gauss = self.rng.getstate()
-        return {}, {"rng": [version, list(internal), gauss], "empty-rounds": self.replies.empty_rounds}
+        values: dict[str, Any] = {"rng": [version, list(internal), gauss], "empty-rounds": self.replies.empty_rounds}
+        if self.network is not None:
+            values["sim-clock-s"] = self.network.clock
+        return {}, values
 
     def restore(self, arrays: dict[str, np.ndarray], values: dict[str, Any]) -> None:
         version, internal, gauss = values["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.replies.empty_rounds = int(values["empty-rounds"])
+        if self.network is not None:
+            self.network.clock = float(values.get("sim-clock-s", 0.0))
 
     # ------------------------------------------------------------------ the round loop
     def exchange(self, server_round: int, stage: str, messages: Iterable[Message], grid: Grid,
                  timeout: float) -> Iterable[Message]:
         """The seam between a round and the wire: send ``messages`` (``stage``: ``train`` or ``evaluate``)
-        and return the replies. Override it to run a round's exchange another way."""
+        and return the replies. Override it to run a round's exchange another way. Training goes through the
+        simulated network when the run has one (:mod:`pollen.strategies.exchange`: dropouts, stragglers, the
+        round deadline)."""
+        if stage == "train" and self.network is not None:
+            return self.network.exchange(self, server_round, messages, grid, timeout)
         return grid.send_and_receive(messages=messages, timeout=timeout)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,

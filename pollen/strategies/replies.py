@@ -78,6 +78,8 @@ class RoundReport:
     # {"stage", "client", "key", "value", "reason"}: a metric left out (client None: the round could not
     # average it), the reply it came with counted
     dropped_metrics: list[dict] = field(default_factory=list)
+    # the simulated network's round (pollen.strategies.exchange): clock, deadline, who was missing and why
+    network: dict[str, Any] = field(default_factory=dict)
     fit: dict[str, Any] = field(default_factory=dict)
     evaluate: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)

@@ -40,7 +40,9 @@ from pollen.strategies.network import NetworkModel, RoundTiming, close_round, sl
 class PollenStrategy(Protocol):
     """What the exchange reads and records on the strategy (:class:`pollen.strategies.base.PollenStrategy`)."""
 
-    partition_of: dict[int, int]
+    @property
+    def partition_of(self) -> dict[int, int]: ...
+
     book: Any  # pollen.strategies.partitions.PartitionBook: order(node) sorts by partition
     replies: Any  # pollen.strategies.replies.ReplyScreen: outbox, the messages replies map back to
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from pollen.app.config import parse_run_config
@@ -178,3 +178,92 @@ def test_a_whole_run_of_the_app_under_secure_aggregation_learns_as_the_plain_run
         assert b["fit"]["accepted"] == 4 and b["failures"] == 0
         assert {k: v for k, v in a["evaluate"].items() if "accuracy" in k} == \
                {k: v for k, v in b["evaluate"].items() if "accuracy" in k}
+
+
+# --- distributed DP (dp-mode = distributed) --------------------------------------------------------------
+
+def _dp_privacy(tmp_path, node: int, z: float = 1.5, h: int = 3, clip: float = 1.0):
+    from pollen.privacy.config import PrivacyConfig
+    from pollen.privacy.distributed import DistributedPrivacy
+    from pollen.privacy.ledger import LedgerFile
+
+    config = PrivacyConfig("distributed", clip, z, 0.0, 1e-5, 0.0)
+    return DistributedPrivacy(config, 10, h, LedgerFile.in_folder(tmp_path / f"node-{node}"), f"node {node}")
+
+
+def test_the_noise_of_a_distributed_dp_sum_is_what_the_ledger_accounts(tmp_path):
+    """Six clients each add their share (σ_c = z Δ / √h) to zero logits under SecAgg+: the server's sum carries
+    noise of std √6 σ_c steps, the mean nothing else; each client's ledger holds one client-level,
+    replace-one release whose ε is dp-accounting's for that mechanism."""
+    from pollen.privacy.distributed import epsilon
+    from pollen.privacy.ledger import LedgerFile
+    from pollen.secagg import SecAggPlus
+    from pollen.secagg.client import SecAggMod
+    from tests.test_privacy_distributed import _independent_epsilon
+
+    n, shape, z, h = 6, (40, 50), 1.5, 3
+    privacies = {FIRST + i: _dp_privacy(tmp_path, FIRST + i, z, h) for i in range(n)}
+
+    def factory(context, setup, size):
+        return privacies[context.node_id].privatizer(2 * setup.clipping_range / setup.levels, size)
+
+    app = ClientApp(mods=[SecAggMod(privatizer=factory)])
+
+    @app.train()
+    def train(msg, context):
+        return Message(encode_logit_reply(np.zeros(shape, np.float32), 1, public_digest=1), reply_to=msg)
+
+    grid = InProcessGrid({FIRST + i: clientapp_node(app, {}, i, n, node_id=FIRST + i) for i in range(n)})
+    cfg = SecAggConfig(kind="logits", weighting="uniform", clip_dp=1.0, noise_multiplier_dp=z, min_honest_dp=h)
+    content = {node: RecordDict({"config": ConfigRecord({"server-round": 1})}) for node in grid.handlers}
+    result = SecAggPlus(cfg).aggregate(grid, content)
+    step = ring.step(cfg.clipping_range, cfg.levels)
+    sigma_c = privacies[FIRST].plan_sigma(step, int(np.prod(shape)))
+    noise = result.sums["logits"].ravel() / step
+    assert noise.std() == pytest.approx(np.sqrt(n) * sigma_c, rel=0.05)
+    assert abs(noise.mean()) < 5 * np.sqrt(n) * sigma_c / np.sqrt(noise.size)
+    for node in grid.handlers:
+        (release,) = LedgerFile.in_folder(tmp_path / f"node-{node}").releases()
+        assert (release.unit, release.neighbour, release.noise_multiplier) == ("client", "replace-one", z)
+    assert epsilon(z, 1.0, 1, 1e-5) == pytest.approx(_independent_epsilon(z, 1.0, 1, 1e-5), rel=1e-8)
+
+
+def test_a_client_refuses_a_server_that_asks_for_less_noise_than_its_own_run_config(tmp_path):
+    privacy = _dp_privacy(tmp_path, 1, z=1.5, h=3, clip=1.0)
+    assert privacy.refusal(1.0, 1.5, 3) is None
+    for asked in [(2.0, 1.5, 3), (1.0, 1.0, 3), (1.0, 1.5, 5)]:
+        assert "refuses" in privacy.refusal(*asked)
+
+
+def test_a_round_with_fewer_survivors_than_dp_min_honest_is_not_unmasked():
+    from pollen.secagg import SecAggFailed, SecAggPlus
+
+    grid = _grid(_weights_reply, offline={FIRST + 1, FIRST + 2})
+    cfg = SecAggConfig(kind="weights", threshold=0.55, min_honest_dp=4)
+    instructions = {n: RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({"server-round": 1})})
+                    for n in grid.handlers}
+    with pytest.raises(SecAggFailed, match="fewer than dp-min-honest = 4"):
+        SecAggPlus(cfg).aggregate(grid, instructions)
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"dp-mode": "distributed", "dp-min-honest": 3, "dp-noise-multiplier": 1.0}, "needs secure-aggregation = true"),
+    ({"secure-aggregation": True, "dp-mode": "distributed", "dp-noise-multiplier": 1.0}, "go together"),
+    ({"secure-aggregation": True, "dp-min-honest": 3}, "go together"),
+    ({"secure-aggregation": True, "dp-mode": "distributed", "dp-min-honest": 3, "dp-noise-multiplier": 1.0,
+      "fraction-fit": 0.5}, "fraction-fit = 1"),
+])
+def test_distributed_dp_is_refused_before_start_without_what_it_needs(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_run_config({"method": "fedproto", **raw})
+
+
+def test_a_whole_distributed_dp_run_reports_the_epsilon_an_independent_accountant_gives():
+    from tests.test_privacy_distributed import _independent_epsilon
+
+    z = 0.8
+    rounds = run_inprocess({"method": "fedproto", "num-server-rounds": 2, "seed": 0, "secure-aggregation": True,
+                            "dp-mode": "distributed", "dp-min-honest": 3, "dp-noise-multiplier": z}, 4, echo=False)
+    for r in rounds:
+        assert r["fit"]["accepted"] == 4 and r["failures"] == 0
+        assert r["fit"]["dp-epsilon"] == pytest.approx(_independent_epsilon(z, 1.0, r["round"], 1e-5), rel=1e-8)

@@ -30,10 +30,36 @@ from pollen.app.registry import METHODS
 from pollen.app.results import run_directory
 from pollen.log import LOGGER
 from pollen.models.spec import choose_model
+from pollen.privacy.config import PrivacyConfig
+from pollen.privacy.distributed import DistributedPrivacy
+from pollen.privacy.ledger import LedgerFile
 from pollen.protocol.identity import encode_identity_reply
-from pollen.secagg import secagg_mod
+from pollen.protocol.secagg import Refused, Setup
+from pollen.secagg.client import SecAggMod
 
-app = ClientApp(mods=[secagg_mod])  # SecAgg+ stages answered by the mod; plain messages pass through
+
+def distributed_privatizer(context: Context, setup: Setup, size: int):
+    """This node's side of ``dp-mode = distributed`` (:class:`~pollen.privacy.distributed.DistributedPrivacy`):
+    refused unless the server asks for at least the noise this node's own run config says; the release is
+    in the node's ledger before the reply leaves."""
+    cfg = validated_run_config(context.run_config)
+    node = parse_node_config(context.node_config)
+    who = f"partition {node.partition_id}"
+    if cfg.dp_mode != "distributed":
+        raise Refused(f"{who} refuses: the server asks for distributed DP, this node's dp-mode is {cfg.dp_mode!r}")
+    if not node.state_dir:
+        raise ConfigError(f"{who}: distributed DP keeps its ledger in the node's state folder, and this node has none "
+                          "(node config 'state-dir')")
+    privacy = DistributedPrivacy(PrivacyConfig.of(cfg), cfg.num_server_rounds, cfg.dp_min_honest,
+                                 LedgerFile.in_folder(node.state_dir), who)
+    reason = privacy.refusal(setup.clip_dp, setup.noise_multiplier_dp, setup.min_honest_dp)
+    if reason is not None:
+        raise Refused(reason)
+    return privacy.privatizer(2 * setup.clipping_range / setup.levels, size)
+
+
+# SecAgg+ stages answered by the mod (with this node's distributed DP); plain messages pass through
+app = ClientApp(mods=[SecAggMod(privatizer=distributed_privatizer)])
 HISTORY = "node-history"  # context.state key: rounds trained by this partition, restarts included
 
 

@@ -151,9 +151,22 @@ def check_secure_aggregation(cfg: RunConfig) -> None:
     and without per-release DP noise (sized for a server that reads each release)."""
     family = METHODS[cfg.method].family
     given = cfg.to_dict()
+    if (cfg.dp_mode == "distributed") != (cfg.dp_min_honest > 0):
+        raise ConfigError("dp-mode = 'distributed' and dp-min-honest (the honest clients its guarantee counts on, "
+                          f">= 1) go together; got dp-mode = {cfg.dp_mode!r}, dp-min-honest = {cfg.dp_min_honest}")
+    if cfg.dp_mode == "distributed":
+        if not cfg.secure_aggregation:
+            raise ConfigError("dp-mode = 'distributed' needs secure-aggregation = true: its noise hides a client "
+                              "only in a sum the server cannot take apart")
+        if cfg.fraction_fit < 1:
+            raise ConfigError(f"dp-mode = 'distributed' needs fraction-fit = 1 (got {cfg.fraction_fit}): every "
+                              "client every round, as accounted; Poisson client sampling is not implemented")
+        if cfg.dp_clip > cfg.secagg_clipping_range:
+            raise ConfigError(f"dp-clip = {cfg.dp_clip} is above secagg-clipping-range = "
+                              f"{cfg.secagg_clipping_range}: the clipped contribution would not fit the quantizer")
     if not cfg.secure_aggregation:
         stray = sorted(k for k in declared_keys(SecureAggregationKeys)
-                       if k != "secure-aggregation" and given[k] != DEFAULTS[k])
+                       if k not in ("secure-aggregation", "dp-min-honest") and given[k] != DEFAULTS[k])
         if stray:
             raise ConfigError(f"run config key(s) {stray} have no effect with secure-aggregation = false; set it "
                               "or remove them")

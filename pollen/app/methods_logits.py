@@ -136,4 +136,4 @@ for _name, _recipe, _descr in (
     register_method(MethodSpec(name=_name, family="logits", description=_descr, make_strategy=make_strategy,
                                make_client=client_factory(_recipe), adapter=LOGITS,
                                data_sizes=data_sizes, personal_model=NET_KEY, keys=LOGIT_KEYS, validate=validate,
-                               task_kinds=("domains",), dp_modes=("payload",), leak_audit=True))
+                               task_kinds=("domains",), dp_modes=("payload", "distributed"), leak_audit=True))

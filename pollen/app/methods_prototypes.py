@@ -107,7 +107,7 @@ def register_prototype_method(name: str, description: str) -> None:
         name=name, family="prototypes", description=description,
         make_strategy=make_prototype_strategy, make_client=client_factory(name), adapter=PROTOTYPES,
         personal_model=MODEL_KEY, keys=PROTO_KEYS, validate=validate_proto,
-        dp_modes=("payload", "sample"), leak_audit=True))
+        dp_modes=("payload", "sample", "distributed"), leak_audit=True))
 
 
 register_prototype_method(

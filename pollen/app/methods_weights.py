@@ -84,12 +84,14 @@ LOCAL_MODEL_KEY = "local-model"
 register_method(MethodSpec(
     name="fedavg", family="weights", description="FedAvg (McMahan et al. 2017): average full model state",
     make_strategy=_weight_strategy(proximal=False), make_client=_weight_client, adapter=WEIGHTS,
-    initial_arrays=initial_model_arrays, validate=validate_weights, dp_modes=("payload", "sample")))
+    initial_arrays=initial_model_arrays, validate=validate_weights,
+    dp_modes=("payload", "sample", "distributed")))
 register_method(MethodSpec(
     name="fedprox", family="weights",
     description="FedProx (Li et al. 2020): FedAvg plus a proximal term mu/2·||w - w_global||² (key fedprox-mu)",
     make_strategy=_weight_strategy(proximal=True), make_client=_weight_client, adapter=WEIGHTS,
-    initial_arrays=initial_model_arrays, validate=validate_weights, dp_modes=("payload", "sample")))
+    initial_arrays=initial_model_arrays, validate=validate_weights,
+    dp_modes=("payload", "sample", "distributed")))
 register_method(MethodSpec(
     name="local", family="local", description="Local-only training: no communication (lower bound)",
     make_strategy=_local_strategy, make_client=_local_client, adapter=WEIGHTS,

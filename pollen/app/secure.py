@@ -9,6 +9,7 @@ from typing import Any
 
 from flwr.serverapp import Grid
 
+from pollen.privacy.distributed import calibrate
 from pollen.secagg import SecAggConfig
 from pollen.secagg.grid import SecureGrid
 from pollen.settings import RunConfig
@@ -16,10 +17,14 @@ from pollen.settings import RunConfig
 
 def secagg_config(cfg: RunConfig, strategy: Any) -> SecAggConfig:
     weighting = getattr(strategy, "weighting", "uniform") if strategy.family != "logits" else "uniform"
+    dp: dict[str, Any] = {}
+    if cfg.dp_mode == "distributed":  # the clients check these against their own run config, and refuse less
+        z = cfg.dp_noise_multiplier or calibrate(cfg.dp_target_epsilon, cfg.dp_delta, 1.0, cfg.num_server_rounds)
+        dp = {"clip_dp": cfg.dp_clip, "noise_multiplier_dp": z, "min_honest_dp": cfg.dp_min_honest}
     return SecAggConfig(neighbours=cfg.secagg_neighbours, threshold=cfg.secagg_threshold,
                         clipping_range=cfg.secagg_clipping_range, levels=cfg.secagg_quantization,
                         modulus_bits=cfg.secagg_modulus_bits, max_weight=int(strategy.max_examples),
-                        kind=strategy.family, weighting=weighting)
+                        kind=strategy.family, weighting=weighting, **dp)
 
 
 def secure_grid(grid: Grid, cfg: RunConfig, strategy: Any) -> Grid:

@@ -209,12 +209,13 @@ class DpBounds:
 
 
 def dp_bounds(config: PrivacyConfig, planned_releases: int, failure: float = FALSE_REFUSAL) -> DpBounds | None:
-    """The run's DP keys as screening bounds (``None`` with ``dp-mode = off``). σ is the clients' own:
-    given, or :meth:`~pollen.privacy.config.PrivacyConfig.payload_noise_multiplier` for
+    """The run's DP keys as screening bounds (``None`` with ``dp-mode = off`` or ``distributed``, whose
+    server reads only noisy sums). σ is the clients' own: given, or
+    :meth:`~pollen.privacy.config.PrivacyConfig.payload_noise_multiplier` for
     ``planned_releases`` (computed once, here). Under ``sample`` with a target ε a client's σ also pays
     for its DP-SGD steps, which depend on its record count; composing more releases only raises ε, so
     the σ of the prototype releases alone is a floor every client's σ is at or above."""
-    if not config.private:
+    if not config.private or config.mode == "distributed":  # distributed: the server reads only noisy sums
         return None
     sigma = config.payload_noise_multiplier(planned_releases)
     if config.noise_multiplier > 0:

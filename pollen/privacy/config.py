@@ -25,6 +25,8 @@ def release_unit(kind: str, mode: str) -> str:
     ``row-given-model``): what its ε is about."""
     if mode == "sample":
         return "record"
+    if mode == "distributed":
+        return "client"
     if mode != "payload" or kind not in PAYLOAD_UNITS:
         raise ValueError(f"no DP release of kind {kind!r} in dp-mode {mode!r}")
     return PAYLOAD_UNITS[kind]

@@ -14,8 +14,9 @@ Accounting. Assume at least ``h = dp-min-honest`` of the summed clients are hone
 keep it secret). The sum then carries noise of variance at least ``h σ_c²``; a round is a Gaussian
 mechanism of noise multiplier ``z = sqrt(h) σ_c / Δ`` on client-level neighbours that differ by *replacing*
 one client's data (sensitivity 2Δ, handled by the accountant), applied to a Poisson sample of the
-clients with probability ``q = fraction-train``. :func:`round_event` is that mechanism as a dp-accounting
-event; the ledger composes it with the PLD accountant (replace-one).
+clients with probability ``q = fraction-train``. :func:`round_release` is that mechanism as the ledger's
+:class:`~pollen.privacy.accounting.Release` (unit ``client``, neighbour ``replace-one``), which the ledger
+composes with dp-accounting's PLD accountant.
 
 Stated approximation: the sum of ``h`` discrete Gaussians is accounted as a Gaussian of the same
 variance. A sum of discrete Gaussians is within max-divergence ``τ·d`` of one discrete Gaussian of the
@@ -26,10 +27,16 @@ which :func:`check_plan` requires to be below ``MAX_SUM_GAP`` (at σ_c of a few 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from pollen.privacy.accounting import Release, calibrate_noise_multiplier, composed_epsilon
+from pollen.privacy.budget import Budget
+from pollen.privacy.config import PrivacyConfig
+from pollen.privacy.ledger import LedgerFile
 
 MAX_SUM_GAP = 1e-9  # largest max-divergence per round the sum-of-discrete-Gaussians approximation may cost
 NEIGHBOUR = "replace-one"
@@ -119,44 +126,63 @@ def check_plan(plan: DistributedPlan, dim: int) -> None:
                          f"{MAX_SUM_GAP}): raise the noise multiplier or the quantization")
 
 
-def round_event(noise_multiplier: float, sampling_probability: float, rounds: int = 1):
-    """``rounds`` rounds of distributed DP as one dp-accounting event (module docstring)."""
-    import dp_accounting
-
-    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
-    inner = gaussian if sampling_probability >= 1.0 else dp_accounting.PoissonSampledDpEvent(
-        sampling_probability, gaussian)
-    return dp_accounting.SelfComposedDpEvent(inner, rounds)
+def round_release(noise_multiplier: float, sampling_probability: float = 1.0, rounds: int = 1) -> Release:
+    """``rounds`` rounds of distributed DP as the ledger's release: client-level, replace-one (module docstring)."""
+    return Release(noise_multiplier, sampling_probability, rounds, unit=UNIT, neighbour=NEIGHBOUR)
 
 
 def epsilon(noise_multiplier: float, sampling_probability: float, rounds: int, delta: float) -> float:
-    """Client-level, replace-one ε at ``delta`` after ``rounds`` rounds (PLD accountant)."""
-    import dp_accounting
-    from dp_accounting.pld import pld_privacy_accountant
-
-    from pollen.privacy.accounting import PLD_INTERVAL
-
-    accountant = pld_privacy_accountant.PLDAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
-        value_discretization_interval=PLD_INTERVAL)
-    accountant.compose(round_event(noise_multiplier, sampling_probability, rounds))
-    return max(0.0, float(accountant.get_epsilon(delta)))
+    """Client-level, replace-one ε at ``delta`` after ``rounds`` rounds: the ledger's composition."""
+    return composed_epsilon([round_release(noise_multiplier, sampling_probability, rounds)], delta)
 
 
-def calibrate(target_epsilon: float, delta: float, sampling_probability: float, rounds: int,
-              rtol: float = 1e-3) -> float:
-    """The smallest noise multiplier (to ``rtol``, never above the target) whose ``rounds`` rounds stay
-    within ``target_epsilon`` at ``delta``: bisection on log z."""
-    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
-        raise ValueError(f"target epsilon must be a finite number > 0, got {target_epsilon!r}")
-    lo, hi = 0.1, 1.0
-    while epsilon(hi, sampling_probability, rounds, delta) > target_epsilon:
-        lo, hi = hi, hi * 2
-        if hi > 1e5:
-            raise ValueError(f"no noise multiplier up to 1e5 reaches epsilon {target_epsilon} at delta {delta}")
-    if epsilon(lo, sampling_probability, rounds, delta) <= target_epsilon:
-        raise ValueError(f"target epsilon {target_epsilon} needs a noise multiplier below {lo}: too loose to calibrate")
-    while hi / lo > 1 + rtol:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if epsilon(mid, sampling_probability, rounds, delta) > target_epsilon else (lo, mid)
-    return hi
+def calibrate(target_epsilon: float, delta: float, sampling_probability: float, rounds: int) -> float:
+    """The smallest noise multiplier whose ``rounds`` rounds stay within ``target_epsilon`` at ``delta``."""
+    return calibrate_noise_multiplier(target_epsilon, delta, rounds, sampling_probability, neighbour=NEIGHBOUR)
+
+
+class DistributedPrivacy:
+    """A client's side of ``dp-mode = distributed``: its plan from the run config (z given, or calibrated so
+    ``planned_rounds`` rounds with every client sampled stay within the target ε), its ledger, and the
+    check that the server asks for no less noise than the client's own run config says."""
+
+    def __init__(self, config: PrivacyConfig, planned_rounds: int, min_honest: int, ledger: LedgerFile, who: str):
+        if config.mode != "distributed":
+            raise ValueError(f"DistributedPrivacy needs dp-mode = 'distributed', got {config.mode!r}")
+        if min_honest < 1:
+            raise ValueError("dp-mode = 'distributed' needs dp-min-honest >= 1: the honest clients the guarantee "
+                             "counts on")
+        self.config, self.planned_rounds, self.min_honest = config, planned_rounds, min_honest
+        self.ledger, self.who = ledger, who
+
+    @functools.cached_property
+    def noise_multiplier(self) -> float:
+        if self.config.noise_multiplier > 0:
+            return self.config.noise_multiplier
+        return calibrate(self.config.target_epsilon, self.config.delta, 1.0, self.planned_rounds)
+
+    def refusal(self, clip: float, noise_multiplier: float, min_honest: int) -> str | None:
+        """Why this client refuses a round whose server states these parameters (``None``: it does not)."""
+        if clip > self.config.clip * (1 + 1e-9) or noise_multiplier < self.noise_multiplier * (1 - 1e-9) \
+                or min_honest > self.min_honest:
+            return (f"{self.who} refuses: the server asks for clip {clip:g}, noise multiplier {noise_multiplier:g}, "
+                    f"{min_honest} honest clients; this node's run config says clip {self.config.clip:g}, noise "
+                    f"multiplier {self.noise_multiplier:g}, {self.min_honest} honest clients")
+        return None
+
+    def plan_sigma(self, step: float, dim: int) -> float:
+        """σ_c in steps this client adds to a contribution of ``dim`` values."""
+        return DistributedPlan(self.config.clip, self.noise_multiplier, self.min_honest, step).client_sigma(dim)
+
+    def privatizer(self, step: float, dim: int):
+        """``(privatize, metrics)``: the function that clips, rounds and noises this round's contribution of
+        ``dim`` values, and the round's ε metrics. The release is appended to the ledger *now*, before the
+        reply that carries it leaves."""
+        from pollen.privacy.mechanisms import secure_rng
+
+        plan = DistributedPlan(self.config.clip, self.noise_multiplier, self.min_honest, step)
+        check_plan(plan, dim)
+        metrics = Budget(self.ledger, self.config.delta, self.config.cap, self.who).spend(
+            round_release(self.noise_multiplier))
+        rng = secure_rng()
+        return (lambda vector: plan.privatize(vector, rng)), metrics

@@ -6,7 +6,7 @@ A round is four stages; the session is a fresh random id per round, and keys are
 
 | stage | server → client (``secagg``) | client → server (``secagg``) |
 |---|---|---|
-| ``setup`` | ``threshold``, ``num-shares``, ``modulus-bits``, ``clipping-range``, ``levels``, ``max-weight``, ``kind``, ``weighting`` | ``pk1``, ``pk2``: compressed P-384 points (49 bytes) |
+| ``setup`` | ``threshold``, ``num-shares``, ``modulus-bits``, ``clipping-range``, ``levels``, ``max-weight``, ``kind``, ``weighting``; ``dp-clip``, ``dp-noise-multiplier``, ``dp-min-honest`` (0: no distributed DP) | ``pk1``, ``pk2``: compressed P-384 points (49 bytes) |
 | ``share-keys`` | ``node-ids`` (neighbours and itself, ascending), ``pk1s``, ``pk2s`` | ``destinations``, ``ciphertexts`` (one sealed share pair per neighbour), ``commitment`` (SHA-256 of its mask seed) |
 | ``collect`` | the strategy's train instruction (``arrays``, ``config``) + ``sources``, ``ciphertexts`` (the shares sent to it) | ``layout-names``, ``layout-roles``, ``layout-ranks``, ``layout-dims``; ``arrays`` record ``secagg-masked`` = ``{"vector": uint32 (modulus <= 2^32) or uint64}``; the train reply's scalar metrics except ``num-examples`` |
 | ``unmask`` | ``survivors``, ``dropped`` (neighbours) | ``owners``, ``shares``: the mask-seed share of each survivor, the private-key share of each dropped node |
@@ -32,7 +32,7 @@ SETUP, SHARE_KEYS, COLLECT, UNMASK = "setup", "share-keys", "collect", "unmask"
 STAGES = (SETUP, SHARE_KEYS, COLLECT, UNMASK)
 STAGE, SESSION = "stage", "session"
 MAX_CIPHERTEXT_BYTES = 4096  # a sealed pair of shares is ~300 bytes; anything far larger is refused
-ROLES = ("value", "integer", "weight")
+ROLES = ("value", "integer", "weight", "noisy")
 
 
 class Refused(ValueError):
@@ -66,6 +66,9 @@ class Setup:
     max_weight: int
     kind: str
     weighting: str
+    clip_dp: float = 0.0  # > 0: distributed DP, each client clips its contribution to this L2 norm
+    noise_multiplier_dp: float = 0.0
+    min_honest_dp: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,8 @@ def encode(record: Setup | PublicKeys | ShareKeys | SealedShares | Collect | Unm
         values.update({"threshold": record.threshold, "num-shares": record.num_shares,
                        "modulus-bits": record.modulus_bits, "clipping-range": float(record.clipping_range),
                        "levels": record.levels, "max-weight": record.max_weight, "kind": record.kind,
-                       "weighting": record.weighting})
+                       "weighting": record.weighting, "dp-clip": float(record.clip_dp),
+                       "dp-noise-multiplier": float(record.noise_multiplier_dp), "dp-min-honest": record.min_honest_dp})
     elif isinstance(record, PublicKeys):
         values.update({"pk1": record.pk1, "pk2": record.pk2})
     elif isinstance(record, ShareKeys):
@@ -186,10 +190,11 @@ class _Reader:
             raise self._fail(key, f"a whole number in [{low}, {high if high is not None else '...'}]", v)
         return v
 
-    def positive(self, key: str) -> float:
+    def positive(self, key: str, zero: bool = False) -> float:
         v = self._get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise self._fail(key, "a finite number > 0", v)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
+                (v == 0 and not zero):
+            raise self._fail(key, f"a finite number {'>=' if zero else '>'} 0", v)
         return float(v)
 
     def text(self, key: str, choices: tuple[str, ...] | None = None) -> str:
@@ -251,7 +256,8 @@ def decode_instruction(record: Any) -> Setup | ShareKeys | Collect | Unmask:
     if stage == SETUP:
         return Setup(session, r.whole("threshold", 2), r.whole("num-shares", 2), r.whole("modulus-bits", 8, 64),
                      r.positive("clipping-range"), r.whole("levels", 2), r.whole("max-weight", 1),
-                     r.text("kind"), r.text("weighting"))
+                     r.text("kind"), r.text("weighting"), r.positive("dp-clip", zero=True),
+                     r.positive("dp-noise-multiplier", zero=True), r.whole("dp-min-honest"))
     if stage == SHARE_KEYS:
         ids = r.ids("node-ids")
         return ShareKeys(session, ids, r.byte_list("pk1s", len(ids)), r.byte_list("pk2s", len(ids)))

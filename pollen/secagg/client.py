@@ -17,6 +17,7 @@ handler, so the app's own state files never hold them — and are deleted after 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -81,7 +82,8 @@ class Session:
         return ConfigRecord({
             "session": s.session, "threshold": s.threshold, "num-shares": s.num_shares,
             "modulus-bits": s.modulus_bits, "clipping-range": s.clipping_range, "levels": s.levels,
-            "max-weight": s.max_weight, "kind": s.kind, "weighting": s.weighting,
+            "max-weight": s.max_weight, "kind": s.kind, "weighting": s.weighting, "dp-clip": s.clip_dp,
+            "dp-noise-multiplier": s.noise_multiplier_dp, "dp-min-honest": s.min_honest_dp,
             "node-id": self.node_id, "stage": self.stage, "sk1": self.sk1, "pk1": self.pk1, "sk2": self.sk2,
             "pk2": self.pk2, "seed": self.mask_seed, "neighbours": list(self.neighbours), "pk1s": list(self.pk1s),
             "pk2s": list(self.pk2s), "sources": list(self.sources),
@@ -94,7 +96,8 @@ class Session:
         r: dict[str, Any] = dict(record)
         setup = Setup(str(r["session"]), int(r["threshold"]), int(r["num-shares"]), int(r["modulus-bits"]),
                       float(r["clipping-range"]), int(r["levels"]), int(r["max-weight"]), str(r["kind"]),
-                      str(r["weighting"]))
+                      str(r["weighting"]), float(r["dp-clip"]), float(r["dp-noise-multiplier"]),
+                      int(r["dp-min-honest"]))
 
         def ids(key: str) -> tuple[int, ...]:
             return tuple(int(x) for x in r[key])
@@ -196,13 +199,23 @@ def pairwise_sign(me: int, other: int) -> int:
     return 1 if me > other else -1
 
 
-def masked_input(session: Session, reply: RecordDict) -> MaskedInput:
-    """``collect``, second half: the train reply as integer parts plus the self mask and pairwise masks."""
+def masked_input(session: Session, reply: RecordDict,
+                 privatize: Callable[[np.ndarray], np.ndarray] | None = None,
+                 broadcast: RecordDict | None = None) -> MaskedInput:
+    """``collect``, second half: the train reply as integer parts (under distributed DP: its contribution
+    vector, clipped, rounded and noised by ``privatize``) plus the self mask and pairwise masks."""
     s = session.setup
-    q = payloads.Quantization(s.clipping_range, s.levels, s.max_weight)
-    layout, parts = payloads.contribution(s.kind, s.weighting, reply, q)
+    if s.clip_dp > 0:
+        if privatize is None:
+            raise Refused("stage 'collect': the round asks for distributed DP and this node has no privatizer")
+        layout, floats = payloads.dp_vector(s.kind, reply, broadcast, s.clip_dp)
+        integers = privatize(floats)
+    else:
+        q = payloads.Quantization(s.clipping_range, s.levels, s.max_weight)
+        layout, parts = payloads.contribution(s.kind, s.weighting, reply, q)
+        integers = payloads.flatten(parts)
     bits = s.modulus_bits
-    vector = ring.to_ring(payloads.flatten(parts), bits)
+    vector = ring.to_ring(integers, bits)
     vector = ring.add(vector, crypto.mask(session.mask_seed, vector.size, bits), bits)
     sk1 = crypto.load_private(session.sk1)
     for other in session.sources:
@@ -256,24 +269,38 @@ def _required(context: Context) -> bool:
     return value is True or (isinstance(value, str) and value.lower() == "true")
 
 
-def secagg_mod(msg: Message, context: Context, call_next) -> Message:
-    """Flower ClientApp mod: SecAgg+ on the client (module docstring)."""
-    if msg.metadata.message_type != MessageType.TRAIN:
-        return call_next(msg, context)
-    if SECAGG not in msg.content:
-        if _required(context):
-            raise Refused("a plain train message, but this node's run config says secure-aggregation = true: "
-                          "it sends its update only through secure aggregation")
-        return call_next(msg, context)
-    try:
-        return _stage(msg, context, call_next)
-    except Exception:
-        if STATE in context.state:  # a refused or failed stage ends the session: its secrets go
-            del context.state[STATE]
-        raise
+# (context, setup, contribution size) -> (the function that clips, rounds and noises the contribution into
+# integer steps, the metrics to report): how a node takes part in distributed DP (dp-mode = distributed)
+PrivatizerFactory = Callable[[Context, Setup, int], tuple[Callable[[np.ndarray], np.ndarray], dict[str, float]]]
 
 
-def _stage(msg: Message, context: Context, call_next) -> Message:
+class SecAggMod:
+    """A Flower ClientApp mod running SecAgg+ on the client (module docstring). ``privatizer``: the node's
+    side of distributed DP, asked for each round that states DP parameters (none: such rounds are refused)."""
+
+    def __init__(self, privatizer: PrivatizerFactory | None = None):
+        self.privatizer = privatizer
+
+    def __call__(self, msg: Message, context: Context, call_next) -> Message:
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return call_next(msg, context)
+        if SECAGG not in msg.content:
+            if _required(context):
+                raise Refused("a plain train message, but this node's run config says secure-aggregation = "
+                              "true: it sends its update only through secure aggregation")
+            return call_next(msg, context)
+        try:
+            return _stage(msg, context, call_next, self.privatizer)
+        except Exception:
+            if STATE in context.state:  # a refused or failed stage ends the session: its secrets go
+                del context.state[STATE]
+            raise
+
+
+secagg_mod = SecAggMod()  # ``ClientApp(mods=[secagg_mod])``: SecAgg+ without distributed DP
+
+
+def _stage(msg: Message, context: Context, call_next, privatizer: PrivatizerFactory | None) -> Message:
     instruction = decode_instruction(msg.content[SECAGG])
     out = RecordDict()
     if isinstance(instruction, Setup):
@@ -285,6 +312,7 @@ def _stage(msg: Message, context: Context, call_next) -> Message:
     elif isinstance(instruction, Collect):
         session = receive_shares(_session(context, COLLECT, instruction.session), instruction)
         del msg.content[SECAGG]  # the train handler sees exactly the strategy's instruction
+        broadcast = RecordDict(dict(msg.content.items()))
         del context.state[STATE]  # ... and none of the session's secrets
         try:
             reply = call_next(msg, context)
@@ -292,8 +320,16 @@ def _stage(msg: Message, context: Context, call_next) -> Message:
             context.state[STATE] = session.to_record()
         if reply.has_error():
             return reply
-        masked = masked_input(session, reply.content)
-        out[METRICS] = _scalar_metrics(reply.content)
+        privatize: Callable[[np.ndarray], np.ndarray] | None = None
+        dp_metrics: dict[str, float] = {}
+        if session.setup.clip_dp > 0 and privatizer is not None:
+            size = payloads.dp_vector(session.setup.kind, reply.content, broadcast, session.setup.clip_dp)[1].size
+            privatize, dp_metrics = privatizer(context, session.setup, size)
+        masked = masked_input(session, reply.content, privatize, broadcast)
+        clear = _scalar_metrics(reply.content)
+        for key, value in dp_metrics.items():
+            clear[key] = value
+        out[METRICS] = clear
         out[SECAGG], out[MASKED] = encode_masked(masked)
     else:
         session = _session(context, UNMASK, instruction.session)

@@ -8,7 +8,9 @@ aggregate** — the secure mean of the family (:func:`~pollen.secagg.payloads.me
 node's clear metrics. The strategy then screens and averages as always, and its mean of identical
 replies is the secure aggregate (Flower's legacy SecAgg+ workflow hands its strategy the aggregate the
 same way). ``num-examples`` stays inside the sum: the replies say 1 (for prototypes Σ of the class
-weights), so the round's client metrics are unweighted means.
+weights), so the round's client metrics are unweighted means. Under distributed DP (``clip_dp`` > 0 in the
+config) the aggregate is made from the survivors' noisy contributions
+(:func:`~pollen.secagg.payloads.dp_aggregate`).
 
 Before anything is unmasked the grid vets the clear part of every masked reply: a node that claims
 another partition than it did before, or a partition another node of the round also claims, is
@@ -32,7 +34,7 @@ from pollen.protocol.identity import PARTITION_ID
 from pollen.protocol.logits import encode_logit_reply
 from pollen.protocol.prototypes import encode_prototype_reply
 from pollen.protocol.records import ARRAYS, METRICS, reply_content
-from pollen.secagg.payloads import CLASS_WEIGHTS, LOGITS, PROTOTYPES, mean_of_sums
+from pollen.secagg.payloads import CLASS_WEIGHTS, LOGITS, PROTOTYPES, dp_aggregate, mean_of_sums
 from pollen.secagg.server import SecAggConfig, SecAggFailed, SecAggPlus, SecureSum
 
 DROPPED_CODE = 910  # error code of the replies standing in for nodes that dropped out of a secure round
@@ -68,7 +70,7 @@ class SecureGrid:
             return [Message(Error(code=DROPPED_CODE, reason=f"secure aggregation failed: {err}"), reply_to=m)
                     for m in train]
         self.last = result
-        aggregate = mean_of_sums(self.config.kind, result.sums)
+        aggregate = self._aggregate(result, train[0])
         out = []
         for node, msg in by_node.items():
             if node in result.replies:
@@ -81,6 +83,20 @@ class SecureGrid:
                       else f"secure aggregation: no reply at stage {stage!r}")
             out.append(Message(Error(code=DROPPED_CODE, reason=reason), reply_to=msg))
         return out
+
+    def _aggregate(self, result: SecureSum, msg: Message) -> dict[str, np.ndarray]:
+        """The family's aggregate from the sums (under distributed DP from the noisy sums of the survivors)."""
+        cfg = self.config
+        if cfg.clip_dp <= 0:
+            return mean_of_sums(cfg.kind, result.sums)
+        broadcast = msg.content.get(ARRAYS)
+        base = {k: a.numpy() for k, a in broadcast.items()} if isinstance(broadcast, ArrayRecord) else {}
+        step = 2 * cfg.clipping_range / cfg.levels
+        size = sum(p.size for p in result.layout)
+        m = len(result.survivors)
+        noise_std = cfg.noise_multiplier_dp * (cfg.clip_dp / step + size ** 0.5 / 2) * step * (
+            m / max(cfg.min_honest_dp, 1)) ** 0.5
+        return dp_aggregate(cfg.kind, result.sums, m, cfg.clip_dp, base, noise_std)
 
     def _vet(self, replies: dict[int, Message]) -> dict[int, str]:
         """Partition claims in clear, judged before unmasking (module docstring)."""
@@ -105,7 +121,9 @@ class SecureGrid:
         clear = {k: v for k, v in (metrics or {}).items()}
         kind = self.config.kind
         if kind == "prototypes":
-            return encode_prototype_reply(aggregate[PROTOTYPES].astype(np.float32), aggregate[CLASS_WEIGHTS], clear)
+            weights = aggregate[CLASS_WEIGHTS]
+            return encode_prototype_reply(aggregate[PROTOTYPES].astype(np.float32), weights, clear,
+                                          num_examples=max(1, int(np.sum(weights))))
         if kind == "logits":
             return encode_logit_reply(aggregate[LOGITS].astype(np.float32), 1, clear)
         broadcast = msg.content.get(ARRAYS)

@@ -34,8 +34,10 @@ from pollen.secagg import field
 KINDS = ("weights", "prototypes", "logits", "sum")
 SAMPLES = "samples"
 WEIGHTINGS = (SAMPLES, "uniform")
-VALUE, INTEGER, WEIGHT = "value", "integer", "weight"  # how a part is read back (scaled / whole / weight)
+# how a part is read back: scaled by the step / a whole number / a weight / a privatized value (scaled)
+VALUE, INTEGER, WEIGHT, NOISY = "value", "integer", "weight", "noisy"
 WEIGHT_PART, CLASS_WEIGHTS, LOGITS, CONTRIBUTORS = "weight", "class-weights", "logits", "contributors"
+CLASS_SHARES = "class-shares"
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ def unflatten(layout: Layout, total: np.ndarray, q: Quantization) -> dict[str, n
     for part in layout:
         chunk = total[start:start + part.size].reshape(part.shape)
         start += part.size
-        out[part.name] = field.dequantize(chunk, q.clipping_range, q.levels) if part.role == VALUE else chunk
+        out[part.name] = field.dequantize(chunk, q.clipping_range, q.levels) if part.role in (VALUE, NOISY) else chunk
     return out
 
 
@@ -172,3 +174,71 @@ def mean_of_sums(kind: str, sums: Mapping[str, np.ndarray]) -> dict[str, np.ndar
             raise ValueError("no contributor in the securely summed logits")
         return {LOGITS: sums[LOGITS] / n}
     return dict(sums)
+
+
+# --- distributed DP (dp-mode = distributed): what one client contributes, and what the server makes of it ---
+#
+# | kind | the contribution vector (clipped as a whole to dp-clip by the client) | the server's aggregate |
+# |---|---|---|
+# | weights | the update: each float array − the broadcast | broadcast + Σ / survivors |
+# | prototypes | ``s_c·p_c`` (C×d), ``s_c·B`` (C); s_c class share, p_c clipped to B = clip/√2 | Σ s_c·p_c / Σ s_c |
+# | logits | the logits (N0×C) | Σ / survivors |
+#
+# Every client weighs the same (client-level DP); for prototypes the shares sum to 1 per client, so the
+# vector's norm is at most clip by construction (Σ s_c² (|p_c|² + B²) <= 2 B² = clip²).
+
+
+def _float_names(arrays: Mapping[str, np.ndarray]) -> list[str]:
+    return sorted(k for k, a in arrays.items() if a.dtype.kind == "f")
+
+
+def dp_vector(kind: str, content: RecordDict, broadcast: RecordDict | None,
+              clip: float) -> tuple[Layout, np.ndarray]:
+    """Client side: the float vector a reply contributes under distributed DP (table above) and its layout."""
+    parts: list[tuple[str, np.ndarray]] = []
+    if kind == "weights":
+        arrays = _arrays(content)
+        ref = broadcast.get(ARRAYS) if broadcast is not None else None
+        if not isinstance(ref, ArrayRecord):
+            raise ValueError("distributed DP on weights needs the broadcast model to form the update")
+        for name in _float_names(arrays):
+            if name not in ref or tuple(ref[name].shape) != arrays[name].shape:
+                raise ValueError(f"array '{name}' of the reply is not in the broadcast model (or has another shape)")
+            parts.append((name, arrays[name].astype(np.float64) - ref[name].numpy().astype(np.float64)))
+    elif kind == "prototypes":
+        arrays = _arrays(content)
+        protos, counts = arrays[PROTOTYPES].astype(np.float64), np.asarray(arrays[CLASS_COUNTS], dtype=np.float64)
+        total = counts.sum()
+        shares = counts / total if total > 0 else counts
+        bound = clip / math.sqrt(2)
+        norms = np.linalg.norm(np.where(counts[:, None] > 0, protos, 0.0), axis=1)
+        scaled = np.where((counts > 0)[:, None], protos * np.minimum(1.0, bound / np.maximum(norms, 1e-30))[:, None],
+                          0.0)
+        parts += [(PROTOTYPES, shares[:, None] * scaled), (CLASS_SHARES, shares * bound)]
+    elif kind == "logits":
+        parts.append((LOGITS, _arrays(content)[LOGITS].astype(np.float64)))
+    else:
+        raise ValueError(f"distributed DP has no contribution of kind {kind!r}")
+    layout = tuple(Part(name, tuple(int(d) for d in v.shape), NOISY) for name, v in parts)
+    return layout, np.concatenate([v.ravel() for _, v in parts])
+
+
+def dp_aggregate(kind: str, sums: Mapping[str, np.ndarray], survivors: int, clip: float,
+                 broadcast: Mapping[str, np.ndarray] | None = None, noise_std: float = 0.0) -> dict[str, np.ndarray]:
+    """Server side: the family's aggregate from the noisy sums of ``survivors`` clients (table above). For
+    prototypes a class counts as present when its summed share is above 3 stds of its noise (and 1/2)."""
+    if survivors < 1:
+        raise ValueError("no survivor in the noisy sum")
+    if kind == "weights":
+        base = dict(broadcast or {})
+        return {**base, **{k: base[k] + v / survivors for k, v in sums.items()}}
+    if kind == "prototypes":
+        bound = clip / math.sqrt(2)
+        weight = np.asarray(sums[CLASS_SHARES], dtype=np.float64) / bound
+        present = weight > max(0.5, 3 * noise_std / bound)
+        protos = np.zeros_like(sums[PROTOTYPES])
+        protos[present] = sums[PROTOTYPES][present] / weight[present, None]
+        return {PROTOTYPES: protos, CLASS_WEIGHTS: present.astype(np.int64)}
+    if kind == "logits":
+        return {LOGITS: sums[LOGITS] / survivors}
+    raise ValueError(f"distributed DP has no aggregate of kind {kind!r}")

@@ -89,6 +89,9 @@ class SecAggConfig:
     kind: str = "weights"
     weighting: str = payloads.SAMPLES
     timeout: float | None = None
+    clip_dp: float = 0.0  # > 0: distributed DP (pollen.privacy.distributed), the parameters every node checks
+    noise_multiplier_dp: float = 0.0
+    min_honest_dp: int = 0
 
     def __post_init__(self):
         if isinstance(self.neighbours, bool) or not isinstance(self.neighbours, int) or self.neighbours < 2:
@@ -193,7 +196,7 @@ class SecAggPlus:
         self._graph, self._t, self._session = graph, t, session
 
         setup = Setup(session, t, degree + 1, cfg.modulus_bits, cfg.clipping_range, cfg.levels, cfg.max_weight,
-                      cfg.kind, cfg.weighting)
+                      cfg.kind, cfg.weighting, cfg.clip_dp, cfg.noise_multiplier_dp, cfg.min_honest_dp)
         keys = self._stage(SETUP, {n: RecordDict({SECAGG: encode(setup)}) for n in nodes})
         pk: dict[int, PublicKeys] = {}
         seen: dict[bytes, int] = {}
@@ -262,6 +265,10 @@ class SecAggPlus:
         result.layout = wanted
         dropped = keyed - survivors
         self._check(COLLECT, keyed, survivors)
+        if len(survivors) < cfg.min_honest_dp:
+            raise SecAggFailed(f"secure aggregation round {server_round} not unmasked: {len(survivors)} contributions "
+                               f"left, fewer than dp-min-honest = {cfg.min_honest_dp}: the sum's noise would be less "
+                               "than what the clients accounted")
 
         asked: dict[int, Unmask] = {}
         for node in sorted(survivors):

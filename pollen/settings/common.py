@@ -19,8 +19,8 @@ from pollen.settings.keys import Registered, setting
 AGGREGATIONS = ("mean", "median", "trimmed-mean")
 # How FedAvg/FedProx weigh clients (pollen.strategies.weights).
 WEIGHTINGS = ("samples", "uniform")
-# Differential privacy (pollen.privacy): none, per release, DP-SGD.
-DP_MODES = ("off", "payload", "sample")
+# Differential privacy (pollen.privacy): none, per release, DP-SGD, noise shared across a secure sum.
+DP_MODES = ("off", "payload", "sample", "distributed")
 # How a user-data task's folder is split across partitions (pollen.datasets.user_tasks).
 DATA_SPLITS = ("iid", "dirichlet")
 # Where the ServerApp streams a run (pollen.app.tracking).
@@ -197,7 +197,9 @@ class PrivacyKeys:
     dp_mode: str = setting(
         "dp-mode", "off", "choice",
         "`payload` = clip and noise what each client releases (unit: a row of the release, see docs/privacy.md), "
-        "`sample` = DP-SGD (unit: one record), `off` = no noise", choices=DP_MODES)
+        "`sample` = DP-SGD (unit: one record), `distributed` = under secure aggregation each client clips its "
+        "contribution and adds its share of the sum's noise (unit: one client, replace-one), `off` = no noise",
+        choices=DP_MODES)
     dp_clip: float = setting("dp-clip", 1.0, "float in (0, 1000000]",
                              "L2 clip of what a release depends on (an embedding, a model update)")
     dp_noise_multiplier: float = setting(
@@ -245,6 +247,11 @@ class SecureAggregationKeys:
         "secagg-modulus-bits", 64, "int in [8, 64]",
         "masked vectors are integers modulo 2^this (uint32 on the wire up to 32): a round whose sum could wrap "
         "(nodes × the largest example count × quantization / 2 >= 2^(bits-1)) is refused")
+    dp_min_honest: int = setting(
+        "dp-min-honest", 0, "int in [0, 1000000]",
+        "dp-mode = distributed: the honest clients (adding their noise, keeping it secret) the guarantee counts "
+        "on in every round; each adds 1/this of the sum's noise variance and a round with fewer survivors is "
+        "not unmasked; 0 = not set (refused with distributed)")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,12 @@ server's CPU (the process's CPU minus what the clients' handlers used), the clie
 mean) and the wall time. Cells are paired by seed (same data, same dropped clients) and interleaved
 arm by arm; one file per finished cell under ``bench/results/secagg/cost/``, so a stopped study resumes.
 
+Utility (``python -m bench.secagg utility``): the privacy study's FedProto setting (``bench/privacy.py``:
+MNIST 3-way shots, 20 clients, 100 rounds, seed-paired) with ``secure-aggregation = true`` and
+``dp-mode = distributed`` at client-level replace-one ε ∈ {8, 4, 2} (``dp-min-honest`` = half the
+clients), one file per run under ``bench/results/secagg/utility/``; its no-DP and local-DP arms are the
+privacy study's committed runs (same base config and seed).
+
 ``python -m bench.secagg report`` writes ``bench/results/secagg.{md,json,png}`` from the files there.
 """
 
@@ -27,12 +33,14 @@ import gc
 import os
 import platform
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.kit import RESULTS, write_json
+from bench.kit import RESULTS, default_data_root, write_json
 
 COST_DIR = RESULTS / "secagg" / "cost"
 ARMS = ("plain", "pollen", "flower")
@@ -284,6 +292,50 @@ def cost_main(args) -> None:
             print(f"{path.stem}: {shown}", flush=True)
 
 
+UTILITY_DIR = RESULTS / "secagg" / "utility"
+UTILITY_EPSILONS = (8.0, 4.0, 2.0)
+DP_CLIP = 4.0
+
+
+def utility_arms() -> list[tuple[str, dict[str, Any]]]:
+    from bench.privacy import base_config
+
+    _, nodes = base_config("fedproto")
+    base = {"secure-aggregation": True, "secagg-threshold": 0.6}
+    return [("secagg", base)] + [(f"distributed-eps{e:g}", {**base, "dp-mode": "distributed", "dp-target-epsilon": e,
+                                                          "dp-clip": DP_CLIP, "dp-min-honest": nodes // 2})
+                                 for e in UTILITY_EPSILONS]
+
+
+def utility_main(args) -> None:
+    from bench.privacy import base_config, read_run
+    from bench.privacy import setting as privacy_setting
+    from pollen.launch.launcher import simulate
+
+    UTILITY_DIR.mkdir(parents=True, exist_ok=True)
+    config, nodes = base_config("fedproto")
+    config = {k: v for k, v in config.items() if k != "leak-audit"}  # the audit reads one client's release
+    for seed in args.seeds:
+        for arm, keys in utility_arms():
+            if args.arms and arm not in args.arms:
+                continue
+            path = UTILITY_DIR / f"fedproto-{arm}-seed{seed}.json"
+            if path.exists():
+                continue
+            work = Path(tempfile.mkdtemp(prefix="pollen-secagg-utility-"))
+            run_config = {**config, **keys, "seed": seed, "data-root": args.data_root, "out-dir": str(work / "runs")}
+            load, started = os.getloadavg()[0], time.monotonic()
+            outcome = simulate(flwr_home=work / "flwr", num_supernodes=nodes, run_config=run_config,
+                               timeout=8 * 3600, echo=False)
+            if not outcome.completed:
+                raise SystemExit(f"{arm} seed {seed} did not complete ({outcome.status}):\n{outcome.log[-3000:]}")
+            record = {"family": "fedproto", "arm": arm, "seed": seed, "setting": privacy_setting("fedproto", keys),
+                      "wall-s": round(time.monotonic() - started, 1), "load-1min-at-start": round(load, 2),
+                      **read_run(outcome.results_dir)}
+            write_json(path, record)
+            print(f"{path.stem}: {record['evaluate'].get('accuracy-client-mean')}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -295,10 +347,16 @@ def main(argv: list[str] | None = None) -> int:
     cost.add_argument("--seeds", type=int, nargs="+", default=[0])
     cost.add_argument("--graph", choices=("sparse", "complete"), default="sparse",
                       help=f"sparse: {SPARSE_NEIGHBOURS} neighbours per node; complete: all others")
+    util = sub.add_parser("utility", help="FedProto under secure aggregation and distributed DP (resumable)")
+    util.add_argument("--seeds", type=int, nargs="+", default=[0])
+    util.add_argument("--arms", nargs="*", default=[])
+    util.add_argument("--data-root", default=default_data_root())
     sub.add_parser("report", help="write bench/results/secagg.{md,json,png}")
     args = parser.parse_args(argv)
     if args.what == "cost":
         cost_main(args)
+    elif args.what == "utility":
+        utility_main(args)
     else:
         from bench.secagg_report import write_report
 

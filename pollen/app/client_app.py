@@ -47,11 +47,9 @@ def distributed_privatizer(context: Context, setup: Setup, size: int):
     who = f"partition {node.partition_id}"
     if cfg.dp_mode != "distributed":
         raise Refused(f"{who} refuses: the server asks for distributed DP, this node's dp-mode is {cfg.dp_mode!r}")
-    if not node.state_dir:
-        raise ConfigError(f"{who}: distributed DP keeps its ledger in the node's state folder, and this node has none "
-                          "(node config 'state-dir')")
+    # the ledger lives beside the node's state, where every other DP mode keeps it
     privacy = DistributedPrivacy(PrivacyConfig.of(cfg), cfg.num_server_rounds, cfg.dp_min_honest,
-                                 LedgerFile.in_folder(node.state_dir), who)
+                                 LedgerFile.in_folder(node_state_dir(cfg, node, context.run_id)), who)
     reason = privacy.refusal(setup.clip_dp, setup.noise_multiplier_dp, setup.min_honest_dp)
     if reason is not None:
         raise Refused(reason)

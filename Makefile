@@ -67,6 +67,6 @@ clean:
 # Local fleet: one SuperLink + NUM_SUPERNODES SuperNodes (deploy/README.md). Options: METHOD=fedprox
 # ROUNDS=2 TLS=1 RUN_CONFIG="local-epochs=1" FLEET_ARGS="--keep-logs --models ... --gpus 0,1 --timeout 900".
 fleet: $(STAMP)
-	$(PY) -m deploy.fleet --num-supernodes $(or $(NUM_SUPERNODES),5) --out-dir "$(OUT_DIR)" \
+	$(VENV)/bin/pollen fleet --num-supernodes $(or $(NUM_SUPERNODES),5) --out-dir "$(OUT_DIR)" \
 		$(if $(METHOD),--method $(METHOD)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(TLS),--tls) \
 		--run-config "$(RUN_CONFIG)" $(FLEET_ARGS)

@@ -3,7 +3,7 @@
 Cells: dataset (``mnist-shot``, and ``fmnist-shot`` when that task is registered) × n-way (3, 4, 5)
 × arm, where the arms are FedProto, BD-FedProto, and at n = 5 the ablations *CPA-only*
 (``bd-fedproto`` with ``proto-da=false``) and *DA-only* (``proto-cpa=false``). Every run is a real
-``flwr run`` on a SuperLink of its own (``pollen.launch.launcher.simulate``, one SuperNode per client).
+``flwr run`` on a SuperLink of its own (``pollen.launch.simulate``, one SuperNode per client).
 The client split depends only on the seed and the task options, so the arms of one seed train on
 the same split: differences are paired by seed.
 
@@ -213,7 +213,7 @@ def run_entry(run_dir: Path, rounds: int) -> dict:
 
 
 def worker(spec_path: Path) -> int:
-    from pollen.launch.launcher import LaunchInterrupted, signals_raise, simulate
+    from pollen.launch import LaunchInterrupted, signals_raise, simulate
 
     spec = json.loads(spec_path.read_text())
     started = time.monotonic()

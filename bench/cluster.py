@@ -49,6 +49,7 @@ from bench.kit import (
     read_metrics,
     read_summary,
     run_folders,
+    run_study,
     table,
     verdict,
     write_atomic,
@@ -195,7 +196,7 @@ def launch(cmd: list[str], env: dict[str, str], log: Path, out_dir: Path, preexe
 
 def run_arm(arm: str, k: int, args, tmp: Path) -> dict[str, Any]:
     from bench.overhead import CpuGroup, children_cpu, reap_all
-    from pollen.launch.launcher import format_run_config, stop_process
+    from pollen.launch import format_run_config, stop_process
 
     reap_all()
     group = CpuGroup()
@@ -457,22 +458,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not become_subreaper():
             print("[cluster] warning: not a child subreaper: CPU of orphaned processes may be missed", flush=True)
-        files = RepeatFiles(args.results)
         args.results.mkdir(parents=True, exist_ok=True)
-        todo = files.todo(schedule(args.pairs), setting(args))
-        for arm, k in todo:
-            print(f"[cluster] {arm}-{k}: starting (load {os.getloadavg()[0]:.2f})", flush=True)
+
+        def run(arm: str, k: int) -> dict:
+            print(f"[cluster] {arm}-{k}: load {os.getloadavg()[0]:.2f}", flush=True)
             with tempfile.TemporaryDirectory(prefix=f"pollen-cluster-{arm}-{k}-") as tmp:
                 record = run_arm(arm, k, args, Path(tmp))
-            shown = {key: record.get(key) for key in ("rc", "status", "launch-wall-s", "round-wall-s", "cpu-s",
-                                                       "placement", "accuracy", "proto-accuracy")}
-            print(f"[cluster] {arm}-{k}: {json.dumps(shown)}", flush=True)
             if record["rc"] != 0 or record.get("status") != "completed":
                 print(record.get("log-tail", ""), file=sys.stderr, flush=True)
                 with contextlib.suppress(OSError):
                     write_json(args.results / f"failed-{arm}-{k}.json", record)
-                return 1
-            files.save(arm, k, record)
+                raise SystemExit(f"[cluster] {arm}-{k}: {json.dumps(shown(record))}")
+            return record
+
+        def shown(record: dict) -> dict:
+            return {key: record.get(key) for key in ("rc", "status", "launch-wall-s", "round-wall-s", "cpu-s",
+                                                     "placement", "accuracy", "proto-accuracy")}
+
+        run_study("cluster", RepeatFiles(args.results), schedule(args.pairs), setting(args), run,
+                  said=lambda record: json.dumps(shown(record)))
     data = write_report(args.results, out)
     print(markdown(data), flush=True)
     return 0

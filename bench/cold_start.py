@@ -48,7 +48,7 @@ def default_shape() -> tuple[int, int]:
     """(SuperNodes, rounds) of the default ``make run``: the launcher's default and the app's config."""
     import tomllib
 
-    from pollen.launch.launcher import DEFAULT_SUPERNODES
+    from pollen.launch import DEFAULT_SUPERNODES
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     return DEFAULT_SUPERNODES, int(config["num-server-rounds"])

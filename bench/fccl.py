@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.kit import RESULTS, ROOT, default_data_root, pyplot, read_metrics, save_figure, write_json
+from bench.kit import RESULTS, ROOT, default_data_root, pyplot, read_metrics, save_figure, simulate_run, write_json
 
 METHODS = ("solo", "fccl", "fedmd", "feddf", "fccl-wo-con")
 LABELS = {"solo": "SOLO", "fccl": "FCCL", "fedmd": "FedMD", "feddf": "FedDF", "fccl-wo-con": "FCCL w/o CON"}
@@ -267,8 +267,6 @@ def main(argv=None) -> int:
     if args.render is not None:
         write_outputs(json.loads(args.render.read_text()), args.out, args.stem)
         return 0
-    from pollen.launch.launcher import simulate
-
     args.data_root = str(Path(args.data_root).resolve())
     work = (args.work or Path(tempfile.mkdtemp(prefix="pollen-fccl-bench-"))).resolve()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -276,12 +274,9 @@ def main(argv=None) -> int:
     for method in methods:
         t0 = time.perf_counter()
         out_dir = work / method
-        outcome = simulate(app_dir=ROOT, flwr_home=work / "flwr-home", num_supernodes=4,
-                           run_config=run_config(args, method, out_dir, work / "solo-cache"),
-                           timeout=3600, echo=True)
-        if not outcome.completed:
-            print(outcome.log[-4000:], file=sys.stderr)
-            raise SystemExit(f"{method}: run {outcome.run_id} ended {outcome.status}")
+        outcome = simulate_run(method, app_dir=ROOT, flwr_home=work / "flwr-home", num_supernodes=4,
+                               run_config=run_config(args, method, out_dir, work / "solo-cache"),
+                               timeout=3600, echo=True)
         runs[method] = read_run(outcome.results_dir)
         walls[method] = time.perf_counter() - t0
         print(f"[bench] {method} done in {walls[method]:.0f}s", flush=True)

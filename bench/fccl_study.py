@@ -41,8 +41,10 @@ from bench.kit import (
     pyplot,
     read_metrics,
     run_folders,
+    run_study,
     save_figure,
     seed_band,
+    simulate_run,
     table,
     verdict,
     write_json,
@@ -112,19 +114,15 @@ def backfill_fit(work: Path) -> None:
 
 def run_one(method: str, seed: int, args: argparse.Namespace) -> dict:
     """One ``flwr run``; returns its record (per-round per-domain accuracies, SOLO round 0, wall)."""
-    from pollen.launch.launcher import simulate
-
     work = args.work.resolve()
     out_dir = work / f"{method}-seed{seed}"
     t0 = time.perf_counter()
-    outcome = simulate(app_dir=ROOT, flwr_home=work / "flwr-home", num_supernodes=len(DOMAINS),
-                       run_config=run_config(method, seed, setting_of(args), args.data_root, out_dir,
-                                             work / "solo-cache"),
-                       timeout=args.timeout, echo=False)
+    outcome = simulate_run(f"{method} seed {seed}", app_dir=ROOT, flwr_home=work / "flwr-home",
+                           num_supernodes=len(DOMAINS),
+                           run_config=run_config(method, seed, setting_of(args), args.data_root, out_dir,
+                                                 work / "solo-cache"),
+                           timeout=args.timeout, echo=False)
     wall = time.perf_counter() - t0
-    if not outcome.completed:
-        print(outcome.log[-4000:], file=sys.stderr)
-        raise SystemExit(f"{method} seed {seed}: run {outcome.run_id} ended {outcome.status}")
     return {"method": method, "seed": seed, "setting": setting_of(args), "wall-s": round(wall, 1),
             "run": read_run(outcome.results_dir), "fit": fit_curves(outcome.results_dir)}
 
@@ -341,20 +339,13 @@ def main(argv=None) -> int:
         write_report(setting, out, args.work)
         return 0
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    todo = RUNS.todo([(m, int(s)) for s in args.seeds.split(",") for m in methods], setting)
-    print(f"[fccl-study] {len(todo)} runs to do: " + ", ".join(f"{m}/{s}" for m, s in todo), flush=True)
-    if args.dry_run:
-        return 0
-    for method, seed in todo:
-        print(f"[fccl-study] start {method} seed {seed}", flush=True)
-        record = run_one(method, seed, args)
-        RUNS.save(method, seed, record)
+    def said(record: dict) -> str:
         s = scores(record)
-        print(f"[fccl-study] {method} seed {seed}: inter AVG {s['inter-avg']:.2f}, intra AVG {s['intra-avg']:.2f} "
-              f"in {record['wall-s']:.0f} s", flush=True)
-        write_report(setting, out)
-    write_report(setting, out)
-    return 0
+        return f"inter AVG {s['inter-avg']:.2f}, intra AVG {s['intra-avg']:.2f} in {record['wall-s']:.0f} s"
+
+    return run_study("fccl-study", RUNS, [(m, int(s)) for s in args.seeds.split(",") for m in methods], setting,
+                     lambda method, seed: run_one(method, seed, args), said=said,
+                     report=lambda: write_report(setting, out), dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

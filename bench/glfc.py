@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.kit import RESULTS, preset, pyplot, read_metrics, save_figure, write_json
+from bench.kit import RESULTS, preset, pyplot, read_metrics, save_figure, simulate_run, write_json
 from pollen.testing import run_inprocess
 
 PRESET = "glfc-mnist-fmnist"
@@ -64,14 +64,10 @@ def method_config(method: str, args) -> dict:
 
 
 def run_flwr(run_config: dict, num_nodes: int) -> list[dict]:
-    from pollen.launch.launcher import simulate
-
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "runs"
-        outcome = simulate(flwr_home=Path(tmp) / "flwr", num_supernodes=num_nodes,
-                           run_config={**run_config, "out-dir": str(out)}, timeout=7200, echo=False)
-        if not outcome.completed:
-            raise RuntimeError(f"flwr run failed: {outcome.log[-3000:]}")
+        outcome = simulate_run("flwr run", flwr_home=Path(tmp) / "flwr", num_supernodes=num_nodes,
+                               run_config={**run_config, "out-dir": str(out)}, timeout=7200, echo=False)
         return read_metrics(outcome.results_dir)
 
 

@@ -42,6 +42,7 @@ from bench.kit import (
     fmt_paired,
     plot_band,
     pyplot,
+    run_study,
     save_figure,
     seed_band,
     table,
@@ -336,20 +337,16 @@ def main(argv=None) -> int:
     unknown = [a for a in arms if a != "joint" and a not in ARMS]
     if unknown:
         raise SystemExit(f"unknown arm {unknown[0]!r}; arms: joint, {', '.join(ARMS)}")
-    todo = RUNS.todo([(a, int(s)) for s in args.seeds.split(",") for a in arms], setting)
-    print(f"[glfc-study] {len(todo)} runs to do: " + ", ".join(f"{a}/{s}" for a, s in todo), flush=True)
-    if args.dry_run:
-        return 0
-    for arm, seed in todo:
-        print(f"[glfc-study] start {arm} seed {seed}", flush=True)
-        rec = run_joint(seed, args) if arm == "joint" else run_method(arm, seed, args)
-        RUNS.save(arm, seed, rec)
+    def said(rec: dict) -> str:
         s = rec["summary"]
-        print(f"[glfc-study] {arm} seed {seed}: task ends {[round(a, 3) for a in s['seen-accuracy-at-task-end']]}, "
-              f"AIA {s['aia']:.4f}, forgetting {s['forgetting']:.4f} in {rec['wall-s']:.0f} s", flush=True)
-        write_report(setting, out)
-    write_report(setting, out)
-    return 0
+        return (f"task ends {[round(a, 3) for a in s['seen-accuracy-at-task-end']]}, AIA {s['aia']:.4f}, "
+                f"forgetting {s['forgetting']:.4f} in {rec['wall-s']:.0f} s")
+
+    def run(arm: str, seed: int) -> dict:
+        return run_joint(seed, args) if arm == "joint" else run_method(arm, seed, args)
+
+    return run_study("glfc-study", RUNS, [(a, int(s)) for s in args.seeds.split(",") for a in arms], setting, run,
+                     said=said, report=lambda: write_report(setting, out), dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

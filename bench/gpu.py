@@ -89,7 +89,7 @@ def part_throughput(args, device) -> list[dict]:
 
 def part_fedproto_run(args) -> dict:
     """One real 20-client FedProto simulation with Ray GPU fractions."""
-    from pollen.launch import launcher as launch
+    from pollen import launch
 
     data_root = Path(args.data_root).expanduser() if args.data_root else None
     if data_root is None or not (data_root / "MNIST" / "raw").is_dir():

@@ -201,6 +201,47 @@ class RunFiles:
 
 
 # ---------------------------------------------------------------------------------------------
+# the study loop: one run per (arm, seed) cell, each through the launcher, each kept as it finishes
+
+def simulate_run(label: str, **options: Any):
+    """One run through :func:`pollen.launch.simulate` (``options`` are its keyword arguments); a run that did
+    not complete stops the study, naming ``label``, the reason and the end of the run's log."""
+    from pollen.launch import simulate
+
+    outcome = simulate(**options)
+    if not outcome.completed:
+        raise SystemExit(f"{label}: run {outcome.run_id} ended {outcome.status}: {outcome.failure_reason}\n"
+                         f"{outcome.log[-3000:]}")
+    return outcome
+
+
+def run_study(label: str, files: RunFiles, cells: Iterable[tuple[str, int]],
+              setting: Mapping[str, Any] | Callable[[str], Mapping[str, Any]], run: Callable[[str, int], dict], *,
+              said: Callable[[dict], str] | None = None, report: Callable[[], None] | None = None,
+              dry_run: bool = False) -> int:
+    """Run every (arm, seed) cell that ``files`` does not hold yet with ``run(arm, seed)`` → its record, save
+    each record as soon as it exists (a study stopped anywhere resumes where it stopped), say
+    ``said(record)`` and rewrite the report after each run and once at the end. ``setting`` is the study's
+    setting, or a function of the arm for studies whose arms differ in setting. Returns the exit code."""
+    setting_of = setting if callable(setting) else (lambda _arm: setting)
+    todo = [(arm, seed) for arm, seed in cells if not files.finished(arm, seed, setting_of(arm))]
+    print(f"[{label}] {len(todo)} runs to do: " + ", ".join(f"{arm}/{seed}" for arm, seed in todo), flush=True)
+    if dry_run:
+        return 0
+    for arm, seed in todo:
+        print(f"[{label}] start {arm} seed {seed}", flush=True)
+        record = run(arm, seed)
+        files.save(arm, seed, record)
+        if said is not None:
+            print(f"[{label}] {arm} seed {seed}: {said(record)}", flush=True)
+        if report is not None:
+            report()
+    if report is not None:
+        report()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # run folders and presets
 
 def run_folders(out_dir: Path) -> list[Path]:

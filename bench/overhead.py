@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 from bench.kit import RESULTS, ROOT, read_json, read_metrics, read_summary, run_folders, write_atomic, write_json
+from pollen.launch.processes import tree_cpu
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -137,32 +138,6 @@ class CpuGroup:
 ROUND_MARKER = re.compile(r"\[(?:pollen|floor|ref)\] (?:ways \d+ seed \d+: )?round (\d+)/(\d+)\b")
 """A finished round in a run's output: Pollen's ServerApp line (through the launcher's log stream), the floor
 app's, and the plain loop's ``progress_every=1`` line."""
-
-
-def tree_cpu(root: int) -> float:
-    """CPU-seconds of ``root``'s live descendants from ``/proc``, each with the children it has reaped
-    (``utime + stime + cutime + cstime``): the per-round fallback without a cgroup."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parent: dict[int, int] = {}
-    used: dict[int, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # exited meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on; the name may hold spaces
-        pid = int(entry.name)
-        parent[pid] = int(fields[1])
-        used[pid] = sum(int(x) for x in fields[11:15]) / tick
-    below, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        for child in (c for c, p in parent.items() if p == pid and c not in below):
-            below.add(child)
-            todo.append(child)
-    return sum(used[pid] for pid in below)
 
 
 def split_cpu(total: float, at_rounds: list[float], rounds: int) -> dict:
@@ -257,7 +232,7 @@ def run_config(args) -> dict:
 
 
 def pollen_run(args, env: dict[str, str], log: Path, out_dir: Path) -> dict:
-    from pollen.launch.launcher import format_run_config
+    from pollen.launch import format_run_config
 
     config = format_run_config(run_config(args))
     cmd = [sys.executable, "-m", "pollen.launch.launcher", "--num-supernodes", str(args.clients),

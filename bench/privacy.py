@@ -1,6 +1,6 @@
 """The privacy study: what differential privacy costs each family in accuracy, and what it hides.
 
-Every run is a real ``flwr run`` on a SuperLink this script owns (``pollen.launch.launcher.simulate``), with
+Every run is a real ``flwr run`` on a SuperLink this script owns (``pollen.launch.simulate``), with
 ``leak-audit = true`` so each round also says what the server could read off the replies:
 
 - **FedProto, MNIST** — the README's FedProto command (20 clients, 100 rounds, its own run config, read from
@@ -50,7 +50,9 @@ from bench.kit import (
     read_json,
     read_metrics,
     read_summary,
+    run_study,
     save_figure,
+    simulate_run,
     table,
     write_atomic,
     write_json,
@@ -72,7 +74,7 @@ GLFC_SHORT = {"num-server-rounds": 10, "glfc-tasks": 2, "glfc-rounds-per-task": 
 def command_config(record_path: Path) -> tuple[dict[str, Any], int]:
     """The run config and client count of a README command as recorded (``--run-config "..."``,
     ``--num-supernodes N``): the study's base is exactly what the README's row ran."""
-    from pollen.launch.launcher import parse_run_config
+    from pollen.launch import parse_run_config
 
     words = shlex.split(read_json(record_path)["command"])
     config = parse_run_config(words[words.index("--run-config") + 1])
@@ -145,18 +147,14 @@ def read_run(run_dir: Path) -> dict[str, Any]:
 
 
 def run_one(family: str, arm: str, keys: dict[str, Any], seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    from pollen.launch.launcher import simulate
-
     config, nodes = base_config(family)
     out_dir = args.work_dir / "runs"
     run_config = {**config, **keys, "seed": seed, "data-root": args.data_root, "out-dir": str(out_dir)}
     load = os.getloadavg()[0]
     started = time.monotonic()
-    outcome = simulate(flwr_home=args.work_dir / "flwr", num_supernodes=nodes, run_config=run_config,
-                       timeout=6 * 3600, echo=False)
+    outcome = simulate_run(f"{family} {arm} seed {seed}", flwr_home=args.work_dir / "flwr", num_supernodes=nodes,
+                           run_config=run_config, timeout=6 * 3600, echo=False)
     wall = time.monotonic() - started
-    if not outcome.completed:
-        raise RuntimeError(f"{family} {arm} seed {seed} did not complete ({outcome.status}):\n{outcome.log[-3000:]}")
     return {"family": family, "arm": arm, "seed": seed, "setting": setting(family, keys), "commit": _commit(),
             "wall-s": round(wall, 1), "load-1min-at-start": round(load, 2),
             "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **read_run(outcome.results_dir)}
@@ -399,24 +397,17 @@ def main(argv: list[str] | None = None) -> int:
     args.data_root = str(Path(args.data_root).resolve())
     files = RunFiles(FOLDER)
     FOLDER.mkdir(parents=True, exist_ok=True)
-    if not args.report:
-        for seed in args.seeds:
-            for family in args.family:
-                for arm, keys in arms(family):
-                    if args.arms and arm not in args.arms:
-                        continue
-                    name = f"{family}-{arm}"
-                    if files.finished(name, seed, setting(family, keys)):
-                        print(f"[privacy] skip {name} seed {seed}: done", flush=True)
-                        continue
-                    print(f"[privacy] {name} seed {seed} ...", flush=True)
-                    record = run_one(family, arm, keys, seed, args)
-                    files.save(name, seed, record)
-                    print(f"[privacy] {name} seed {seed}: {record['wall-s']:.0f} s, ε spent "
-                          f"{record['privacy'].get('dp-epsilon-max', '∞')}", flush=True)
-                    report(files)
-    report(files)
-    return 0
+    if args.report:
+        report(files)
+        return 0
+    plan = {f"{family}-{arm}": (family, arm, keys) for family in args.family for arm, keys in arms(family)
+            if not args.arms or arm in args.arms}
+    return run_study("privacy", files, [(name, seed) for seed in args.seeds for name in plan],
+                     lambda name: setting(plan[name][0], plan[name][2]),
+                     lambda name, seed: run_one(*plan[name], seed, args),
+                     said=lambda record: f"{record['wall-s']:.0f} s, ε spent "
+                                         f"{record['privacy'].get('dp-epsilon-max', '∞')}",
+                     report=lambda: report(files))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Setting (FedProto paper / official code): 20 clients, N-way K-shot with K = 100, stdev 2, batch 4,
 SGD lr 0.01 momentum 0.5, one local epoch per round. Every run is a real ``flwr run`` on a SuperLink
-this script owns (``pollen.launch.launcher.simulate``, 20 SuperNodes). Accuracies are read from the run's
+this script owns (``pollen.launch.simulate``, 20 SuperNodes). Accuracies are read from the run's
 ``summary.json`` — mean ± std over clients of each client's test accuracy on its own classes, with
 the local classifier and (prototype methods) with the nearest global prototype.
 
@@ -64,7 +64,7 @@ def run_config(method: str, ways: int, rounds: int, args: argparse.Namespace, ou
     """FedProto's MNIST setting for one method and n, from its preset (``conf/<method>-mnist-n<n>.toml``;
     the baselines share FedProto's, without the ``proto-`` keys): the study overrides only rounds, seed,
     paths and the evaluation cadence; a variant's ``--extra-config`` keys go on top."""
-    from pollen.launch.launcher import parse_run_config
+    from pollen.launch import parse_run_config
 
     base = preset(f"{method if method in PROTO_METHODS else 'fedproto'}-mnist-n{ways}")
     if method not in PROTO_METHODS:
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     if args.replot:
         save_results(results)
         return 0
-    from pollen.launch.launcher import simulate
+    from pollen.launch import simulate
 
     for ways in args.ways:
         for method in args.methods:

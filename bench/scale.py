@@ -19,7 +19,6 @@ finished N is skipped when the study is run again (``--force`` reruns it). ``sca
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -32,34 +31,14 @@ import uuid
 from pathlib import Path
 
 from bench.kit import RESULTS, ROOT, pyplot, read_metrics, run_folders, save_figure, write_atomic, write_json
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _pss_bytes(entry: Path) -> int:
-    """Proportional set size: shared pages (torch's libraries in every worker) counted once in total."""
-    try:
-        for line in (entry / "smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int((entry / "statm").read_text().split()[1]) * PAGE  # RSS where smaps_rollup is not readable
-
-
-def _cpu_seconds(entry: Path) -> float:
-    """utime + stime of one process (fields 14 and 15 of /proc/PID/stat, after the parenthesised name)."""
-    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
+from pollen.launch.processes import proc_cmdline, proc_environ, proc_memory, proc_stat, proc_table
 
 ROLES = ("ClientApp actors", "ServerApp + simulation engine", "SuperLink", "Ray and the rest")
 
 
-def _role(entry: Path) -> str:
+def _role(pid: int) -> str:
     """Which part of the run a process is, from its command line (Ray renames its workers)."""
-    args = (entry / "cmdline").read_bytes().split(b"\0")
+    args = proc_cmdline(pid) or [b""]
     title = args[0].decode(errors="replace")
     command = " ".join(a.decode(errors="replace") for a in args[:3])
     if title.startswith("ray::ClientAppActor"):
@@ -103,34 +82,33 @@ class TreeMemory:
         needle = f"POLLEN_SCALE_MARK={self.token}".encode()
         while not self._stop.is_set():
             total, count = 0, 0
-            for entry in Path("/proc").iterdir():
-                if not entry.name.isdigit():
+            for pid in proc_table() or {}:
+                if pid not in self._members:
+                    # checked again whenever its command line changes: a child forked by
+                    # flower-superexec shows the environment it execs flwr-simulation with only then
+                    command = proc_cmdline(pid)
+                    if command is None or self._checked.get(pid) == command:
+                        continue
+                    self._checked[pid] = command
+                    if needle not in (proc_environ(pid) or b""):
+                        continue
+                    self._members.add(pid)
+                memory = proc_memory(pid)
+                if memory is None:  # gone meanwhile
                     continue
-                pid = int(entry.name)
-                try:
-                    if pid not in self._members:
-                        # checked again whenever its command line changes: a child forked by
-                        # flower-superexec shows the environment it execs flwr-simulation with only then
-                        command = (entry / "cmdline").read_bytes()
-                        if self._checked.get(pid) != command:
-                            self._checked[pid] = command
-                            if needle in (entry / "environ").read_bytes():
-                                self._members.add(pid)
-                    if pid in self._members:
-                        total += _pss_bytes(entry)
-                        count += 1
-                        role = _role(entry)  # an idle Ray worker can become an actor; an exiting
-                        if pid not in self.roles or role != ROLES[3]:  # process's command line reads empty
-                            self.roles[pid] = role
-                except OSError:
-                    continue
+                total += memory
+                count += 1
+                role = _role(pid)  # an idle Ray worker can become an actor; an exiting
+                if pid not in self.roles or role != ROLES[3]:  # process's command line reads empty
+                    self.roles[pid] = role
             if total > self.peak_bytes:
                 self.peak_bytes, self.peak_processes = total, count
             for _ in range(4):  # CPU times four times per scan: rounds last seconds
                 cpu: dict[int, float] = {}
                 for pid in list(self.roles):
-                    with contextlib.suppress(OSError):
-                        cpu[pid] = _cpu_seconds(Path("/proc") / str(pid))
+                    stat = proc_stat(pid)
+                    if stat is not None:
+                        cpu[pid] = stat.own_cpu_s
                 self.cpu_trace.append((time.monotonic(), cpu))
                 if self._stop.wait(0.125):
                     return
@@ -223,7 +201,7 @@ def run_config(n: int, rounds: int) -> dict:
 
 
 def run_one(n: int, args) -> dict:
-    from pollen.launch.launcher import format_run_config
+    from pollen.launch import format_run_config
 
     k = sampled(n)
     config = format_run_config(run_config(n, args.rounds))

@@ -310,7 +310,7 @@ def utility_arms() -> list[tuple[str, dict[str, Any]]]:
 def utility_main(args) -> None:
     from bench.privacy import base_config, read_run
     from bench.privacy import setting as privacy_setting
-    from pollen.launch.launcher import simulate
+    from pollen.launch import simulate
 
     UTILITY_DIR.mkdir(parents=True, exist_ok=True)
     config, nodes = base_config("fedproto")

@@ -43,7 +43,7 @@ def test_an_unknown_command_is_refused_by_name():
                                             ("data", "check"), ("fleet", "--num-supernodes"),
                                             ("runs", "--out-dir")])
 def test_each_subcommand_shows_its_tools_help_from_any_directory(name, expected, tmp_path):
-    """Outside the checkout too: `pollen fleet` finds the checkout's deploy/ through the installed package."""
+    """Outside the checkout too: every tool is part of the installed package."""
     out = pollen(name, "--help", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert expected in out.stdout

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from pollen.launch import cluster
-from pollen.launch.launcher import EXIT_USAGE, stop_process
+from pollen.launch import EXIT_USAGE, stop_process
 from tests.conftest import PROJECT_ROOT
 
 HAS_PROC = Path("/proc/self/environ").exists()

@@ -1,4 +1,5 @@
-"""deploy/certs.py: the certificates must pass a real TLS handshake, and the node keys must load with the
+"""The fleet's certificates (:mod:`pollen.launch.fleet.certs`, and ``deploy/certs.py``, the script that writes
+them for separate machines): the certificates must pass a real TLS handshake, and the node keys must load with the
 very functions flwr uses (`flower-supernode` and `flwr supernode register`)."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from deploy import certs
+from deploy import certs as script
+from pollen.launch.fleet import certs
 
 
 def _sans(cert: x509.Certificate) -> tuple[list[str], list[str]]:
@@ -132,11 +134,11 @@ def test_node_keys_differ_and_names_are_checked(tmp_path):
 
 
 def test_command_line_writes_server_and_node_files(tmp_path, capsys):
-    assert certs.main(["server", "--out", str(tmp_path / "c"), "--host", "10.1.2.3"]) == 0
-    assert certs.main(["node", "--out", str(tmp_path / "k"), "--name", "a", "--name", "b"]) == 0
+    assert script.main(["server", "--out", str(tmp_path / "c"), "--host", "10.1.2.3"]) == 0
+    assert script.main(["node", "--out", str(tmp_path / "k"), "--name", "a", "--name", "b"]) == 0
     assert {p.name for p in (tmp_path / "c").iterdir()} == {"ca.crt", "ca.key", "server.pem", "server.key"}
     assert {p.name for p in (tmp_path / "k").iterdir()} == {"a", "a.pub", "b", "b.pub"}
     _, ips = _sans(x509.load_pem_x509_certificate((tmp_path / "c" / "server.pem").read_bytes()))
     assert ipaddress.ip_address("10.1.2.3") in {ipaddress.ip_address(i) for i in ips}
-    assert certs.main(["node", "--out", str(tmp_path / "k"), "--name", "a"]) == 2
+    assert script.main(["node", "--out", str(tmp_path / "k"), "--name", "a"]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err

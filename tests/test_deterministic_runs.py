@@ -331,7 +331,7 @@ def test_two_glfc_runs_with_one_seed_write_the_same_metrics_whichever_node_answe
 @pytest.mark.e2e
 def test_two_launches_of_make_runs_shape_write_the_same_metrics(tmp_path):
     """Ray runs the 5 ClientApps on as many actors as there are cores: replies arrive as they finish."""
-    from pollen.launch.launcher import DEFAULT_SUPERNODES, simulate
+    from pollen.launch import DEFAULT_SUPERNODES, simulate
     from tests.conftest import PROJECT_ROOT
 
     lines = []

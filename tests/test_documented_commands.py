@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pollen.launch.launcher import format_run_config, parse_run_config
+from pollen.launch import format_run_config, parse_run_config
 from tests.conftest import PROJECT_ROOT
 from tests.numerics import numeric_platform
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pollen.launch.launcher import simulate
+from pollen.launch import simulate
 from tests.conftest import PROJECT_ROOT, RAY_CPUS
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +51,8 @@ def test_orphaned_server_app_of_a_superlink_is_stopped():
     import sys
     import time
 
-    from pollen.launch.launcher import free_port, stop_orphaned_apps
+    from pollen.launch import free_port
+    from pollen.launch.superlinks import stop_orphaned_apps
 
     port, other = free_port(), free_port()
     code = "import time; time.sleep(120)"

@@ -58,7 +58,7 @@ def _load(project: str, module: str):
 def launch(project: str, tmp: Path, **run_config):
     """``simulate`` one external project (private FLWR_HOME under ``tmp``); returns (outcome, report or
     None, seconds)."""
-    from pollen.launch.launcher import simulate
+    from pollen.launch import simulate
 
     report = tmp / f"{project}-report.json"
     started = time.monotonic()

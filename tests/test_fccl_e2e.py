@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pollen.launch.launcher import simulate
+from pollen.launch import simulate
 from tests.conftest import PROJECT_ROOT, RAY_CPUS
 from tests.faults import faulty_app_dir
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.fleet import Fleet, NodeSpec, compose_run_config, format_config, groups_alive, plan_nodes
+from pollen.launch.fleet import Fleet, NodeSpec, compose_run_config, format_config, plan_nodes
+from pollen.launch.processes import groups_alive
 from pollen.protocol.identity import format_partition_pins
 
 

@@ -369,7 +369,9 @@ def test_glfc_aggregates_robustly_when_asked():
 
 
 def test_the_fleet_pins_each_partition_to_its_registered_node(tmp_path, capsys):
-    from deploy.fleet import EXIT_USAGE, Fleet, NodeSpec, SuperNode, main
+    from pollen.launch.errors import EXIT_USAGE
+    from pollen.launch.fleet import Fleet, NodeSpec, SuperNode
+    from pollen.launch.fleet.cli import main
     from pollen.app.config import ConfigError
 
     fleet = Fleet(tmp_path, tls=True, echo=False)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from pollen.launch import launcher as launch
-from pollen.launch import processes
-from pollen.launch.launcher import EXIT_TIMEOUT, EXIT_USAGE
+from pollen import launch
+from pollen.launch import compose, launcher, processes, simulation, submit, superlinks
+from pollen.launch.errors import EXIT_TIMEOUT, EXIT_USAGE
 from tests.conftest import PROJECT_ROOT, RAY_CPUS
 
 HAS_PROC = Path("/proc/self/environ").exists()
@@ -61,7 +61,7 @@ def nothing_starts(monkeypatch):
 def test_unknown_key_is_refused_before_anything_starts(tmp_path, capsys, nothing_starts):
     home = tmp_path / "flwr-home"
     began = time.monotonic()
-    code = launch.main(["--flwr-home", str(home), "--run-config", "lrr=0.1 num-server-rounds=2 zzz-qqq=1"])
+    code = launcher.main(["--flwr-home", str(home), "--run-config", "lrr=0.1 num-server-rounds=2 zzz-qqq=1"])
     elapsed = time.monotonic() - began
     err = capsys.readouterr().err
     assert code == EXIT_USAGE
@@ -83,19 +83,19 @@ def test_unknown_key_is_refused_before_anything_starts(tmp_path, capsys, nothing
     (["--ray-cpus", "2", "--ray-address", "10.0.0.5:6379"], r"a cluster's CPUs are set where its nodes start"),
 ])
 def test_bad_options_are_refused_before_anything_starts(argv, message, capsys, nothing_starts):
-    assert launch.main(argv) == EXIT_USAGE
+    assert launcher.main(argv) == EXIT_USAGE
     assert re.search(message, capsys.readouterr().err)
     assert not nothing_starts
 
 
 def test_keys_are_checked_against_the_chosen_app(tmp_path, capsys, nothing_starts):
     app = _fake_app(tmp_path / "app")
-    assert launch.main(["--app", str(app), "--run-config", "seed=1 method='fedavg'"]) == EXIT_USAGE
+    assert launcher.main(["--app", str(app), "--run-config", "seed=1 method='fedavg'"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "unknown run config key 'method'" in err and str(app) in err
-    assert launch.main(["--app", str(app), "--out-dir", str(tmp_path)]) == EXIT_USAGE
+    assert launcher.main(["--app", str(app), "--out-dir", str(tmp_path)]) == EXIT_USAGE
     assert "has no 'out-dir' run key" in capsys.readouterr().err
-    assert launch.main(["--app", str(tmp_path / "not-an-app")]) == EXIT_USAGE
+    assert launcher.main(["--app", str(tmp_path / "not-an-app")]) == EXIT_USAGE
     assert "[tool.flwr.app]" in capsys.readouterr().err
 
 
@@ -103,7 +103,7 @@ def test_default_app_dir_prefers_the_current_app_then_the_checkout(tmp_path):
     app = _fake_app(tmp_path / "app")
     assert launch.default_app_dir(cwd=app) == app.resolve()
     assert launch.default_app_dir(cwd=tmp_path) == PROJECT_ROOT  # not an app: the checkout holding pollen
-    installed = tmp_path / "site-packages" / "pollen" / "app" / "launch.py"
+    installed = tmp_path / "site-packages" / "pollen" / "launch" / "compose.py"
     with pytest.raises(launch.LaunchConfigError, match="pass --app DIR"):
         launch.default_app_dir(cwd=tmp_path, module_file=installed)
     assert launch.PROJECT_ROOT == PROJECT_ROOT
@@ -123,7 +123,7 @@ def test_run_config_round_trips_and_out_dir_becomes_absolute(tmp_path, monkeypat
 
 def test_help_shows_defaults_paths_methods_and_tasks(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        launch.main(["--help"])
+        launcher.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
     assert exit_info.value.code == 0
     assert "else 5" in out and "(default: 21600.0)" in out and "(default 1; on --resume, the run's)" in out
@@ -135,10 +135,10 @@ def test_help_shows_defaults_paths_methods_and_tasks(capsys):
 def test_ray_goes_local_unless_an_address_is_given(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")  # inherited from the shell: not followed
     assert launch.flower_env(tmp_path)["RAY_ADDRESS"] == "local"
-    assert "RAY_ADDRESS=local" in launch.ray_line(None) and "10.0.0.9:6379 from the environment ignored" in \
-        launch.ray_line(None)
+    assert "RAY_ADDRESS=local" in simulation.ray_line(None) and "10.0.0.9:6379 from the environment ignored" in \
+        simulation.ray_line(None)
     assert launch.flower_env(tmp_path, ray_address="10.0.0.5:6379")["RAY_ADDRESS"] == "10.0.0.5:6379"
-    assert "attaching to the cluster at 10.0.0.5:6379" in launch.ray_line("10.0.0.5:6379")
+    assert "attaching to the cluster at 10.0.0.5:6379" in simulation.ray_line("10.0.0.5:6379")
 
 
 @pytest.mark.skipif(not HAS_PROC, reason="reads /proc")
@@ -149,8 +149,8 @@ def test_the_wait_ends_on_this_runs_summary_and_the_apps_closing_line(tmp_path, 
     from pollen.app.results import write_stopped_summary
 
     clock = [100.0]
-    monkeypatch.setattr(launch.time, "monotonic", lambda: clock[0])
-    ended = launch.AppEnd(tmp_path, run_id=7)
+    monkeypatch.setattr(submit.time, "monotonic", lambda: clock[0])
+    ended = submit.AppEnd(tmp_path, run_id=7)
     assert not ended.over()  # no summary yet
     (tmp_path / "summary.json").write_text(json.dumps({"status": "completed", "flower-run-id": 6}))
     assert not ended.over() and ended.summary is None  # the previous launch's
@@ -158,12 +158,12 @@ def test_the_wait_ends_on_this_runs_summary_and_the_apps_closing_line(tmp_path, 
     assert not ended.over() and ended.summary is None  # written by a launcher, not by the app
     (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "flower-run-id": 7, "x": 1}))
     assert not ended.over() and ended.summary["status"] == "failed"  # found: the closing line may follow
-    clock[0] += launch.AppEnd.grace + 0.1
+    clock[0] += submit.AppEnd.grace + 0.1
     assert ended.over()  # no closing line within the grace
-    closing = launch.AppEnd(tmp_path, run_id=7)
+    closing = submit.AppEnd(tmp_path, run_id=7)
     closing.saw(f"[pollen] run failed: boom; summary: {tmp_path / 'summary.json'}\n")
     assert closing.over()
-    assert not launch.AppEnd(None, run_id=7).over()  # no run folder known: Flower's status decides
+    assert not submit.AppEnd(None, run_id=7).over()  # no run folder known: Flower's status decides
 
 
 def test_process_tree_stops_a_process_that_left_the_session_and_its_parent(tmp_path):
@@ -390,13 +390,13 @@ def test_superlink_retries_a_port_taken_by_another_superlink(tmp_path, monkeypat
     taken = other.server_address[1]
     threading.Thread(target=other.serve_forever, daemon=True).start()
     ports = iter([taken])
-    real_free_port = launch.free_port
-    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real_free_port())
+    real_free_port = superlinks.free_port
+    monkeypatch.setattr(superlinks, "free_port", lambda: next(ports, None) or real_free_port())
     tree = processes.ProcessTree("test")
     try:
         with launch.superlink(tmp_path / "home", simulation=True, tree=tree) as (_conn, port, proc):
             assert port != taken and proc.poll() is None
-            assert launch._listens_on(proc.pid, port) is True
+            assert processes.listening_on(proc.pid, port) is True
         assert tree.terminate() == []
         logs = sorted(p.name for p in (tmp_path / "home").glob("superlink-*.log"))
         assert logs == sorted([f"superlink-{taken}.log", f"superlink-{port}.log"])
@@ -561,7 +561,7 @@ def test_the_run_dies_with_its_launcher(tmp_path):
 
             def run_left() -> list[int]:
                 return [pid for pid in watcher.alive()
-                        if b"pollen.launch.processes" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                        if b"pollen.launch.watchdog" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
             while run_left() and time.monotonic() - killed < 30:
                 time.sleep(0.1)
@@ -591,13 +591,13 @@ def test_the_run_dies_with_its_launcher(tmp_path):
 def test_node_count_follows_the_task_and_a_wrong_one_is_refused_before_start(capsys, nothing_starts):
     """FCCL's domain tasks need one SuperNode per domain, GLFC its final population: picked when not
     given, refused by number when given wrong — never a run in which every client fails."""
-    assert launch.fitting_node_count(PROJECT_ROOT, {"method": "fccl", "task": "digits-offline"}, None) == 4
+    assert compose.fitting_node_count(PROJECT_ROOT, {"method": "fccl", "task": "digits-offline"}, None) == 4
     glfc = {"method": "glfc", "task": "mnist-fmnist-cil", "num-server-rounds": 8}
-    assert launch.fitting_node_count(PROJECT_ROOT, glfc, None) == 10
-    assert launch.fitting_node_count(PROJECT_ROOT, {"method": "fedavg"}, None) == launch.DEFAULT_SUPERNODES
-    assert launch.fitting_node_count(PROJECT_ROOT, {"method": "fedavg"}, 7) == 7
-    code = launch.main(["--run-config", "method='fccl' task='digits-offline'", "--num-supernodes", "5"])
+    assert compose.fitting_node_count(PROJECT_ROOT, glfc, None) == 10
+    assert compose.fitting_node_count(PROJECT_ROOT, {"method": "fedavg"}, None) == launch.DEFAULT_SUPERNODES
+    assert compose.fitting_node_count(PROJECT_ROOT, {"method": "fedavg"}, 7) == 7
+    code = launcher.main(["--run-config", "method='fccl' task='digits-offline'", "--num-supernodes", "5"])
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and "needs exactly 4 SuperNodes, got --num-supernodes 5" in err
-    code = launch.main(["--run-config", "method='fedavg' lr=1e9"])
+    code = launcher.main(["--run-config", "method='fedavg' lr=1e9"])
     assert code == EXIT_USAGE and "'lr' = 1000000000.0 is invalid" in capsys.readouterr().err

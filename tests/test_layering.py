@@ -34,9 +34,6 @@ ONLY = {
     "privacy": ("settings", "protocol"),
     "secagg": ("settings", "protocol", "log"),  # pollen.log: Flower's child logger, imports nothing of Pollen
 }
-# The old spelling `python -m pollen.app.launch`, kept one release: it imports the launcher only when run
-# as a program, never when the app is imported.
-DEPRECATED_SPELLINGS = {"pollen/app/launch.py"}
 
 
 def pollen_imports(path):
@@ -70,8 +67,6 @@ def _refused(layer: str, imported: str) -> bool:
 def test_no_layer_imports_one_above_it(layer):
     bad = []
     for path in sorted((PACKAGE / layer).rglob("*.py")):
-        if str(path.relative_to(PROJECT_ROOT)) in DEPRECATED_SPELLINGS:
-            continue
         for line, module in pollen_imports(path):
             parts = module.split(".")
             if parts[0] == "pollen" and len(parts) > 1 and parts[1] != "__init__" and _refused(layer, parts[1]):
@@ -90,7 +85,7 @@ def _package_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PROJECT_ROOT)
-        if str(rel) in DEPRECATED_SPELLINGS or len(rel.parts) < 3:
+        if len(rel.parts) < 3:
             continue
         for _, module in pollen_imports(path):
             parts = module.split(".")
@@ -136,8 +131,6 @@ def _module_graph() -> dict[str, set[str]]:
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        if str(path.relative_to(PROJECT_ROOT)) in DEPRECATED_SPELLINGS:
-            continue
         for _, module in pollen_imports(path):
             while module and module not in modules:  # `from pollen.app.config import X` -> pollen.app.config
                 module = module.rpartition(".")[0]

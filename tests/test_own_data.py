@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.fleet import Fleet, compose_run_config, format_config, groups_alive, plan_nodes
+from pollen.launch.fleet import Fleet, compose_run_config, format_config, plan_nodes
+from pollen.launch.processes import groups_alive
 from pollen.app.config import ConfigError
 from tests.conftest import PROJECT_ROOT
 from tests.test_user_data import write_image_folder
@@ -112,7 +113,7 @@ def test_fedavg_fleet_with_data_dirs_through_the_cli(folders, tmp_path):
     # fleet above runs two, for its better-than-chance check
     out = tmp_path / "runs"
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.fleet", "--method", "fedavg", "--num-supernodes", "3", "--rounds", "1",
+        [sys.executable, "-m", "pollen.launch.cli", "fleet", "--method", "fedavg", "--num-supernodes", "3", "--rounds", "1",
          "--data-dirs", ",".join(str(f) for f in folders), "--run-config", format_config(AGREED),
          "--work-dir", str(tmp_path / "work"), "--out-dir", str(out), "--quiet"],
         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)

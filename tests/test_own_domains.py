@@ -161,7 +161,7 @@ def test_domains_config_errors_are_clear(domains, public, tmp_path):
 # ---------------------------------------------------------------------------------- simulation
 @pytest.mark.e2e
 def test_fccl_simulation_on_your_own_domains(domains, public, tmp_path):
-    from pollen.launch.launcher import simulate
+    from pollen.launch import simulate
 
     out = tmp_path / "runs"
     keys = " ".join(f"{k}={json.dumps(v)}" for k, v in AGREED.items())
@@ -195,7 +195,8 @@ def _predict(*argv) -> tuple[float, int]:
 
 
 def _fleet_run(tmp_path, data_dirs, public_dirs):
-    from deploy.fleet import Fleet, compose_run_config, format_config, groups_alive, plan_nodes
+    from pollen.launch.fleet import Fleet, compose_run_config, format_config, plan_nodes
+    from pollen.launch.processes import groups_alive
 
     out = tmp_path / "runs"
     values, _ = compose_run_config(method="fccl", rounds=2, out_dir=out, data_root=None,

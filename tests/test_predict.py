@@ -111,7 +111,7 @@ def test_cli_writes_csv_and_the_console_script_is_declared(uci_runs, tmp_path):
     import tomllib
 
     scripts = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["pollen"] == "pollen.launch.cli:main" and scripts["pollen-predict"] == "pollen.launch.predict:main"
+    assert scripts == {"pollen": "pollen.launch.cli:main"}  # `pollen predict`; the old `pollen-predict` is gone
     run_dir = uci_runs["fedavg"]
     out_csv = tmp_path / "preds.csv"
     done = _cli("--run", run_dir, "--partition", 1, "--num-partitions", PARTITIONS, "--out", out_csv)

@@ -21,7 +21,7 @@ from pollen.app.client_app import app as client_app
 from pollen.app.config import parse_run_config
 from pollen.app.registry import METHODS
 from pollen.app.server_app import main as server_main
-from pollen.launch.launcher import app_run_config
+from pollen.launch import app_run_config
 from tests.conftest import PROJECT_ROOT, require_real_data
 from pollen.testing import InProcessGrid, clientapp_node
 
@@ -85,12 +85,12 @@ def test_offline_preset_runs_to_completion_at_a_tiny_size(path, tmp_path):
 
 
 def test_the_launcher_starts_the_nodes_a_preset_names_and_refuses_others(capsys):
-    from pollen.launch import launcher as launch
+    from pollen.launch import compose, launcher
 
     for path in PRESETS:
-        assert launch.preset_node_count(str(path)) == _preset(path)[1]
-    assert launch.preset_node_count("method='fedavg'") is None
-    code = launch.main(["--run-config", str(PROJECT_ROOT / "conf" / "fccl-digits-offline.toml"),
+        assert compose.preset_node_count(str(path)) == _preset(path)[1]
+    assert compose.preset_node_count("method='fedavg'") is None
+    code = launcher.main(["--run-config", str(PROJECT_ROOT / "conf" / "fccl-digits-offline.toml"),
                         "--num-supernodes", "5"])
-    assert code == launch.EXIT_USAGE
+    assert code == launcher.EXIT_USAGE
     assert "needs exactly 4 SuperNodes, got --num-supernodes 5" in capsys.readouterr().err

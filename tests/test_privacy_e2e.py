@@ -14,7 +14,7 @@ import pytest
 from dp_accounting.pld import pld_privacy_accountant
 
 from pollen.datasets.spec import TaskOptions
-from pollen.launch.launcher import simulate
+from pollen.launch import simulate
 from tests.conftest import PROJECT_ROOT, RAY_CPUS
 
 pytestmark = pytest.mark.e2e

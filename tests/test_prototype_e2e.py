@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from pollen.launch.launcher import simulate
+from pollen.launch import simulate
 from tests.conftest import PROJECT_ROOT, RAY_CPUS, real_data_root
 from tests.faults import faulty_app_dir
 

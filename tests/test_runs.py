@@ -22,7 +22,7 @@ from pollen.app.results import write_stopped_summary
 from pollen.app.server_app import main as server_main
 from pollen.launch import launcher as launch
 from pollen.launch import runs
-from pollen.launch.launcher import EXIT_USAGE
+from pollen.launch.errors import EXIT_USAGE
 from pollen.testing import InProcessGrid, clientapp_node
 
 

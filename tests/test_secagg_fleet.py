@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from deploy.fleet import Fleet, compose_run_config, format_config, groups_alive, plan_nodes
+from pollen.launch.fleet import Fleet, compose_run_config, format_config, plan_nodes
+from pollen.launch.processes import groups_alive
 
 
 def sent_train_replies(log: str) -> int:

@@ -116,6 +116,38 @@ def test_run_files_resume_and_refuse_another_setting(tmp_path):
         runs.todo([("fccl", 0)], {"rounds": 5})
 
 
+def test_the_study_loop_runs_what_is_missing_and_keeps_each_run(tmp_path, capsys):
+    """One loop for every study: cells already on disk are skipped, each run is saved before the next
+    starts (a study stopped by a failing run keeps the runs before it), the report follows every run."""
+    runs = kit.RunFiles(tmp_path / "study")
+    setting = {"rounds": 2}
+    runs.save("a", 0, {"arm": "a", "seed": 0, "setting": setting})
+    ran, reports = [], []
+
+    def run(arm: str, seed: int) -> dict:
+        ran.append((arm, seed))
+        if arm == "c":
+            raise SystemExit("c failed")
+        return {"arm": arm, "seed": seed, "setting": setting}
+
+    cells = [("a", 0), ("b", 0), ("c", 0), ("d", 0)]
+    with pytest.raises(SystemExit, match="c failed"):
+        kit.run_study("s", runs, cells, setting, run, said=lambda r: f"did {r['arm']}",
+                      report=lambda: reports.append(len(runs.load())))
+    assert ran == [("b", 0), ("c", 0)] and reports == [2]
+    assert "[s] 3 runs to do: b/0, c/0, d/0" in capsys.readouterr().out
+    assert kit.run_study("s", runs, cells, lambda arm: setting, lambda a, s: run("d", s), dry_run=True) == 0
+    assert ran == [("b", 0), ("c", 0)]  # a dry run only lists
+    assert [p.name for p in sorted(runs.folder.iterdir())] == ["a-seed0.json", "b-seed0.json"]
+
+
+def test_no_study_loops_on_its_own():
+    """Every study that keeps one file per run goes through ``kit.run_study``, which decides what to skip."""
+    for path in _bench_sources():
+        if path.name != "kit.py":
+            assert ".todo(" not in path.read_text(), f"{path.name} walks its cells itself: use kit.run_study"
+
+
 def test_shared_ledger_keeps_the_first_entry_of_a_key(tmp_path):
     path = tmp_path / "results.json"
     key = lambda e: (e["arm"], e["seed"])  # noqa: E731

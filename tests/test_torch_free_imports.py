@@ -57,7 +57,7 @@ def test_the_launcher_checks_a_fedproto_run_config_without_torch():
         import pollen.launch.cli
         report("cli")
         from pathlib import Path
-        from pollen.launch.launcher import fitting_node_count
+        from pollen.launch.compose import fitting_node_count
         report("launcher")
         n = fitting_node_count(Path.cwd(), {"method": "fedproto", "task": "mnist-shot", "proto-lambda": 0.5,
                                             "proto-model-heter": True, "model": "cnn_mnist"}, 7)
@@ -73,7 +73,9 @@ def test_the_launcher_checks_a_sample_mode_run_config_without_torch(tmp_path):
     still never imports torch, whether it accepts the config or refuses it with the layer and the fix."""
     steps = _steps(f"""
         from pathlib import Path
-        from pollen.launch.launcher import LaunchConfigError, compose_run_config, fitting_node_count, main
+        from pollen.launch.compose import compose_run_config, fitting_node_count
+        from pollen.launch.errors import LaunchConfigError
+        from pollen.launch.launcher import main
         report("launcher")
         sample = {{"method": "fedavg", "task": "uci-dirichlet", "avg-weighting": "uniform", "dp-mode": "sample",
                   "dp-noise-multiplier": 1.0}}

@@ -161,7 +161,7 @@ def test_a_missing_tracker_package_is_a_warning_naming_the_extra(tmp_path, caplo
 
 @pytest.mark.e2e
 def test_e2e_simulation_streams_every_round_to_tensorboard(tmp_path):
-    from pollen.launch.launcher import simulate
+    from pollen.launch import simulate
 
     out, logdir = tmp_path / "runs", tmp_path / "tb"
     outcome = simulate(ray_cpus=RAY_CPUS, app_dir=PROJECT_ROOT, flwr_home=tmp_path / "flwr", num_supernodes=2,

@@ -11,7 +11,7 @@ import pytest
 from pollen.app import registry
 from pollen.app.config import ConfigError, parse_run_config
 from pollen.app.registry import METHODS
-from pollen.launch.launcher import app_run_config
+from pollen.launch import app_run_config
 from pollen.settings import COMMON
 from tests.conftest import PROJECT_ROOT
 

@@ -289,7 +289,7 @@ def _image_files(folder: str) -> list[str]:
     )
 
 
-def _decode_images(paths: list[str], size: int) -> torch.Tensor:
+def decode_images(paths: list[str], size: int) -> torch.Tensor:
     """Decode image files to one uint8 N×3×size×size tensor (bilinear resize when needed)."""
     import torch
     from PIL import Image
@@ -339,7 +339,7 @@ def _load_syndigits(root: str, split: str) -> ImageSet:
                 "the folder holds no images",
             )
         )
-    images = _decode_images(paths, FOLDER_IMAGE_SIZE)
+    images = decode_images(paths, FOLDER_IMAGE_SIZE)
     return ImageSet(images, torch.tensor(labels, dtype=torch.int64), 10, "syndigits")
 
 
@@ -394,7 +394,7 @@ def _load_officehome(root: str, split: str, domain: str) -> ImageSet:
                 "officehome", root, expected, _OFFICEHOME_URL_HINT, f"no {split} images in {domain_dir!r}"
             )
         )
-    images = _decode_images(paths, FOLDER_IMAGE_SIZE)
+    images = decode_images(paths, FOLDER_IMAGE_SIZE)
     return ImageSet(images, torch.tensor(labels, dtype=torch.int64), len(classes), f"officehome/{domain}")
 
 

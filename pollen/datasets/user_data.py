@@ -530,11 +530,3 @@ def main(argv: list[str] | None = None) -> int:
     except (UserDataError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    import sys
-
-    print("note: `python -m pollen.datasets.user_data` is now `pollen data`; this spelling goes in the next release",
-          file=sys.stderr)
-    raise SystemExit(main())

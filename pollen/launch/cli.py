@@ -1,7 +1,7 @@
 """The ``pollen`` command: one entry point for every tool Pollen ships.
 
 ``pollen run`` launches a run (SuperLink + ``flwr run``), ``pollen fleet`` a local SuperLink/SuperNode
-fleet (a checkout's ``deploy/``), ``pollen predict`` scores a saved model, ``pollen data`` checks or
+fleet, ``pollen predict`` scores a saved model, ``pollen data`` checks or
 writes data folders, ``pollen runs`` lists the run folders under an out-dir. Each subcommand hands the
 rest of the command line to its tool, so ``pollen run --help`` is the launcher's own help. Tools are
 imported only when named: ``pollen runs`` and ``pollen --help`` load neither torch nor Flower.
@@ -10,8 +10,6 @@ imported only when named: ``pollen runs`` and ``pollen --help`` load neither tor
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
-import importlib.util
 import json
 import os
 import sys
@@ -25,7 +23,7 @@ EXIT_USAGE = 2
 # subcommand -> (module, one-line help); every module has ``main(argv) -> int``
 TOOLS: dict[str, tuple[str, str]] = {
     "run": ("pollen.launch.launcher", "launch a run: a private SuperLink, the app through `flwr run`, a run folder"),
-    "fleet": ("deploy.fleet", "a local fleet: a SuperLink and N SuperNodes, TLS and node auth optional (checkout)"),
+    "fleet": ("pollen.launch.fleet.cli", "a local fleet: a SuperLink and N SuperNodes, TLS and node auth optional"),
     "predict": ("pollen.launch.predict", "score or label images with a saved global or personal model"),
     "data": ("pollen.datasets.user_data", "check a data folder as a node reads it, or write sample folders"),
     "runs": ("pollen.launch.cli", "list the run folders under an out-dir: status, rounds, final metric"),
@@ -39,28 +37,10 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def _load_deploy() -> None:
-    """Make the checkout's ``deploy/`` importable as the ``deploy`` package: it is not in the wheel, and a
-    console script does not have the checkout on its import path."""
-    if importlib.util.find_spec("deploy") is not None:
-        return
-    from pollen.launch.launcher import PROJECT_ROOT
-
-    folder = PROJECT_ROOT / "deploy" if PROJECT_ROOT is not None else None
-    if folder is None or not (folder / "fleet.py").is_file():
-        raise SystemExit(f"{PROG} fleet: needs a Pollen checkout (deploy/ is not part of the installed package); "
-                         "run it from a checkout installed with `make install`")
-    spec = importlib.machinery.ModuleSpec("deploy", None, is_package=True)
-    spec.submodule_search_locations = [str(folder)]
-    sys.modules["deploy"] = importlib.util.module_from_spec(spec)
-
-
 def tool(name: str) -> Callable[[Sequence[str]], int]:
     """The ``main`` of a subcommand's tool, imported now."""
     if name == "runs":
         return runs_main
-    if name == "fleet":
-        _load_deploy()
     main: Callable[[Sequence[str]], int] = importlib.import_module(TOOLS[name][0]).main
     return main
 
@@ -171,7 +151,7 @@ def runs_main(argv: Sequence[str]) -> int:
     if args.out_dir is not None:
         out_dir = args.out_dir.expanduser()
     else:
-        from pollen.launch.launcher import default_out_dir
+        from pollen.launch.compose import default_out_dir
 
         out_dir = default_out_dir()
     if not out_dir.is_dir():

@@ -1,4 +1,4 @@
-"""Classify images with a trained Pollen model: ``pollen predict`` (formerly ``pollen-predict``).
+"""Classify images with a trained Pollen model: ``pollen predict``.
 
 Loads a saved model — a node's personal ``final-model.safetensors`` (with its ``final-model.json``) or
 a weights-family run's global model (``<run>/final/global.safetensors``, rebuilt from the run's
@@ -439,7 +439,7 @@ def image_folder(folder: Path, task_name: str, loaded: LoadedModel, class_names:
     """Every image file in ``folder`` (unlabelled) and in its subfolders (labelled by the folder's name)."""
     import torch
 
-    from pollen.datasets.sources import FOLDER_IMAGE_SIZE, _decode_images
+    from pollen.datasets.sources import FOLDER_IMAGE_SIZE, decode_images
     from pollen.datasets.transforms import to_model_input
 
     folder = Path(folder)
@@ -465,7 +465,7 @@ def image_folder(folder: Path, task_name: str, loaded: LoadedModel, class_names:
     for path, _ in files:
         try:
             if task_name in PIL_DECODED_TASKS:
-                raw = _decode_images([str(path)], FOLDER_IMAGE_SIZE)
+                raw = decode_images([str(path)], FOLDER_IMAGE_SIZE)
             else:
                 raw = _decode_one(path)
         except (OSError, ValueError) as err:
@@ -775,8 +775,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if argv is None and Path(sys.argv[0]).name == "pollen-predict":
-        print("note: `pollen-predict` is now `pollen predict`; this spelling goes in the next release", file=sys.stderr)
     args = build_parser().parse_args(argv)
     from pollen.app.config import ConfigError
     from pollen.datasets.partition import PartitionError

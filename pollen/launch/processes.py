@@ -1,22 +1,26 @@
-"""The processes one launch started, found by PID and stopped as a whole (Linux reads ``/proc``).
+"""The processes one launch started, found by PID and stopped as a whole; the one reader of ``/proc``.
 
-A launch (``pollen.launch.launcher``) or a fleet (``deploy/fleet.py``) marks the environment of every process
-it starts; :class:`ProcessTree` finds them again — descendants, marked processes that left their
-parent's session, and late Ray agents in a member's process group — and stops them on success,
-failure, timeout and Ctrl-C, checking start times so a reused PID is never signalled.
+A launch (:mod:`pollen.launch.simulation`) or a fleet (:mod:`pollen.launch.fleet`) marks the environment of
+every process it starts; :class:`ProcessTree` finds them again — descendants, marked processes that left
+their parent's session, and late Ray agents in a member's process group — and stops them on success,
+failure, timeout and Ctrl-C, checking start times so a reused PID is never signalled. Everything Pollen
+reads of ``/proc`` is read here; elsewhere than Linux the readers answer ``None``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import signal
+import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
+
+from pollen.launch.errors import signals_held
 
 # Every process a launch starts carries this variable (the launch's token, ':'-joined when launches nest),
 # so its whole tree is found by PID even after a process left its parent's session or was re-parented.
@@ -44,7 +48,7 @@ class ProcessTree:
         self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, name)
         me = proc_stat(os.getpid())
         # start time (clock ticks): nothing older is ours
-        self._since = since if since is not None else (me[3] if me is not None else 0)
+        self.since = since if since is not None else (me.start if me is not None else 0)
         self._lock = threading.Lock()
 
     def mark(self, env: dict[str, str]) -> dict[str, str]:
@@ -60,7 +64,7 @@ class ProcessTree:
                 self.roots.append(pid)
         info = proc_stat(pid)
         if info is not None:
-            self.seen.setdefault(pid, (info[3], ""))  # named later: it may not have exec'd yet
+            self.seen.setdefault(pid, (info.start, ""))  # named later: it may not have exec'd yet
 
     def members(self) -> dict[int, tuple[int, str]]:
         """The launch's live processes now (zombies excluded): pid -> (start time, name)."""
@@ -68,8 +72,8 @@ class ProcessTree:
         if table is None:  # no /proc: the roots whose group still answers
             return {pid: self.seen.get(pid, (0, "?")) for pid in self.roots if group_alive(pid)}
         children: dict[int, list[int]] = {}
-        for pid, (_state, ppid, _pgrp, _start, _name) in table.items():
-            children.setdefault(ppid, []).append(pid)
+        for pid, info in table.items():
+            children.setdefault(info.ppid, []).append(pid)
         found: set[int] = set()
         stack = [pid for pid in self.roots if pid in table]
         while stack:
@@ -83,28 +87,21 @@ class ProcessTree:
         for pid in table:
             if pid in found or pid == me:
                 continue
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes()
-            except OSError:
-                continue
-            if needle in environ and LAUNCH_MARK.encode() in environ:
+            environ = proc_environ(pid)
+            if environ is not None and needle in environ and LAUNCH_MARK.encode() in environ:
                 found.add(pid)
         found |= self._group_mates(table, found)
         found.discard(me)
-        live = {}
-        for pid in found:
-            state, _ppid, _pgrp, start, name = table[pid]
-            if state in ("Z", "X"):
-                continue
-            live[pid] = (start, display_name(pid, name))
+        live = {pid: (table[pid].start, display_name(pid, table[pid].name)) for pid in found
+                if table[pid].state not in ("Z", "X")}
         with self._lock:
-            for pid, info in live.items():
+            for pid, (start, name) in live.items():
                 known = self.seen.get(pid)
-                if known is None or not known[1] or known[0] != info[0]:  # new, unnamed, or a reused PID
-                    self.seen[pid] = info
+                if known is None or not known[1] or known[0] != start:  # new, unnamed, or a reused PID
+                    self.seen[pid] = (start, name)
         return live
 
-    def _group_mates(self, table: dict[int, tuple[str, int, int, int, str]], found: set[int]) -> set[int]:
+    def _group_mates(self, table: dict[int, ProcStat], found: set[int]) -> set[int]:
         """Processes started since the launch whose process group is led by a member, found now or
         seen before. A group outlives its leader, and Linux gives no new process a PID that still
         names a group, so a group ID that was a member's PID is that member's group, unless a live
@@ -112,10 +109,10 @@ class ProcessTree:
         leaders = set(found)
         for pid, (start, _name) in self.seen.items():
             now = table.get(pid)
-            if now is None or now[3] == start:
+            if now is None or now.start == start:
                 leaders.add(pid)
-        return {pid for pid, (_state, _ppid, pgrp, start, _name) in table.items()
-                if pgrp in leaders and start >= self._since and pid not in found}
+        return {pid for pid, info in table.items()
+                if info.pgrp in leaders and info.start >= self.since and pid not in found}
 
     def alive(self, pids: Sequence[int] | None = None) -> list[int]:
         """Which of ``pids`` (default: every process seen) still run, as the same process (start time)."""
@@ -127,9 +124,8 @@ class ProcessTree:
                 if proc_table() is None and group_alive(pid):
                     out.append(pid)
                 continue
-            state, _ppid, _pgrp, start, _name = info
             known = self.seen.get(pid)
-            if state in ("Z", "X") or (known is not None and known[0] != start):
+            if info.state in ("Z", "X") or (known is not None and known[0] != info.start):
                 continue
             out.append(pid)
         return sorted(out)
@@ -200,7 +196,7 @@ class ProcessTree:
     def _signal(self, pid: int, sig: int) -> None:
         info = proc_stat(pid)
         known = self.seen.get(pid)
-        if info is not None and known is not None and known[0] != info[3]:
+        if info is not None and known is not None and known[0] != info.start:
             return  # the PID now belongs to another process
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
@@ -216,21 +212,38 @@ class ProcessTree:
         return ", ".join(f"{self.seen.get(p, (0, '?'))[1] or '?'}({p})" for p in pids)
 
 
-def proc_stat(pid: int) -> tuple[str, int, int, int, str] | None:
-    """(state, ppid, pgrp, start time, comm) of a process from /proc, or None if it is gone."""
+class ProcStat(NamedTuple):
+    """One process as ``/proc/<pid>/stat`` describes it."""
+
+    state: str  # R, S, D, Z (zombie), X (dead), ...
+    ppid: int
+    pgrp: int
+    start: int  # start time in clock ticks after boot: with the PID, who this process is
+    name: str  # comm: at most 15 characters
+    own_cpu_s: float  # user + system CPU-seconds of the process itself
+    cpu_s: float  # the same plus those of the children it has reaped
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """Process ``pid`` from /proc, or None if it is gone (or there is no /proc)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError):
         return None
-    head, _, rest = stat.rpartition(")")
-    fields = rest.split()
+    head, _, rest = stat.rpartition(")")  # the name may hold spaces and parentheses
+    fields = rest.split()  # from field 3 (state) on
     try:
-        return fields[0], int(fields[1]), int(fields[2]), int(fields[19]), head.partition("(")[2]
+        return ProcStat(fields[0], int(fields[1]), int(fields[2]), int(fields[19]), head.partition("(")[2],
+                        sum(int(x) for x in fields[11:13]) / _TICK, sum(int(x) for x in fields[11:15]) / _TICK)
     except (IndexError, ValueError):
         return None
 
 
-def proc_table() -> dict[int, tuple[str, int, int, int, str]] | None:
+def proc_table() -> dict[int, ProcStat] | None:
+    """Every process now, by PID; None where there is no /proc."""
     root = Path("/proc")
     if not (root / "self" / "stat").exists():
         return None
@@ -243,12 +256,97 @@ def proc_table() -> dict[int, tuple[str, int, int, int, str]] | None:
     return table
 
 
+def proc_cmdline(pid: int) -> list[bytes] | None:
+    """A process's arguments (empty ones dropped), or None when it is gone or unreadable."""
+    try:
+        return [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return None
+
+
+def proc_environ(pid: int) -> bytes | None:
+    """A process's environment as NUL-separated ``KEY=value`` bytes, or None when unreadable."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+
+
+def proc_memory(pid: int) -> int | None:
+    """Proportional set size in bytes (shared pages, e.g. torch's libraries in every worker, counted once
+    over all processes); the resident size where ``smaps_rollup`` is unreadable; None when gone."""
+    with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+        return next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Pss:"))
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def memory_available() -> int | None:
+    """Bytes the kernel could give new processes without swapping (``MemAvailable``); None without /proc."""
+    with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    return None
+
+
+def tree_cpu(root: int) -> float:
+    """CPU-seconds of ``root``'s live descendants, each with the children it has reaped (0 without /proc)."""
+    table = proc_table() or {}
+    children: dict[int, list[int]] = {}
+    for pid, info in table.items():
+        children.setdefault(info.ppid, []).append(pid)
+    below: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in below:
+                below.add(child)
+                todo.append(child)
+    return sum(table[pid].cpu_s for pid in below)
+
+
+def groups_alive(groups: Sequence[int]) -> list[int]:
+    """The process groups among ``groups`` that still have a running (non-zombie) member.
+
+    Zombies are skipped: a process whose parent died is reaped by init, and a container's init may
+    never do it, yet a zombie holds no port, memory or CPU. Without /proc: the groups a signal reaches.
+    """
+    table = proc_table()
+    if table is None:
+        return [g for g in groups if group_alive(g)]
+    running = {info.pgrp for info in table.values() if info.state not in ("Z", "X")}
+    return [g for g in groups if g in running]
+
+
+def listening_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds the listening TCP socket on ``port`` (None: cannot tell). A /health answer
+    alone is no proof: after a lost race for a free port it may come from another launch's SuperLink."""
+    inodes = set()
+    for net in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(net).read_text().splitlines()[1:]:
+                cols = row.split()
+                if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(cols[9])
+    if not inodes:
+        return None if not Path("/proc/net/tcp").exists() else False
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return None
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(fd) in wanted:
+                return True
+    return False
+
+
 def display_name(pid: int, comm: str) -> str:
     """A readable process name: the console script for Python processes (``flwr-simulation``), else comm."""
-    try:
-        argv = [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-    except OSError:
-        return comm
+    argv = proc_cmdline(pid)
     if not argv:
         return comm
     first = os.path.basename(argv[0].decode(errors="replace"))
@@ -269,7 +367,7 @@ def _answers(send, target: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
@@ -286,124 +384,12 @@ def signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-@contextlib.contextmanager
-def signals_held(signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
-    """Hold ``signals`` (default SIGINT/SIGTERM/SIGHUP) off while a teardown runs (main thread only; nests).
-
-    A signal arriving meanwhile is recorded and re-raised once the block ends, so it reaches whatever
-    handler was installed before (e.g. :func:`signals_raise`) only after every process was stopped; a
-    second Ctrl-C cannot leave half a tree running. (Masking the signal would not do: Python runs its
-    handlers in the main thread even when another thread, e.g. a log reader, took the signal.)
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-
-    def record(signum, _frame):
-        pending.append(signum)
-
-    previous = {}
-    for s in signals:
-        with contextlib.suppress(ValueError, OSError):
-            previous[s] = signal.signal(s, record)
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if pending:
-            signal.raise_signal(pending[0])
-
-
-# --- the watchdog: the run dies with its launcher -------------------------------------------------------
-
-class Watchdog:
-    """A small process that stops the launch's tree when the launcher dies, however it dies.
-
-    SIGKILL gives the launcher no chance to clean up, and a parent-death signal would reach only its
-    direct children (the SuperLink), not the simulation process, ``flwr-serverapp`` or Ray, which live
-    in other sessions. So the launcher starts this watchdog first, in its own session and without the
-    launch's mark (the teardown never stops it), and keeps the write end of a pipe to it: the kernel
-    closes that pipe when the launcher dies, the watchdog reads end-of-file at once and stops every
-    process carrying the launch's mark (:class:`ProcessTree`, by PID and start time), removes the
-    private ``FLWR_HOME`` and writes ``summary.json`` (``interrupted``). A launcher that ends normally
-    says ``done`` first and the watchdog leaves quietly. The watchdog also inherits the run folder's
-    lock, so the folder stays locked until the run of a killed launcher is really stopped.
-    """
-
-    def __init__(self, tree: ProcessTree, *, home: Path | None = None, run_dir: Path | None = None,
-                 lock_fd: int | None = None, started: float | None = None):
-        import subprocess
-        import sys
-
-        env = {k: v for k, v in os.environ.items() if k != LAUNCH_MARK}
-        spec = {"token": tree.token, "since": tree._since, "home": str(home) if home else None,
-                "run_dir": str(run_dir) if run_dir else None, "launcher": os.getpid(), "started": started}
-        self.proc = subprocess.Popen([sys.executable, "-m", "pollen.launch.processes", json.dumps(spec)],
-                                     stdin=subprocess.PIPE, env=env, start_new_session=True,
-                                     pass_fds=(lock_fd,) if lock_fd is not None else ())
-        self.pid = self.proc.pid
-
-    def tell(self, line: str) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.write((line + "\n").encode())
-            self.proc.stdin.flush()
-
-    def root(self, pid: int) -> None:
-        self.tell(f"root {pid}")
-
-    def run_id(self, run_id: int) -> None:
-        self.tell(f"run-id {run_id}")
-
-    def run_dir(self, path: Path) -> None:
-        self.tell(f"run-dir {path}")
-
-    def done(self) -> None:
-        """The launcher stopped everything itself: the watchdog leaves without touching anything."""
-        self.tell("done")
-        with contextlib.suppress(OSError, ValueError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        with contextlib.suppress(Exception):
-            self.proc.wait(timeout=10)
-
-
-def watch(spec: dict, lines) -> int:
-    """The watchdog's loop: ``lines`` is the pipe from the launcher; end-of-file without ``done`` means
-    the launcher died. Returns the process exit code (0 either way)."""
-    import shutil
-
-    tree = ProcessTree(token=spec["token"], since=int(spec["since"]))
-    run_id = None
-    for raw in lines:
-        word, _, value = raw.decode(errors="replace").strip().partition(" ")
-        if word == "done":
-            return 0
-        if word == "root":
-            tree.add_root(int(value))
-        elif word == "run-id":
-            run_id = int(value)
-        elif word == "run-dir":
-            spec["run_dir"] = value
-    with signals_held():
-        left = tree.terminate(grace=2.0, patience=2.0)
-    if spec.get("home"):
-        shutil.rmtree(spec["home"], ignore_errors=True)
-    if spec.get("run_dir"):
-        from pollen.app.results import write_stopped_summary
-
-        with contextlib.suppress(OSError):
-            write_stopped_summary(Path(spec["run_dir"]), "interrupted",
-                                  f"the launcher (PID {spec['launcher']}) died; its watchdog stopped the run"
-                                  + (f" (still alive: {tree.describe(left)})" if left else ""), run_id,
-                                  since=spec.get("started"))
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the terminal is the launcher's to handle
-    sys.exit(watch(json.loads(sys.argv[1]), sys.stdin.buffer))
+def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the process group (the process and what it spawned), then SIGKILL stragglers."""
+    if proc.poll() is None:
+        signal_group(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    signal_group(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)

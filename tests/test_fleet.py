@@ -1,4 +1,4 @@
-"""deploy/fleet.py: config plumbing (fast), then real fleets — a SuperLink and SuperNode processes on free
+"""``pollen fleet`` (:mod:`pollen.launch.fleet`): config plumbing (fast), then real fleets — a SuperLink and SuperNode processes on free
 ports, owned and stopped by each test (run the e2e ones under `flock /tmp/pollen-cpu.lock`).
 
 Every ClientApp message starts a fresh process that imports torch, so a 2-round deployment run costs
@@ -21,19 +21,19 @@ from pathlib import Path
 
 import pytest
 
-from deploy import supernodes
-from deploy.fleet import (
-    EXIT_USAGE,
+from pollen.launch.errors import EXIT_USAGE
+from pollen.launch.fleet import (
     Fleet,
     NodeSpec,
     SuperNode,
     compose_run_config,
     format_config,
-    groups_alive,
-    main,
     parse_config_string,
     plan_nodes,
+    supernodes,
 )
+from pollen.launch.fleet.cli import main
+from pollen.launch.processes import groups_alive
 from pollen.app import checkpoints
 from pollen.app.config import ConfigError
 from tests.conftest import PROJECT_ROOT, require_real_data
@@ -318,10 +318,10 @@ def test_supernode_killed_and_restarted_carries_on_from_its_state_dir(tmp_path, 
 
 @pytest.mark.e2e
 def test_tls_fleet_with_node_auth_completes_through_the_cli(tmp_path):
-    """`python -m deploy.fleet --tls`: certificates, key registration, HTTPS, one round, clean exit."""
+    """`pollen fleet --tls`: certificates, key registration, HTTPS, one round, clean exit."""
     work, out = tmp_path / "work", tmp_path / "runs"
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.fleet", "--tls", "--num-supernodes", "2", "--rounds", "1",
+        [sys.executable, "-m", "pollen.launch.cli", "fleet", "--tls", "--num-supernodes", "2", "--rounds", "1",
          "--run-config", "local-epochs=1", "--work-dir", str(work), "--out-dir", str(out), "--quiet"],
         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -367,7 +367,7 @@ def test_cli_tears_the_fleet_down_on_sigterm(tmp_path):
     log_path = tmp_path / "cli.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.fleet", "--num-supernodes", "2", "--rounds", "3",
+            [sys.executable, "-m", "pollen.launch.cli", "fleet", "--num-supernodes", "2", "--rounds", "3",
              "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "runs")],
             cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -398,7 +398,7 @@ def test_cli_says_when_the_superlink_is_killed_and_leaves_nothing(tmp_path):
     log_path = tmp_path / "cli.log"
     with TreeWatcher() as watcher, log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.fleet", "--num-supernodes", "2", "--rounds", "50",
+            [sys.executable, "-m", "pollen.launch.cli", "fleet", "--num-supernodes", "2", "--rounds", "50",
              "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "runs")],
             cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=watcher.env())
         try:
@@ -439,7 +439,7 @@ def test_cli_timeout_stops_the_fleet(tmp_path):
     500 rounds cannot finish in 30 s on any machine, and 30 s leave a loaded one time to submit the run (about
     15 s measured on 2 cores at load 4-7)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.fleet", "--num-supernodes", "2", "--rounds", "500", "--timeout", "30",
+        [sys.executable, "-m", "pollen.launch.cli", "fleet", "--num-supernodes", "2", "--rounds", "500", "--timeout", "30",
          "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "runs")],
         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=400)
     pids = _pids_in(proc.stdout)
@@ -460,7 +460,7 @@ def test_logit_family_on_a_four_domain_fleet(tmp_path):
             "fccl-public-batch-size=20 fccl-train-sizes='24,24,24,24' fccl-solo-epochs=1 fccl-local-epochs='1' "
             "fccl-test-size=20 fccl-batch-size=12")
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.fleet", "--method", "fccl", "--num-supernodes", "4", "--rounds", "2",
+        [sys.executable, "-m", "pollen.launch.cli", "fleet", "--method", "fccl", "--num-supernodes", "4", "--rounds", "2",
          "--data-root", data_root, "--run-config", tiny, "--work-dir", str(tmp_path / "work"),
          "--out-dir", str(out), "--quiet"],
         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
@@ -483,7 +483,7 @@ def test_glfc_family_on_a_fleet_with_joining_clients(tmp_path):
             "glfc-proxy-iterations=2 glfc-proxy-keep=1 glfc-perturb-steps=1 glfc-eval-per-class=10 "
             "model-width=0.125 local-epochs=1 lr=0.5 momentum=0.0")
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.fleet", "--method", "glfc", "--num-supernodes", "4", "--rounds", "2",
+        [sys.executable, "-m", "pollen.launch.cli", "fleet", "--method", "glfc", "--num-supernodes", "4", "--rounds", "2",
          "--run-config", tiny, "--work-dir", str(tmp_path / "work"), "--out-dir", str(out), "--quiet"],
         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

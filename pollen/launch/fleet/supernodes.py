@@ -1,6 +1,7 @@
 """SuperNodes of a real fleet: the ``flower-supernode`` command line, starting one, registering its
-key with an authenticating SuperLink, and waiting until enough are online. Used by ``fleet.py``; the
-SuperLink, the process tree and ``flwr`` calls are the launcher's (:mod:`pollen.launch.launcher`)."""
+key with an authenticating SuperLink, and waiting until enough are online. Used by
+:class:`~pollen.launch.fleet.federation.Fleet`; the SuperLink (:mod:`pollen.launch.superlinks`), the process
+tree (:mod:`pollen.launch.processes`) and ``flwr`` calls (:mod:`pollen.launch.submit`) are the launcher's."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pollen.launch import launcher as launch
-from pollen.launch import processes
+from pollen.launch.processes import ProcessTree
+from pollen.launch.submit import flwr_call, json_tail
+from pollen.launch.superlinks import flower_bin, flower_env, free_port
 
 
 def supernode_args(superlink_address: str, *, port: int, node_config: str = "",
                    root_certificates: str | Path | None = None,
                    auth_private_key: str | Path | None = None) -> list[str]:
     """The ``flower-supernode`` command line: insecure unless a root certificate is given."""
-    args = [launch.flower_bin("flower-supernode"), "--superlink", superlink_address, "--port", str(port)]
+    args = [flower_bin("flower-supernode"), "--superlink", superlink_address, "--port", str(port)]
     if root_certificates is None:
         if auth_private_key is not None:
             raise ValueError("auth_private_key needs TLS: pass root_certificates as well")
@@ -35,17 +37,17 @@ def start_supernode(flwr_home: Path, superlink_address: str, log_path: Path, *, 
                     port: int | None = None, root_certificates: str | Path | None = None,
                     auth_private_key: str | Path | None = None,
                     extra_env: dict[str, str] | None = None,
-                    tree: processes.ProcessTree | None = None) -> subprocess.Popen:
-    """Start one ``flower-supernode`` in its own process group (stop it with ``launch.stop_process``).
+                    tree: ProcessTree | None = None) -> subprocess.Popen:
+    """Start one ``flower-supernode`` in its own process group (stopped with ``stop_process``).
 
     Every ClientApp it runs is a child in that group, so stopping the group leaves nothing behind;
     with ``tree`` it is also a root of that launch's tree. ``extra_env`` is how a SuperNode gets its GPU
     (``CUDA_VISIBLE_DEVICES``).
     """
     flwr_home = flwr_home.resolve()
-    env = launch.flower_env(flwr_home, tree=tree)
+    env = flower_env(flwr_home, tree=tree)
     env.update(extra_env or {})
-    args = supernode_args(superlink_address, port=port or launch.free_port(), node_config=node_config,
+    args = supernode_args(superlink_address, port=port or free_port(), node_config=node_config,
                           root_certificates=root_certificates, auth_private_key=auth_private_key)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
@@ -58,16 +60,16 @@ def start_supernode(flwr_home: Path, superlink_address: str, log_path: Path, *, 
 
 def list_supernodes(connection: str, flwr_home: Path, watch: Callable[[], None] | None = None) -> list[dict]:
     """``flwr supernode ls`` as dicts with ``node-id`` and ``status`` (registered/online/offline/...)."""
-    env = launch.flower_env(flwr_home.resolve())
-    out = launch.json_tail(launch.flwr_call(["supernode", "ls", connection, "--format", "json"], env, timeout=60,
+    env = flower_env(flwr_home.resolve())
+    out = json_tail(flwr_call(["supernode", "ls", connection, "--format", "json"], env, timeout=60,
                                             watch=watch))
     return list(out.get("nodes") or [])
 
 
 def register_supernode(connection: str, flwr_home: Path, public_key: str | Path) -> int:
     """Register a SuperNode's public key with a SuperLink that runs ``--enable-supernode-auth``."""
-    env = launch.flower_env(flwr_home.resolve())
-    out = launch.json_tail(launch.flwr_call(["supernode", "register", str(public_key), connection, "--format", "json"],
+    env = flower_env(flwr_home.resolve())
+    out = json_tail(flwr_call(["supernode", "register", str(public_key), connection, "--format", "json"],
                                             env, timeout=60))
     if not out.get("success", False) or "node-id" not in out:
         raise RuntimeError(f"flwr supernode register {public_key} failed: {out}")

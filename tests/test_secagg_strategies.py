@@ -267,3 +267,25 @@ def test_a_whole_distributed_dp_run_reports_the_epsilon_an_independent_accountan
     for r in rounds:
         assert r["fit"]["accepted"] == 4 and r["failures"] == 0
         assert r["fit"]["dp-epsilon"] == pytest.approx(_independent_epsilon(z, 1.0, r["round"], 1e-5), rel=1e-8)
+
+
+def test_pollens_client_keeps_its_distributed_dp_ledger_beside_its_state_and_refuses_less_noise(tmp_path):
+    """A simulation node has no 'state-dir' key: the ledger goes where the app keeps the node's state (the run
+    folder's nodes/partition-i), before the reply leaves; a server asking for less noise is refused."""
+    from flwr.app import Context
+
+    from pollen.app.client_app import distributed_privatizer
+    from pollen.protocol.secagg import Refused, Setup
+
+    run_config = {"method": "fedproto", "secure-aggregation": True, "dp-mode": "distributed", "dp-min-honest": 3,
+                  "dp-noise-multiplier": 1.2, "out-dir": str(tmp_path)}
+    context = Context(run_id=7, node_id=1, node_config={"partition-id": 2, "num-partitions": 4}, state=RecordDict(),
+                      run_config=run_config)
+    setup = Setup("s", 3, 4, 64, 8.0, 1 << 22, 1000, "prototypes", "samples", 1.0, 1.2, 3)
+    privatize, metrics = distributed_privatizer(context, setup, 20)
+    (ledger,) = list(tmp_path.rglob("dp-ledger.json"))
+    assert ledger.parent.name == "partition-2" and metrics["dp-epsilon"] > 0
+    assert privatize(np.zeros(20)).dtype == np.int64
+    with pytest.raises(Refused, match="refuses"):
+        distributed_privatizer(context, Setup("s", 3, 4, 64, 8.0, 1 << 22, 1000, "prototypes", "samples", 1.0, 0.5, 3),
+                               20)

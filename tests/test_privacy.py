@@ -108,21 +108,63 @@ def test_a_ledger_file_keeps_every_release_and_reaches_the_epsilon_of_one_that_n
     for r in plan[:7]:
         file.append(r)
     resumed = Ledger(DELTA, LedgerFile.in_folder(tmp_path).releases())  # a new process reads it back
-    assert resumed.count == 7 and resumed.unit == "client" and resumed.neighbour == "add-remove"
+    assert resumed.count == 7 and resumed.unit == "client" and resumed.neighbour == "replace-one"
     assert LedgerFile.in_folder(tmp_path).append(*plan[7:]) == plan
     assert [e["seq"] for e in file.entries()] == list(range(9))  # one entry per release, never merged on disk
     assert Ledger(DELTA, file.releases()).epsilon() == whole.epsilon()
-    assert whole.epsilon() == pytest.approx(independent_pld([(r.noise_multiplier, 1.0) for r in plan]), rel=2e-3)
+    assert whole.epsilon() == pytest.approx(independent_replace_one([(4.0, 1.0, 6), (2.5, 1.0, 3)]), rel=2e-3)
 
 
 def test_a_ledger_composes_one_unit_and_neighbour_only():
     ledger = Ledger(DELTA, [Release(2.0, unit="client")])
-    with pytest.raises(ValueError, match="unit 'client' under 'add-remove' cannot compose a release of unit 'record'"):
+    with pytest.raises(ValueError, match="unit 'client' under 'replace-one' cannot compose a release of unit 'record'"):
         ledger.add(Release(2.0, 0.1, 5))
     with pytest.raises(ValueError, match="unit must be one of"):
         Release(2.0, unit="dataset")
     with pytest.raises(ValueError, match="neighbour must be one of"):
         Release(2.0, neighbour="swap")
+
+
+def independent_replace_one(events: list[tuple[float, float, int]], delta: float = DELTA) -> float:
+    """ε of (σ, q, count) releases with dp-accounting's own replace-one relation (its Gaussian events
+    then have sensitivity 2: a unit replaced moves a release by up to twice what removing it does)."""
+    accountant = pld_privacy_accountant.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE)
+    for sigma, q, count in events:
+        gaussian = dp_accounting.GaussianDpEvent(sigma)
+        accountant.compose(gaussian if q == 1.0 else dp_accounting.PoissonSampledDpEvent(q, gaussian), count)
+    return accountant.get_epsilon(delta)
+
+
+@pytest.mark.parametrize(("events", "rel"), [
+    ([(6.0, 1.0, 100)], 1e-4),  # the issue's case: σ 6 over 100 rounds, ε 8.0 under add/remove
+    ([(2.0, 1.0, 4)], 1e-4),
+    ([(4.0, 1.0, 6), (2.5, 1.0, 3)], 1e-4),
+    ([(1.5, 0.05, 200), (6.0, 1.0, 10)], 2e-3),  # sampled: the PLD accountant on both sides
+])
+def test_replace_one_epsilon_equals_dp_accountings_replace_one_relation(events, rel):
+    releases = [Release(sigma, q, n, unit="client") for sigma, q, n in events]
+    ledger = Ledger(DELTA, releases)
+    assert ledger.neighbour == "replace-one"  # a client's releases: replace-one by default
+    assert ledger.epsilon() == pytest.approx(independent_replace_one(events), rel=rel)
+    assert ledger.epsilon("add-remove") == pytest.approx(
+        independent_pld([(s, q) for s, q, n in events for _ in range(n)]), rel=rel)
+    assert ledger.epsilon() > 2.0 * ledger.epsilon("add-remove")  # replace-one: twice the sensitivity
+    rdp = ledger.epsilon_rdp()
+    assert rdp is None if any(q < 1 for _, q, _ in events) else rdp >= ledger.epsilon()
+
+
+def test_the_issues_replace_one_figure():
+    """σ 6 over 100 client releases: 8.0 under add/remove, 19.1 under replace-one (dp-accounting)."""
+    ledger = Ledger(DELTA, [Release(6.0, 1.0, 100, unit="client")])
+    assert ledger.epsilon("add-remove") == pytest.approx(8.004, abs=1e-3)
+    assert ledger.epsilon() == pytest.approx(19.131, abs=1e-3)
+
+
+@pytest.mark.parametrize("target", [1.0, 4.0])
+def test_a_target_under_replace_one_is_met_under_replace_one(target):
+    sigma = calibrate_noise_multiplier(target, DELTA, 50, neighbour="replace-one")
+    assert sigma == pytest.approx(2 * calibrate_noise_multiplier(target, DELTA, 50), rel=2e-3)
+    assert 0.99 * target <= independent_replace_one([(sigma, 1.0, 50)]) <= target * (1 + 1e-6)
 
 
 def _tamper(path, edit):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from pollen.privacy import PayloadPrivacy, PrivacyConfig, calibrate_noise_multiplier
+from pollen.privacy import PayloadPrivacy, PrivacyConfig, calibrate_noise_multiplier, release_unit
 from pollen.privacy.bounds import coordinate_bound, dp_bounds, norm_bound
 from pollen.privacy.ledger import LedgerFile
 from pollen.privacy.sample import SamplePrivacy
@@ -48,6 +48,15 @@ def client(config: PrivacyConfig, rounds: int, kind: str = "weights") -> Payload
     return PayloadPrivacy(config, rounds, fresh_ledger(), "partition 0", kind)
 
 
+def bounds_for(config: PrivacyConfig, rounds: int, kind: str):
+    """The server's bounds for releases of ``kind``: σ calibrated for what they protect, as the clients do."""
+    return dp_bounds(config, rounds, unit=release_unit(kind, config.mode))
+
+
+def pair(config: PrivacyConfig, rounds: int, kind: str):
+    return bounds_for(config, rounds, kind), client(config, rounds, kind)
+
+
 # -- the keys, the tail bounds, DP off ---------------------------------------------------------------------
 def test_dp_off_derives_no_bound_and_the_declared_bounds_stand():
     off = PrivacyConfig("off", 1.0, 0.0, 0.0, 1e-5, 0.0)
@@ -61,11 +70,17 @@ def test_dp_off_derives_no_bound_and_the_declared_bounds_stand():
 
 
 def test_sigma_is_the_one_the_clients_use():
+    """A target ε is met under what the releases protect: a client's dataset under replace-one (weights,
+    logits, GLFC), one embedding row under add/remove (prototypes), so σ differs by family."""
     config, rounds = payload(target=4.0, rounds=50)
-    bounds = dp_bounds(config, rounds)
-    assert bounds.noise_multiplier == client(config, rounds).noise_multiplier
-    assert bounds.noise_multiplier == calibrate_noise_multiplier(4.0, 1e-5, 50)
+    bounds = bounds_for(config, rounds, "weights")
+    assert bounds.noise_multiplier == client(config, rounds, "weights").noise_multiplier
+    assert bounds.noise_multiplier == calibrate_noise_multiplier(4.0, 1e-5, 50, neighbour="replace-one")
     assert "dp-target-epsilon 4 over 50 releases" in bounds.source and "dp-clip 1" in bounds.source
+    assert "replace-one client" in bounds.source
+    rows = bounds_for(config, rounds, "prototypes")
+    assert rows.noise_multiplier == client(config, rounds, "prototypes").noise_multiplier
+    assert rows.noise_multiplier == calibrate_noise_multiplier(4.0, 1e-5, 50) < bounds.noise_multiplier
     assert "from dp-noise-multiplier" in dp_bounds(*payload(sigma=0.7)).source
     # under payload the declared model/logit/gradient bounds give way to the DP bound
     assert PayloadBounds(dp=bounds).declared().max_update_norm > 1e300
@@ -100,7 +115,7 @@ def _named(state):
 
 def test_honest_noisy_weight_updates_pass_and_a_scaled_one_is_refused():
     config, rounds = payload(clip=2.0, sigma=0.05)
-    bounds, privacy = dp_bounds(config, rounds), client(config, rounds)
+    bounds, privacy = pair(config, rounds, "weights")
     broadcast = _named(BROADCAST)
     worst = 0.0
     for seed in range(SEEDS):
@@ -145,7 +160,7 @@ def test_the_weight_strategy_refuses_a_reply_beyond_the_dp_bound():
                           12: _dp_weights_node(1, config, rounds, sent=sent),
                           13: _dp_weights_node(2, config, rounds, scale=1.5)})
     strategy = WeightAveraging(min_available_nodes=3, weighting="uniform",
-                               bounds=PayloadBounds(dp=dp_bounds(config, rounds)))
+                               bounds=PayloadBounds(dp=bounds_for(config, rounds, "weights")))
     result = strategy.start(grid=grid, initial_arrays=_record(state), num_rounds=1)
     assert strategy.reports[1].accepted == 2
     (rejected,) = [r for r in strategy.reports[1].rejected if r["stage"] == "train"]
@@ -161,7 +176,7 @@ def test_the_weight_strategy_refuses_a_reply_beyond_the_dp_bound():
 # -- logits ------------------------------------------------------------------------------------------------
 def test_honest_noisy_logits_pass_and_a_scaled_matrix_is_refused():
     config, rounds = payload(clip=5.0, target=8.0)
-    bounds, privacy = dp_bounds(config, rounds), client(config, rounds)
+    bounds, privacy = pair(config, rounds, "logits")
     for seed in range(SEEDS):
         rng = np.random.default_rng(seed)
         released, _ = privacy.logits(rng.normal(0, 4.0, size=(64, 10)), rng)
@@ -172,13 +187,13 @@ def test_honest_noisy_logits_pass_and_a_scaled_matrix_is_refused():
     assert reason is not None and "logit matrix norm" in reason and "above the DP bound" in reason
     assert "calibrated for dp-target-epsilon 8 over 100 releases" in reason and "N0 = 64" in reason
     hot = released.copy()
-    hot[3] = 4000.0 / np.sqrt(10)  # one row of norm 4000 (honest ones ≈ 760): the matrix norm stays inside
+    hot[3] = 8000.0 / np.sqrt(10)  # one row of norm 8000 (honest ones ≈ 1,500): the matrix norm stays inside
     assert bounds.check_logits(hot).startswith("logit row norm")
 
 
 def test_the_logit_strategy_refuses_logits_beyond_the_dp_bound():
     config, rounds = payload(clip=1.0, sigma=0.5)
-    privacy = client(config, rounds)
+    privacy = client(config, rounds, "logits")
     rng = np.random.default_rng(1)
     honest, _ = privacy.logits(rng.normal(size=(5, 3)), rng)
 
@@ -191,7 +206,7 @@ def test_the_logit_strategy_refuses_logits_beyond_the_dp_bound():
 
     grid = InProcessGrid({11: node(0, honest), 12: node(1, 10.0 * honest)})
     strategy = LogitAveraging(num_public=5, num_classes=3, min_available_nodes=2,
-                              bounds=PayloadBounds(dp=dp_bounds(config, rounds)))
+                              bounds=PayloadBounds(dp=bounds_for(config, rounds, "logits")))
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=1)
     assert strategy.reports[1].accepted == 1
     (rejected,) = [r for r in strategy.reports[1].rejected if r["stage"] == "train"]
@@ -202,7 +217,7 @@ def test_the_logit_strategy_refuses_logits_beyond_the_dp_bound():
 # -- GLFC --------------------------------------------------------------------------------------------------
 def test_honest_noisy_glfc_replies_pass_and_a_scaled_gradient_set_is_refused():
     config, rounds = payload(clip=1.0, sigma=0.02)
-    bounds, privacy = dp_bounds(config, rounds), client(config, rounds)
+    bounds, privacy = pair(config, rounds, "glfc")
     lenet = [(6, 3, 5, 5), (6,), (12, 6, 5, 5), (12,)]
     for seed in range(SEEDS // 4):
         rng = np.random.default_rng(seed)
@@ -226,7 +241,7 @@ def _release(privacy, rng, n=100, classes=10, dim=16):
 
 def test_honest_noisy_prototype_releases_pass_and_beyond_the_bound_is_refused():
     config, rounds = payload(clip=1.0, target=2.0)
-    bounds, privacy = dp_bounds(config, rounds), client(config, rounds)
+    bounds, privacy = pair(config, rounds, "prototypes")
     for seed in range(SEEDS):
         r = _release(privacy, np.random.default_rng(seed))
         sums, counts = r.sums.astype(np.float32), r.counts.astype(np.float32)  # as they travel
@@ -273,7 +288,7 @@ def test_sample_mode_with_a_target_epsilon_sizes_the_bound_by_the_declared_std_a
 
 def test_the_prototype_strategy_refuses_releases_beyond_the_dp_bound():
     config, rounds = payload(clip=1.0, sigma=1.0)
-    privacy = client(config, rounds)
+    privacy = client(config, rounds, "prototypes")
 
     def node(pid, scale=1.0, std_scale=1.0):
         def handle(msg):
@@ -293,14 +308,14 @@ def test_the_prototype_strategy_refuses_releases_beyond_the_dp_bound():
 
     grid = InProcessGrid({11: node(0), 12: node(1, scale=100.0), 13: node(2, std_scale=2.0), 14: plain(3)})
     strategy = PrototypeStrategy(num_classes=4, embed_dim=3, min_available_nodes=4, max_examples=50,
-                                 bounds=PayloadBounds(dp=dp_bounds(config, rounds)))
+                                 bounds=PayloadBounds(dp=bounds_for(config, rounds, "prototypes")))
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=1)
     assert strategy.reports[1].accepted == 1
     reasons = {r["client"]: r["reason"] for r in strategy.reports[1].rejected if r["stage"] == "train"}
     assert "prototype sum magnitude" in reasons["partition 1"] and "count-noise-std" in reasons["partition 2"]
     assert "must carry the noisy release 'proto-sums'" in reasons["partition 3"]
     # the global prototypes are partition 0's release, divided: the classes it holds, nothing else
-    r = _release(client(config, rounds), np.random.default_rng(0), n=50, classes=4, dim=3)
+    r = _release(client(config, rounds, "prototypes"), np.random.default_rng(0), n=50, classes=4, dim=3)
     protos, weights = divide_release(r.sums.astype(np.float32), r.counts.astype(np.float32),
                                      float(np.float32(r.count_std)))
     assert strategy.present.tolist() == (weights > 0).tolist() and weights.any()
@@ -320,7 +335,7 @@ def test_strategy_options_carry_the_dp_bound_of_the_run_keys_and_none_without_dp
     rc = {"method": "fedavg", **UCI, "dp-mode": "payload", "avg-weighting": "uniform", "dp-clip": 0.5,
           "dp-target-epsilon": 4.0, "num-server-rounds": 7}
     dp = strategy_options(parse_run_config(rc))["bounds"].dp
-    assert dp.clip == 0.5 and dp.noise_multiplier == calibrate_noise_multiplier(4.0, 1e-5, 7)
+    assert dp.clip == 0.5 and dp.noise_multiplier == calibrate_noise_multiplier(4.0, 1e-5, 7, neighbour="replace-one")
 
 
 def test_a_payload_fedavg_run_accepts_every_honest_client(tmp_path):
@@ -348,8 +363,8 @@ def test_the_glfc_strategy_refuses_a_gradient_set_beyond_the_dp_bound():
     from tests.test_glfc_strategy import _configure, _grad_set, _reply, _strategy, identity_grid
 
     config, rounds = payload(clip=1.0, sigma=0.01)
-    privacy = client(config, rounds)
-    strat = _strategy(clients_per_round=10, bounds=PayloadBounds(dp=dp_bounds(config, rounds)))
+    privacy = client(config, rounds, "glfc")
+    strat = _strategy(clients_per_round=10, bounds=PayloadBounds(dp=bounds_for(config, rounds, "glfc")))
     msgs = _configure(strat, 1, identity_grid(5))
     names = list(strat.lenet_shapes)
 

@@ -61,8 +61,11 @@ def digest(reply: Message) -> str:
     return h.hexdigest()
 
 
-def independent_epsilon(sigma: float, releases: int, delta: float = 1e-5) -> float:
-    accountant = pld_privacy_accountant.PLDAccountant()
+def independent_epsilon(sigma: float, releases: int, delta: float = 1e-5, replace_one: bool = False) -> float:
+    """dp-accounting's PLD accountant, add/remove or (a client's dataset: the default) replace-one."""
+    relation = dp_accounting.NeighboringRelation
+    accountant = pld_privacy_accountant.PLDAccountant(
+        relation.REPLACE_ONE if replace_one else relation.ADD_OR_REMOVE_ONE)
     accountant.compose(dp_accounting.GaussianDpEvent(sigma), releases)
     return accountant.get_epsilon(delta)
 
@@ -221,7 +224,8 @@ def test_payload_weights_release_the_broadcast_plus_a_clipped_noisy_update(tmp_p
             np.testing.assert_array_equal(noisy.content["arrays"][key].numpy(), b.numpy())
     metrics = noisy.content["metrics"]
     assert metrics["num-examples"] == 1 and "train-loss" not in metrics
-    assert metrics["dp-epsilon"] == pytest.approx(independent_epsilon(1.0, 1), rel=1e-3)
+    assert metrics["dp-epsilon"] == pytest.approx(independent_epsilon(1.0, 1, replace_one=True), rel=1e-3)
+    assert metrics["dp-epsilon-add-remove"] == pytest.approx(independent_epsilon(1.0, 1), rel=1e-3)
 
 
 def test_payload_weights_need_uniform_averaging():
@@ -250,7 +254,9 @@ def test_payload_logits_clip_every_row_and_add_noise_over_the_matrix(data_root, 
     noise = noisy.content["arrays"]["logits"].numpy().astype(np.float64) - clipped
     assert noise.std() == pytest.approx(1.5 * 0.1 * np.sqrt(40), rel=0.1)  # 400 entries: ~4% s.e.
     metrics = noisy.content["metrics"]
-    assert metrics["num-examples"] == 1 and metrics["dp-epsilon"] == pytest.approx(independent_epsilon(1.5, 1))
+    assert metrics["num-examples"] == 1
+    assert metrics["dp-epsilon"] == pytest.approx(independent_epsilon(1.5, 1, replace_one=True))
+    assert metrics["dp-epsilon-add-remove"] == pytest.approx(independent_epsilon(1.5, 1))
     assert not [k for k in metrics if k.startswith(("solo-", "train-"))]
     # the client's own logits for the leave-one-out target are what it released, not the clean ones
     state = RecordDict()
@@ -286,7 +292,8 @@ def test_payload_glfc_run_in_process_releases_noisy_models_and_gradients(tmp_pat
     for rep in reports:
         for name, metrics in rep.fit_clients.items():
             rounds_of[name] = rounds_of.get(name, 0) + 1
-            assert metrics["dp-epsilon"] == pytest.approx(independent_epsilon(1.0, rounds_of[name]), rel=1e-3)
+            assert metrics["dp-epsilon"] == pytest.approx(independent_epsilon(1.0, rounds_of[name], replace_one=True),
+                                                          rel=1e-3)
             assert "train-loss" not in metrics and "entropy" not in metrics
     assert sum(rounds_of.values()) == 12 and len(rounds_of) == 5  # 3 a round; task 2 brings two newcomers
 

@@ -36,31 +36,58 @@ def _private_run(tmp_path, run_config: dict, supernodes: int) -> tuple[list[dict
     return rounds, summary
 
 
-def _epsilon(events: list[dp_accounting.DpEvent]) -> float:
-    """dp-accounting's PLD accountant over ``events``, independently of Pollen's ledger."""
-    accountant = pld_privacy_accountant.PLDAccountant()
+ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+def _epsilon(events: list[dp_accounting.DpEvent], relation: dp_accounting.NeighboringRelation = ADD_REMOVE) -> float:
+    """dp-accounting's PLD accountant over ``events`` under ``relation``, independently of Pollen's ledger."""
+    accountant = pld_privacy_accountant.PLDAccountant(relation)
     for event in events:
         accountant.compose(event)
     return accountant.get_epsilon(DELTA)
 
 
-def _check_ledgers(rounds: list[dict], summary: dict, round_events) -> dict[str, int]:
+# what each run's ε protects: (dp-unit, dp-neighbour), as metrics.jsonl and summary.json name it
+CLIENT = ("client", "replace-one")
+RECORD = ("record", "add-remove")
+ROW = ("row-given-model", "add-remove")
+
+
+def _check_ledgers(rounds: list[dict], summary: dict, round_events, terms: tuple[str, str]) -> dict[str, int]:
     """Every accepted client's dp-epsilon/dp-delta in every round against dp-accounting, given
-    ``round_events(client)`` (what one round releases); summary.json's final ε is the last round's.
-    No reply may be rejected (the count of releases would be off). Returns releases per client."""
+    ``round_events(client)`` (what one round releases) and ``terms`` (unit, neighbour): a client's dataset
+    under replace-one, with the add/remove ε beside it; summary.json's final ε is the last round's, the
+    headline only for a record or client unit. No reply may be rejected (the count of releases would be
+    off). Returns releases per client."""
+    unit, neighbour = terms
+    relation = dp_accounting.NeighboringRelation
     releases: dict[str, int] = {}
     for r in rounds:
         assert not r["rejected"], r["rejected"]
         assert r["fit-clients"], f"round {r['round']} trained nobody"
+        assert (r["dp-unit"], r["dp-neighbour"]) == terms
         for name, metrics in r["fit-clients"].items():
             releases[name] = releases.get(name, 0) + 1
-            expected = _epsilon(round_events(name) * releases[name])
+            events = round_events(name) * releases[name]
+            expected = _epsilon(events, relation.REPLACE_ONE if neighbour == "replace-one" else
+                                relation.ADD_OR_REMOVE_ONE)
             assert metrics["dp-epsilon"] == pytest.approx(expected, rel=2e-3), (r["round"], name)
+            if neighbour == "replace-one":  # the add/remove figure beside it, named
+                assert metrics["dp-epsilon-add-remove"] == pytest.approx(_epsilon(events), rel=2e-3)
+            else:
+                assert "dp-epsilon-add-remove" not in metrics
             assert metrics["dp-delta"] == DELTA
             assert not [k for k in metrics if "loss" in k or k.startswith("solo-")]  # nothing data-derived
         last = list(r["fit-clients"].values())
         assert r["fit"]["dp-epsilon-client-mean"] == pytest.approx(sum(m["dp-epsilon"] for m in last) / len(last))
     assert summary["final"]["fit"]["dp-epsilon-client-mean"] == rounds[-1]["fit"]["dp-epsilon-client-mean"]
+    privacy = summary["privacy"]
+    assert (privacy["dp-unit"], privacy["dp-neighbour"]) == terms
+    worst = max(m["dp-epsilon"] for r in rounds for m in r["fit-clients"].values())
+    if unit == "row-given-model":  # no headline: the figure is named for what it protects
+        assert privacy["dp-epsilon-max"] is None and privacy["dp-epsilon-row-given-model-max"] == worst
+    else:
+        assert privacy["dp-epsilon-max"] == worst
     return releases
 
 
@@ -72,13 +99,13 @@ def _payload(sigma: float):
 def test_fedproto_payload_run_completes_and_records_epsilon(tmp_path):
     rounds, summary = _private_run(tmp_path, {**UCI, "method": "fedproto", "dp-mode": "payload",
                                               "dp-noise-multiplier": 2.0, "dp-clip": 1.0}, 3)
-    assert _check_ledgers(rounds, summary, _payload(2.0)) == {f"partition {p}": 2 for p in range(3)}
+    assert _check_ledgers(rounds, summary, _payload(2.0), ROW) == {f"partition {p}": 2 for p in range(3)}
 
 
 def test_fedavg_payload_run_releases_noisy_updates_and_records_epsilon(tmp_path):
     rounds, summary = _private_run(tmp_path, {**UCI, "method": "fedavg", "avg-weighting": "uniform",
                                               "dp-mode": "payload", "dp-noise-multiplier": 1.0, "dp-clip": 0.05}, 2)
-    assert _check_ledgers(rounds, summary, _payload(1.0)) == {"partition 0": 2, "partition 1": 2}
+    assert _check_ledgers(rounds, summary, _payload(1.0), CLIENT) == {"partition 0": 2, "partition 1": 2}
 
 
 def test_fedmd_payload_run_releases_noisy_logits_and_records_epsilon(tmp_path, data_root):
@@ -87,7 +114,7 @@ def test_fedmd_payload_run_releases_noisy_logits_and_records_epsilon(tmp_path, d
     rc = {**TINY_FCCL, "method": "fedmd", "data-root": data_root, "num-server-rounds": 2, "fraction-evaluate": 0.0,
           "dp-mode": "payload", "dp-noise-multiplier": 1.5, "dp-clip": 0.1}
     rounds, summary = _private_run(tmp_path, rc, 4)
-    assert _check_ledgers(rounds, summary, _payload(1.5)) == {f"partition {p}": 2 for p in range(4)}
+    assert _check_ledgers(rounds, summary, _payload(1.5), CLIENT) == {f"partition {p}": 2 for p in range(4)}
 
 
 def test_glfc_payload_run_releases_noisy_models_and_gradients_and_records_epsilon(tmp_path):
@@ -98,7 +125,7 @@ def test_glfc_payload_run_releases_noisy_models_and_gradients_and_records_epsilo
           "local-epochs": 1, "lr": 0.1, "momentum": 0.0, "fraction-evaluate": 0.0,
           "dp-mode": "payload", "dp-noise-multiplier": 1.0, "dp-clip": 0.05}
     rounds, summary = _private_run(tmp_path, rc, 2)
-    assert _check_ledgers(rounds, summary, _payload(1.0)) == {"partition 0": 2, "partition 1": 2}
+    assert _check_ledgers(rounds, summary, _payload(1.0), CLIENT) == {"partition 0": 2, "partition 1": 2}
     # the noisy gradient sets reached the proxy and passed the DP bound
     assert sum(r["fit"].get("proxy-gradients", 0) for r in rounds) > 0
 
@@ -130,7 +157,7 @@ def test_fedavg_sample_run_trains_with_dp_sgd_and_records_epsilon(tmp_path):
           "dp-clip": 1.0}
     rounds, summary = _private_run(tmp_path, rc, 2)
     sizes = _partition_sizes(rc, 2)
-    assert _check_ledgers(rounds, summary, _dp_sgd(1.2, 8, 1, sizes, False)) == {n: 2 for n in sizes}
+    assert _check_ledgers(rounds, summary, _dp_sgd(1.2, 8, 1, sizes, False), RECORD) == {n: 2 for n in sizes}
 
 
 def test_fedproto_sample_run_composes_dp_sgd_and_prototypes_and_a_capped_client_stops(tmp_path):
@@ -148,7 +175,7 @@ def test_fedproto_sample_run_composes_dp_sgd_and_prototypes_and_a_capped_client_
     assert second[smallest] > 1.05 * others, (sizes, second)  # the premise: the smallest spends the most
     rc["dp-max-epsilon"] = (second[smallest] + others) / 2
     rounds, summary = _private_run(tmp_path, rc, 3)
-    assert _check_ledgers(rounds, summary, events) == {n: (1 if n == smallest else 2) for n in sizes}
+    assert _check_ledgers(rounds, summary, events, RECORD) == {n: (1 if n == smallest else 2) for n in sizes}
     assert rounds[0]["failures"] == 0 and rounds[1]["failures"] == 1
     (stopped,) = rounds[1]["failure-reasons"]
     assert stopped["client"] == smallest and f"{smallest} stops releasing" in stopped["reason"]

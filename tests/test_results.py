@@ -119,3 +119,23 @@ def test_a_client_that_stopped_releasing_is_counted_at_the_epsilon_its_ledger_ho
     rec.end_round(1)
     assert rec.finish()["privacy"]["dp-epsilon-per-client"] == {"partition 0": 0.5,
                                                                 "partition 1": budget.ledger.epsilon()}
+
+
+@pytest.mark.parametrize("unit", ["client", "row-given-model"])
+def test_every_epsilon_names_its_unit_and_neighbour_and_only_a_record_or_client_one_is_the_headline(tmp_path, unit):
+    neighbour = "replace-one" if unit == "client" else "add-remove"
+    terms = {"dp-unit": unit, "dp-neighbour": neighbour}
+    rec = RunRecorder(tmp_path / "run", {"method": "fedproto"}, num_rounds=1, echo=False, dp_terms=terms)
+    r = rec.round(1)
+    beside = {"dp-epsilon-add-remove": 1.0} if unit == "client" else {}
+    r["fit-clients"] = {"partition 0": {"dp-epsilon": 2.5, "dp-delta": 1e-5, **beside}}
+    rec.end_round(1)
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert (line["dp-unit"], line["dp-neighbour"]) == (unit, neighbour)
+    privacy = rec.finish()["privacy"]
+    assert (privacy["dp-unit"], privacy["dp-neighbour"]) == (unit, neighbour)
+    if unit == "client":
+        assert privacy["dp-epsilon-max"] == 2.5 and privacy["dp-epsilon-add-remove-max"] == 1.0
+    else:  # one embedding row given a model trained without DP: never the run's ε
+        assert privacy["dp-epsilon-max"] is None and "dp-epsilon-per-client" not in privacy
+        assert privacy["dp-epsilon-row-given-model-max"] == 2.5 and "no guarantee" in privacy["no-headline"]

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from flwr.app import ArrayRecord, Context, RecordDict
 
 from pollen.datasets.tasks import TASK_KINDS, TASKS, TaskOptions, get_task, resolve_task
-from pollen.privacy.bounds import dp_bounds
-from pollen.privacy.config import PrivacyConfig
+from pollen.privacy.bounds import DpBounds, dp_bounds
+from pollen.privacy.config import PrivacyConfig, release_unit
 from pollen.protocol.identity import parse_partition_pins
 from pollen.protocol.screening import PayloadBounds
 from pollen.settings import ConfigError, Key, NodeConfig, RunConfig
@@ -126,6 +126,14 @@ def check_task_kind(spec: MethodSpec, task: str) -> None:
                       f"(task {task!r} is {TASK_KINDS[kind][0]})")
 
 
+def _dp_bounds(cfg: RunConfig) -> DpBounds | None:
+    """The screening bounds of the run's DP keys, σ as the clients size it for what their releases protect."""
+    config = PrivacyConfig.of(cfg)
+    if not config.private:
+        return None
+    return dp_bounds(config, cfg.num_server_rounds, unit=release_unit(METHODS[cfg.method].family, config.mode))
+
+
 def strategy_options(cfg: RunConfig) -> dict[str, Any]:
     """The sampling, failure and screening options every method's strategy takes from the run config."""
     return {"fraction_train": cfg.fraction_fit, "fraction_evaluate": cfg.fraction_evaluate,
@@ -136,5 +144,5 @@ def strategy_options(cfg: RunConfig) -> dict[str, Any]:
             "identify_nodes": cfg.sample_by_partition,  # Pollen's ClientApp answers QUERY
             "aggregation": cfg.aggregation, "trim_fraction": cfg.trim_fraction,
             "bounds": PayloadBounds(cfg.max_update_norm, cfg.max_logit_abs, cfg.max_grad_norm,
-                                    dp_bounds(PrivacyConfig.of(cfg), cfg.num_server_rounds)),  # σ as clients size it
+                                    _dp_bounds(cfg)),
             "partition_pins": parse_partition_pins(cfg.partition_pins)}

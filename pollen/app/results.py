@@ -102,9 +102,12 @@ class RunRecorder:
     """Collects one record per round and writes the run's files under ``run_dir``."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any], num_rounds: int, echo: bool = True,
-                 resume_after: int = 0, flower_run_id: int | None = None, tracker: Tracker | None = None):
+                 resume_after: int = 0, flower_run_id: int | None = None, tracker: Tracker | None = None,
+                 dp_terms: dict[str, str] | None = None):
         self.run_dir = Path(run_dir)
         self.tracker = tracker if tracker is not None else Tracker()  # fed after the files (pollen.app.tracking)
+        # under DP: what the ε of every round protects (dp-unit, dp-neighbour), on each round and the summary
+        self.dp_terms = dict(dp_terms or {})
         self.flower_run_id = flower_run_id
         self.first_round = resume_after + 1
         self.config = config
@@ -137,7 +140,7 @@ class RunRecorder:
             self.current = {"round": server_round, "_t0": time.perf_counter(), "bytes-down": 0,
                             "bytes-up": 0, "fit-clients": {}, "evaluate-clients": {},
                             "fit": {}, "evaluate": {}, "server-evaluate": {}, "rejected": [],
-                            "failures": 0}
+                            "failures": 0, **self.dp_terms}
         return self.current
 
     def record_initial(self, metrics: dict[str, Any]) -> None:
@@ -239,7 +242,7 @@ class RunRecorder:
         acc = _headline_accuracy(final) if final else None
         if acc is not None:
             summary["final-accuracy"] = {"metric": acc[0], "mean": acc[1], "std": acc[2]}
-        spent = privacy_spent(self.rounds)
+        spent = privacy_spent(self.rounds, **self.dp_terms)
         if spent:
             summary["privacy"] = spent
         plot_curves(self.rounds, self.run_dir / "curves.png", title=f"{summary['method']} on {summary['task']}")
@@ -253,28 +256,51 @@ class RunRecorder:
         return summary
 
 
-def privacy_spent(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def privacy_spent(rounds: list[dict[str, Any]], **dp_terms: str) -> dict[str, Any]:
     """Each client's largest reported ε (a client's ledger only grows, and counts every release it ever
     made, resumes included) and the largest of them: a privacy report quotes the worst client, not the
     mean. A client that stopped releasing reports its ε in its error reason. Empty when no client
-    reported ``dp-epsilon``."""
-    from pollen.privacy.budget import epsilon_in_refusal
+    reported ``dp-epsilon``.
 
-    last: dict[str, float] = {}
+    ``dp_terms`` (``dp-unit``, ``dp-neighbour``) say what the ε protects. Only a ``record`` or ``client``
+    unit gives the run's headline ``dp-epsilon-max``; a ``row-given-model`` figure is reported under its
+    own name (``dp-epsilon-row-given-model-max``) and the headline is ``None``. Beside a replace-one ε,
+    the add/remove one (``dp-epsilon-add-remove-max``), named."""
+    from pollen.privacy.accounting import HEADLINE_UNITS
+    from pollen.privacy.budget import DELTA, EPSILON, EPSILON_ADD_REMOVE, epsilon_in_refusal
+
+    spent: dict[str, dict[str, float]] = {EPSILON: {}, EPSILON_ADD_REMOVE: {}}
     delta = None
+
+    def note(name: str, client: str, value: float) -> None:
+        spent[name][client] = max(spent[name].get(client, 0.0), value)
+
     for rec in rounds:
         for client, metrics in rec.get("fit-clients", {}).items():
-            if isinstance(metrics.get("dp-epsilon"), (int, float)):
-                last[client] = max(last.get(client, 0.0), float(metrics["dp-epsilon"]))
-                delta = metrics.get("dp-delta", delta)
+            for name in spent:
+                if isinstance(metrics.get(name), (int, float)):
+                    note(name, client, float(metrics[name]))
+            delta = metrics.get(DELTA, delta)
         for failure in rec.get("failure-reasons", []):
-            spent = epsilon_in_refusal(str(failure.get("reason", "")))
-            if spent is not None:
-                last[spent[0]] = max(last.get(spent[0], 0.0), spent[1])
+            stopped = epsilon_in_refusal(str(failure.get("reason", "")))
+            if stopped is not None:
+                note(EPSILON, *stopped)
+    last = spent[EPSILON]
     if not last:
         return {}
-    return {"dp-epsilon-max": max(last.values()), "dp-delta": delta,
-            "dp-epsilon-per-client": dict(sorted(last.items()))}
+    unit = dp_terms.get("dp-unit")
+    out: dict[str, Any] = {**dp_terms, "dp-delta": delta}
+    if unit is None or unit in HEADLINE_UNITS:
+        out.update({"dp-epsilon-max": max(last.values()), "dp-epsilon-per-client": dict(sorted(last.items()))})
+    else:
+        out.update({"dp-epsilon-max": None, f"dp-epsilon-{unit}-max": max(last.values()),
+                    f"dp-epsilon-{unit}-per-client": dict(sorted(last.items())),
+                    "no-headline": f"dp-unit {unit!r} is no guarantee for a record or a client (docs/privacy.md)"})
+    if spent[EPSILON_ADD_REMOVE]:
+        beside = spent[EPSILON_ADD_REMOVE]
+        out.update({f"{EPSILON_ADD_REMOVE}-max": max(beside.values()),
+                    f"{EPSILON_ADD_REMOVE}-per-client": dict(sorted(beside.items()))})
+    return out
 
 
 def _headline_accuracy(rec: dict[str, Any]) -> tuple[str, float, float | None] | None:

@@ -23,6 +23,7 @@ from pollen.app.results import RunRecorder, run_directory
 from pollen.app.secure import secure_grid
 from pollen.app.tracking import open_tracker
 from pollen.log import LOGGER
+from pollen.privacy.config import no_headline_warning, release_terms
 from pollen.settings import RESUMABLE_CHANGES
 
 app = ServerApp()
@@ -98,8 +99,11 @@ def main(grid: Grid, context: Context) -> None:
         initial = _initial_arrays(strategy, ckpt.arrays) or initial
         first_round = ckpt.round + 1
         LOGGER.info("resuming %s after round %d (%s)", run_dir, ckpt.round, ckpt.path.name)
+    dp_terms = release_terms(spec.family, cfg.dp_mode) if cfg.dp_mode != "off" else None
+    if cfg.dp_mode != "off" and (caveat := no_headline_warning(spec.family, cfg.dp_mode)):
+        LOGGER.warning(caveat)
     recorder = RunRecorder(run_dir, cfg.to_dict(), cfg.num_server_rounds, resume_after=first_round - 1,
-                           flower_run_id=context.run_id,
+                           flower_run_id=context.run_id, dp_terms=dp_terms,
                            tracker=open_tracker(cfg.tracking, cfg.tracking_uri, run_dir, cfg.to_dict()))
     record_task(run_dir, cfg)
     server_evaluate = getattr(strategy, "evaluate_global", None)  # GLFC evaluates on the server

@@ -41,7 +41,7 @@ NEIGHBOURS = ("replace-one", "add-remove")
 # The relation each unit's ε is stated under unless a release names another. A client's releases are
 # seen one by one by the server, so the dataset it could be confused with is any other dataset
 # (replace-one); DP-SGD's Poisson sampling is analysed, as usual, by adding or removing one record.
-DEFAULT_NEIGHBOUR = {"record": "add-remove", "client": "add-remove", "row-given-model": "add-remove"}
+DEFAULT_NEIGHBOUR = {"record": "add-remove", "client": "replace-one", "row-given-model": "add-remove"}
 # The units whose ε a run may quote as its guarantee (summary.json's headline, README, docs).
 HEADLINE_UNITS = ("record", "client")
 MECHANISMS = ("gaussian",)
@@ -188,12 +188,15 @@ def rdp_epsilon(releases: Iterable[Release], delta: float, neighbour: str | None
     where ``dp-accounting``'s RDP has no analysis (Poisson-sampled releases under replace-one)."""
     from dp_accounting.rdp import rdp_privacy_accountant
 
-    releases = list(releases)
-    relation = _neighbour_of(releases, neighbour)
-    if relation == "replace-one" and any(r.sampling_probability < 1.0 for r in releases):
-        return None
-    accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=_relation(relation))
-    for r in _same_mechanisms_together(releases):
+    releases = _same_mechanisms_together(releases)
+    if _neighbour_of(releases, neighbour) == "replace-one":
+        if any(r.sampling_probability < 1.0 for r in releases):
+            return None
+        # dp-accounting's RDP takes a Gaussian's sensitivity as 1 under either relation: replacing a unit
+        # moves a release by up to twice what removing it does, i.e. the Gaussian of σ/2 (as its PLD has it)
+        releases = [Release(r.noise_multiplier / 2.0, 1.0, r.count, r.unit, "add-remove") for r in releases]
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    for r in releases:
         accountant.compose(r.event())
     return float(accountant.get_epsilon(delta))
 

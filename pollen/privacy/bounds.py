@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pollen.privacy.accounting import DEFAULT_NEIGHBOUR
 from pollen.privacy.config import PrivacyConfig
 from pollen.privacy.mechanisms import PROTOTYPE_SENSITIVITY_UNITS
 
@@ -208,21 +209,24 @@ class DpBounds:
         return None
 
 
-def dp_bounds(config: PrivacyConfig, planned_releases: int, failure: float = FALSE_REFUSAL) -> DpBounds | None:
+def dp_bounds(config: PrivacyConfig, planned_releases: int, failure: float = FALSE_REFUSAL,
+              unit: str = "record") -> DpBounds | None:
     """The run's DP keys as screening bounds (``None`` with ``dp-mode = off`` or ``distributed``, whose
     server reads only noisy sums). σ is the clients' own: given, or
     :meth:`~pollen.privacy.config.PrivacyConfig.payload_noise_multiplier` for
     ``planned_releases`` (computed once, here). Under ``sample`` with a target ε a client's σ also pays
     for its DP-SGD steps, which depend on its record count; composing more releases only raises ε, so
-    the σ of the prototype releases alone is a floor every client's σ is at or above."""
+    the σ of the prototype releases alone is a floor every client's σ is at or above. ``unit``: what the
+    releases protect (:func:`~pollen.privacy.config.release_unit`; a target ε is met under its neighbour
+    relation)."""
     if not config.private or config.mode == "distributed":  # distributed: the server reads only noisy sums
         return None
-    sigma = config.payload_noise_multiplier(planned_releases)
+    sigma = config.payload_noise_multiplier(planned_releases, unit)
     if config.noise_multiplier > 0:
         how = "dp-noise-multiplier"
     else:
         how = (f"calibrated for dp-target-epsilon {config.target_epsilon:g} over {planned_releases} releases at "
-               f"dp-delta {config.delta:g}")
+               f"dp-delta {config.delta:g}, {DEFAULT_NEIGHBOUR[unit]} {unit}")
     floor = config.mode == "sample" and config.noise_multiplier <= 0
     source = f"dp-mode {config.mode}, dp-clip {config.clip:g}, σ {'>= ' if floor else ''}{sigma:.6g} from {how}"
     return DpBounds(config.mode, float(config.clip), float(sigma), source, failure, floor)

@@ -10,6 +10,9 @@ from pollen.privacy.accounting import Ledger, Release
 from pollen.privacy.ledger import LedgerFile
 
 EPSILON, DELTA = "dp-epsilon", "dp-delta"  # reply metrics, every private round
+# Beside a replace-one ε (client-level releases), the add/remove one, named: the weaker claim, which
+# assumes the release of a client without data (zeros) is what its dataset is compared with.
+EPSILON_ADD_REMOVE = "dp-epsilon-add-remove"
 # A client that stops sends an error, not metrics: its reason ends with the ε its ledger holds, exactly,
 # so the run's summary still counts every release it made (epsilon_in_refusal reads it back).
 _SPENT = re.compile(r"\[(.+?) spent epsilon ([0-9.eE+-]+)\]")
@@ -52,4 +55,7 @@ class Budget:
         self.file.append(*releases)
         for release in releases:
             self.ledger.add(release)
-        return {EPSILON: epsilon, DELTA: self.ledger.delta}
+        metrics = {EPSILON: epsilon, DELTA: self.ledger.delta}
+        if self.ledger.neighbour == "replace-one":
+            metrics[EPSILON_ADD_REMOVE] = self.ledger.epsilon("add-remove")
+        return metrics

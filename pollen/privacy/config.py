@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pollen.privacy.accounting import DEFAULT_NEIGHBOUR, calibrate_noise_multiplier
+from pollen.privacy.accounting import DEFAULT_NEIGHBOUR, HEADLINE_UNITS, calibrate_noise_multiplier
 from pollen.settings import DP_MODES as MODES
 from pollen.settings import RunConfig
 
@@ -30,6 +30,25 @@ def release_unit(kind: str, mode: str) -> str:
     if mode != "payload" or kind not in PAYLOAD_UNITS:
         raise ValueError(f"no DP release of kind {kind!r} in dp-mode {mode!r}")
     return PAYLOAD_UNITS[kind]
+
+
+def release_terms(kind: str, mode: str) -> dict[str, str]:
+    """``dp-unit`` and ``dp-neighbour`` of the ε a release of payload ``kind`` reports in ``mode``: what
+    the run's metrics and ``summary.json`` say the figure protects."""
+    unit = release_unit(kind, mode)
+    return {"dp-unit": unit, "dp-neighbour": DEFAULT_NEIGHBOUR[unit]}
+
+
+def no_headline_warning(kind: str, mode: str) -> str | None:
+    """Why the ε of this run is not a guarantee to quote, said before round 1; ``None`` when it is."""
+    unit = release_unit(kind, mode)
+    if unit in HEADLINE_UNITS:
+        return None
+    return (f"differential privacy: dp-mode = {mode!r} on {kind} protects one embedding row given the model, "
+            "and the model is trained on those rows without DP: its ε is no guarantee for a record or for a "
+            "client's data (the class counts give a client's label histogram back, docs/privacy.md); "
+            "summary.json reports it as dp-epsilon-row-given-model, never as the run's dp-epsilon; "
+            "dp-mode = 'sample' protects each record")
 
 
 @dataclass(frozen=True)

@@ -196,9 +196,10 @@ class PrivacyKeys:
 
     dp_mode: str = setting(
         "dp-mode", "off", "choice",
-        "`payload` = clip and noise what each client releases (unit: a row of the release, see docs/privacy.md), "
-        "`sample` = DP-SGD (unit: one record), `distributed` = under secure aggregation each client clips its "
-        "contribution and adds its share of the sum's noise (unit: one client, replace-one), `off` = no noise",
+        "`payload` = clip and noise what each client releases (unit: the client's data, replace-one; prototypes: "
+        "one embedding row given the model, docs/privacy.md), `sample` = DP-SGD (unit: one record), "
+        "`distributed` = under secure aggregation each client clips its contribution and adds its share of the "
+        "sum's noise (unit: one client, replace-one), `off` = no noise",
         choices=DP_MODES)
     dp_clip: float = setting("dp-clip", 1.0, "float in (0, 1000000]",
                              "L2 clip of what a release depends on (an embedding, a model update)")

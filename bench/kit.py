@@ -229,6 +229,8 @@ def run_study(label: str, files: RunFiles, cells: Iterable[tuple[str, int]],
     if dry_run:
         return 0
     for arm, seed in todo:
+        if files.finished(arm, seed, setting_of(arm)):  # another worker (other seeds) finished it meanwhile
+            continue
         print(f"[{label}] start {arm} seed {seed}", flush=True)
         record = run(arm, seed)
         files.save(arm, seed, record)

@@ -48,6 +48,7 @@ from bench.kit import (
     preset,
     pyplot,
     read_metrics,
+    run_study,
     save_figure,
     table,
     verdict,
@@ -261,17 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("POLLEN_DATA_ROOT", args.data_root)
         cells = [(name, seed) for seed in args.seeds for name, m, *_ in arms() if m in args.methods]
         spec = {name: rest for name, *rest in arms()}
-        for name, seed in files.todo(cells, SETTING):
-            if files.finished(name, seed, SETTING):  # another worker (another --seeds) finished it meanwhile
-                continue
+
+        def run(name: str, seed: int) -> dict:
             method, dropout, slow, deadline = spec[name]
-            print(f"[stragglers] {name} seed {seed}", flush=True)
             rec = run_one(method, dropout, slow, deadline, seed, args.data_root)
-            files.save(name, seed, {"setting": SETTING, "arm": name, "seed": seed, "method": method,
-                                    "dropout": dropout, "slow": slow, "deadline": deadline, **rec})
-            print(f"[stragglers] {name} seed {seed}: final {rec['accuracy'][-1]} in {rec['wall-s']} s, "
-                  f"dropped {rec['dropped']} late {rec['late']}", flush=True)
-            write_report(files)
+            return {"setting": SETTING, "arm": name, "seed": seed, "method": method, "dropout": dropout,
+                    "slow": slow, "deadline": deadline, **rec}
+
+        return run_study("stragglers", files, cells, SETTING, run, report=lambda: write_report(files),
+                         said=lambda rec: f"final {rec['accuracy'][-1]} in {rec['wall-s']} s, dropped {rec['dropped']} "
+                                          f"late {rec['late']}")
     write_report(files)
     return 0
 

@@ -165,8 +165,31 @@ def test_saved_arrays_and_json_carry_a_sidecar_and_a_flipped_byte_is_refused_by_
     _flip(tmp_path / "final" / "global.json", at=3)
     assert [str(path) in p or "global.json" in p for p in checkpoints.verify_files(tmp_path)] == [True, True]
     checkpoints.save_arrays(path, _arrays(2))
-    checkpoints.sidecar(path).unlink()  # a file from before hashes were kept: read, with a warning naming it
-    assert load_arrays(path)["n"] == 2 and "global.safetensors.sha256 beside it" in caplog.text
+    checkpoints.sidecar(path).unlink()  # deleting the sidecar does not turn the check into a warning
+    with pytest.raises(checkpoints.UnverifiedFileError, match=rf"{path}: no global.safetensors.sha256 beside it"):
+        load_arrays(path)
+    assert any("no global.safetensors.sha256 beside it" in p for p in checkpoints.verify_files(tmp_path))
+    assert load_arrays(path, allow_unverified=True)["n"] == 2  # only when the caller asks, with a warning
+    assert "global.safetensors: no global.safetensors.sha256 beside it: loaded UNVERIFIED" in caplog.text
+
+
+def test_a_flipped_byte_inside_a_checkpoints_tensor_data_is_refused_and_the_previous_one_used(tmp_path, caplog):
+    """One bit of one weight (the file still parses, the header is intact): the checkpoint's JSON records the
+    arrays' SHA-256, so round 2 is refused by name and round 1 continues the run; a resume's check of the
+    run folder leaves checkpoints to this fallback and still refuses any other changed file."""
+    for r in (1, 2):
+        write_checkpoint(tmp_path, r, _arrays(r), {"k": r}, CONFIG, keep=2)
+    newest, _ = checkpoint_paths(tmp_path, 2)
+    header = 8 + int.from_bytes(newest.read_bytes()[:8], "little")  # safetensors: u64 length + JSON header
+    assert header < newest.stat().st_size - 8
+    _flip(newest, at=header + 3)
+    from safetensors.numpy import load
+
+    assert set(load(newest.read_bytes())) == {"w", "n"}  # still a valid file with other numbers in it
+    assert latest_checkpoint(tmp_path).round == 1
+    assert "round-0002.safetensors: content does not match its recorded SHA-256 (in round-0002.json)" in caplog.text
+    assert checkpoints.verify_files(tmp_path, skip=("checkpoints",)) == []
+    assert any("round-0002.safetensors" in p for p in checkpoints.verify_files(tmp_path))
 
 
 def test_node_state_is_kept_per_round_back_to_what_a_kept_checkpoint_needs():
@@ -193,9 +216,12 @@ def test_node_state_rolls_back_to_the_round_before_the_one_asked_for(tmp_path):
 def test_node_state_of_the_flat_layout_of_older_runs_is_still_read(tmp_path):
     from flwr.app import ConfigRecord
 
-    (tmp_path / "small-state.json").write_text(json.dumps({"h": {"kind": "config", "values": {"r": 7}}}))
+    checkpoints.write_json(tmp_path / "small-state.json", {"h": {"kind": "config", "values": {"r": 7}}})
     state = RecordDict()
     assert load_records(tmp_path, state, 9) and state["h"]["r"] == 7
+    checkpoints.sidecar(tmp_path / "small-state.json").unlink()
+    with pytest.raises(CheckpointError, match="small-state.json.sha256 beside it"):  # never loaded unverified
+        load_records(tmp_path, RecordDict(), 9)
     save_records(tmp_path, RecordDict({"h": ConfigRecord({"r": 8})}), 8)
     assert not (tmp_path / "small-state.json").exists() and checkpoints.state_rounds(tmp_path) == [8]
 

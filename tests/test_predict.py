@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import json
 import re
 import subprocess
@@ -21,9 +22,8 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Context, RecordDict
-from safetensors.numpy import save_file
 
-from pollen.app.checkpoints import load_arrays
+from pollen.app.checkpoints import load_arrays, save_arrays, write_json
 from pollen.app.client_app import app as client_app
 from pollen.app.server_app import main as server_main
 from pollen.launch.predict import LoadedModel, input_format, main, task_split
@@ -304,11 +304,13 @@ def test_input_format_is_the_one_the_task_data_is_normalised_with():
 
 # -- refusals ------------------------------------------------------------------------------------------
 def _copy_model(run_dir: Path, tmp_path: Path) -> Path:
+    """A node's personal model, its JSON and their sidecars, elsewhere."""
     src = _model(run_dir, 0)
     dst = tmp_path / "node" / "final-model.safetensors"
     dst.parent.mkdir(parents=True)
-    dst.write_bytes(src.read_bytes())
-    dst.with_suffix(".json").write_text(src.with_suffix(".json").read_text())
+    for name in ("final-model.safetensors", "final-model.json"):
+        for suffix in ("", ".sha256"):
+            (dst.parent / (name + suffix)).write_bytes((src.parent / (name + suffix)).read_bytes())
     return dst
 
 
@@ -316,7 +318,8 @@ def test_a_safetensors_with_other_keys_is_refused_naming_them(uci_runs, tmp_path
     path = _copy_model(uci_runs["local"], tmp_path)
     arrays = load_arrays(path)
     arrays["classifier.weight"] = arrays.pop("head.weight")
-    save_file(arrays, str(path))
+    digest = save_arrays(path, arrays)  # a consistent file (sidecar and JSON digest), of another model
+    write_json(path.with_suffix(".json"), {**json.loads(path.with_suffix(".json").read_text()), "sha256": digest})
     done = _cli("--model", path, "--config", uci_runs["local"], "--num-partitions", PARTITIONS)
     assert done.returncode == 2, done.stdout + done.stderr
     assert str(path) in done.stderr
@@ -328,7 +331,7 @@ def test_a_model_of_another_shape_or_without_its_json_is_refused(uci_runs, capsy
     path = _copy_model(uci_runs["local"], tmp_path)
     meta = path.with_suffix(".json")
     info = json.loads(meta.read_text())
-    meta.write_text(json.dumps({**info, "model-kwargs": {"channels": 22}}))
+    write_json(meta, {**info, "model-kwargs": {"channels": 22}})
     rc, _, err = _predict(capsys, "--model", path, "--num-partitions", PARTITIONS)
     assert rc == 2 and str(path) in err
     assert "shape mismatch 'conv2.weight': file (20, 10, 5, 5) vs model (22, 10, 5, 5)" in err
@@ -341,10 +344,9 @@ def test_prototypes_of_another_size_are_refused(uci_runs, capsys, tmp_path):
     """d must equal the model's feature_dim (cnn_mnist: 50); a weights file is not prototypes."""
     run_dir = uci_runs["local"]
     bad = tmp_path / "global.safetensors"
-    save_file({"prototypes": np.zeros((10, 49), np.float32), "present": np.ones(10, np.int64)}, str(bad))
-    bad.with_suffix(".json").write_text(json.dumps({"family": "prototypes", "method": "fedproto",
-                                                    "task": "uci-dirichlet", "round": 1,
-                                                    "values": {"margin": 0.1}}))
+    save_arrays(bad, {"prototypes": np.zeros((10, 49), np.float32), "present": np.ones(10, np.int64)})
+    write_json(bad.with_suffix(".json"), {"family": "prototypes", "method": "fedproto", "task": "uci-dirichlet",
+                                          "round": 1, "values": {"margin": 0.1}})
     rc, _, err = _predict(capsys, "--model", _model(run_dir, 0), "--num-partitions", PARTITIONS,
                           "--prototypes", bad)
     assert rc == 2 and f"{bad}: prototypes have d = 49 but the model's features have feature_dim = 50" in err
@@ -405,6 +407,47 @@ def test_a_flipped_byte_in_a_saved_model_is_refused_naming_the_file(uci_runs, tm
     meta.write_text(meta.read_text().replace('"round": 2', '"round": 9'))
     done = _cli("--run", glob, "--partition", 0, "--num-partitions", PARTITIONS)
     assert done.returncode == 2 and f"{meta}: content does not match its recorded SHA-256" in done.stderr
+
+
+def test_a_flipped_byte_without_its_sidecar_is_refused_unless_asked_and_its_json_digest_holds(uci_runs, tmp_path):
+    """Deleting the sidecar does not turn the check into a warning: a final model with a flipped byte and
+    no ``.sha256`` exits 2 naming the missing sidecar and the way out; ``--allow-unverified`` loads an
+    intact file without its sidecar (with a warning), but the flipped one is still refused by the digest
+    its JSON records (``final/global.json``, ``final-model.json``)."""
+    import shutil
+
+    from pollen.app.checkpoints import sidecar
+
+    glob = tmp_path / "fedavg"
+    shutil.copytree(uci_runs["fedavg"], glob)
+    weights = glob / "final" / "global.safetensors"
+    meta = json.loads((glob / "final" / "global.json").read_text())
+    assert meta["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    clean = weights.read_bytes()
+    data = bytearray(clean)
+    data[-20] ^= 0x01  # inside the tensor data: still a valid safetensors file, one weight changed
+    weights.write_bytes(bytes(data))
+    sidecar(weights).unlink()
+    done = _cli("--run", glob, "--partition", 0, "--num-partitions", PARTITIONS)
+    assert done.returncode == 2, done.stdout
+    assert (f"pollen predict: error: {weights}: no global.safetensors.sha256 beside it, so nothing says its "
+            "content is what was written; refusing to load it; pass --allow-unverified") in done.stderr
+    done = _cli("--run", glob, "--partition", 0, "--num-partitions", PARTITIONS, "--allow-unverified")
+    assert done.returncode == 2, done.stdout
+    assert f"{weights}: content does not match its recorded SHA-256 (in global.json's sha256)" in done.stderr
+    weights.write_bytes(clean)  # the bytes written, still without their sidecar
+    done = _cli("--run", glob, "--partition", 0, "--num-partitions", PARTITIONS, "--allow-unverified")
+    assert done.returncode == 0, done.stderr
+    assert "loaded UNVERIFIED, as asked" in done.stderr
+    assert abs(_accuracy(done.stdout) - _reported(uci_runs["fedavg"], 0)["accuracy"]) <= 1e-6
+
+    personal = tmp_path / "local"
+    shutil.copytree(uci_runs["local"], personal)
+    model = _model(personal, 0)
+    assert json.loads(model.with_suffix(".json").read_text())["sha256"] == sidecar(model).read_text().split()[0]
+    sidecar(model.with_suffix(".json")).unlink()
+    done = _cli("--model", model, "--num-partitions", PARTITIONS)
+    assert done.returncode == 2 and "final-model.json.sha256 beside it" in done.stderr, done.stderr
 
 
 def test_partitioning_comes_from_the_model_and_predictions_go_to_stdout(uci_runs, capsys):

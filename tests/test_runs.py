@@ -22,8 +22,9 @@ from pollen.app.results import write_stopped_summary
 from pollen.app.server_app import main as server_main
 from pollen.launch import launcher as launch
 from pollen.launch import runs
-from pollen.launch.errors import EXIT_USAGE
+from pollen.launch.errors import EXIT_USAGE, LaunchConfigError
 from pollen.testing import InProcessGrid, clientapp_node
+from tests.conftest import PROJECT_ROOT
 
 
 def _refuse_starts(monkeypatch) -> None:
@@ -110,10 +111,9 @@ def test_a_held_run_folder_is_refused_naming_the_holder_and_a_dead_holders_lock_
 
 
 # -- --resume: everything comes from the run folder, checked before anything starts ----------------------
-@pytest.fixture
-def finished_run(tmp_path):
-    """A real 1-round fedavg run on 3 nodes (ServerApp + ClientApps in process), as the launcher lays it out."""
-    cfg = {"method": "fedavg", "task": "uci-dirichlet", "num-server-rounds": 1, "seed": 2,
+def _finished_run(tmp_path: Path, rounds: int) -> Path:
+    """A real fedavg run on 3 nodes (ServerApp + ClientApps in process), as the launcher lays it out."""
+    cfg = {"method": "fedavg", "task": "uci-dirichlet", "num-server-rounds": rounds, "seed": 2,
            "out-dir": str(tmp_path / "runs"), "run-name": "20260101-000000-fedavg-uci-dirichlet"}
     run_dir = tmp_path / "runs" / cfg["run-name"]
     grid = InProcessGrid({100 + p: clientapp_node(client_app, cfg, p, 3,
@@ -122,6 +122,11 @@ def finished_run(tmp_path):
     server_main(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=cfg))
     runs.write_launch_info(run_dir, {"num-supernodes": 3, "cpus-per-client": 1, "gpus-per-client": 0.0})
     return run_dir
+
+
+@pytest.fixture
+def finished_run(tmp_path):
+    return _finished_run(tmp_path, rounds=1)
 
 
 def test_resume_refuses_another_out_dir_a_changed_key_and_another_federation(finished_run, capsys, nothing_starts):
@@ -143,6 +148,38 @@ def test_resume_refuses_an_altered_file_naming_it(finished_run, capsys, nothing_
     code = launch.main(["--resume", str(finished_run), "--run-config", "num-server-rounds=2"])
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and f"{state}: content does not match its recorded SHA-256" in err
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint_and_refuses_a_file_without_its_sidecar(tmp_path, capsys):
+    """What docs/outputs.md promises: a checkpoint whose tensor data changed (one bit, the file still parses) is
+    refused by name and the previous one used; any other file a resume loads must match its sidecar and have
+    one (deleting it does not turn the check off)."""
+    import argparse
+
+    from pollen.launch.resume import check_resume
+
+    run_dir = _finished_run(tmp_path, rounds=2)
+    tensors = run_dir / "checkpoints" / "round-0002.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-5] ^= 0x10  # the last bytes are tensor data, far past the header
+    tensors.write_bytes(bytes(data))
+
+    def args(**kw):
+        return argparse.Namespace(**{"resume": run_dir, "out_dir": None, "run_config": "num-server-rounds=3",
+                                     "num_supernodes": None, "cpus_per_client": None, "gpus_per_client": None, **kw})
+
+    checked, values, lock = check_resume(PROJECT_ROOT, args())
+    lock.release()
+    out = capsys.readouterr()
+    assert checked == run_dir and values["num-server-rounds"] == 3 and values["resume-from"] == str(run_dir)
+    assert "the checkpoints after round 1 (newest: round 2) are damaged" in out.out
+    assert "the run continues from round 1" in out.out
+    from pollen.app.checkpoints import sidecar
+
+    state = run_dir / "nodes" / "partition-0" / "round-0002" / "small-state.json"
+    sidecar(state).unlink()
+    with pytest.raises(LaunchConfigError, match=rf"{state}: no small-state.json.sha256 beside it"):
+        check_resume(PROJECT_ROOT, args())
 
 
 def test_resume_of_a_folder_another_launcher_holds_is_refused_at_once(finished_run, capsys, monkeypatch):

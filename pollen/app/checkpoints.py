@@ -4,10 +4,12 @@ Every file is written atomically (a temporary file in the same folder, fsync, re
 full disk leaves the previous file intact, and every file a user loads again (final models, node
 state, personal models) gets a ``<name>.sha256`` sidecar in ``sha256sum`` format: :func:`read_verified`
 refuses a file whose bytes no longer match, naming it, so a flipped byte never becomes a silently
-different model. A checkpoint is a pair ``round-NNNN.safetensors`` (the strategy's arrays) +
-``round-NNNN.json`` (round, run config, the strategy's small values and the SHA-256 of the arrays
-file); it is valid only when both parse and the hash matches. No pickle anywhere: a checkpoint from an
-untrusted source cannot run code.
+different model — and a file without its sidecar too (:class:`UnverifiedFileError`), since deleting the
+sidecar must not turn the check into a warning; only a caller that says so (``pollen predict
+--allow-unverified``) loads such a file, with a WARNING. A checkpoint is a pair ``round-NNNN.safetensors``
+(the strategy's arrays) + ``round-NNNN.json`` (round, run config, the strategy's small values and the
+SHA-256 of the arrays file); it is valid only when both parse and the hash matches. No pickle anywhere:
+a checkpoint from an untrusted source cannot run code.
 
 A node keeps its state per round (``<state-dir>/round-NNNN/``), back to the oldest round a kept server
 checkpoint can restart from, so a resumed run rolls every node back to the checkpoint's round: a node
@@ -41,6 +43,10 @@ STATE_ROUND = re.compile(r"^round-(\d{4,})$")  # <state-dir>/round-NNNN/: a node
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or no valid one can be read."""
+
+
+class UnverifiedFileError(CheckpointError):
+    """A file to load has no sidecar: nothing says its bytes are the ones written."""
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -88,9 +94,9 @@ def check_digest(path: Path, data: bytes, expected: str | None, source: str) -> 
                               "altered or truncated after it was written, refusing to load it")
 
 
-def read_verified(path: Path) -> bytes:
-    """The bytes of ``path``, checked against its sidecar. A file without one was written before Pollen
-    kept hashes: read with a warning (nothing to compare with), never refused."""
+def read_verified(path: Path, *, allow_unverified: bool = False) -> bytes:
+    """The bytes of ``path``, checked against its sidecar. A file without one is refused
+    (:class:`UnverifiedFileError`) unless ``allow_unverified``: then read with a WARNING naming it."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -100,7 +106,10 @@ def read_verified(path: Path) -> bytes:
     try:
         recorded = side.read_text().split()
     except FileNotFoundError:
-        LOGGER.warning("%s: no %s beside it (written before Pollen recorded hashes): not verified", path, side.name)
+        if not allow_unverified:
+            raise UnverifiedFileError(f"{path}: no {side.name} beside it, so nothing says its content is what "
+                                      "was written; refusing to load it") from None
+        LOGGER.warning("%s: no %s beside it: loaded UNVERIFIED, as asked", path, side.name)
         return data
     except OSError as err:
         raise CheckpointError(f"{side}: unreadable ({err.strerror or err})") from err
@@ -117,11 +126,14 @@ def save_arrays(path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[
     return write_verified(path, data)
 
 
-def load_arrays(path: Path) -> dict[str, np.ndarray]:
-    """Named arrays from a safetensors file, verified against its sidecar (``CheckpointError`` naming it)."""
+def load_arrays(path: Path, *, allow_unverified: bool = False, sha256: str | None = None) -> dict[str, np.ndarray]:
+    """Named arrays from a safetensors file, verified against its sidecar (``CheckpointError`` naming it) and,
+    when given, against ``sha256`` (the digest recorded in the JSON that describes the file)."""
     from safetensors.numpy import load
 
-    data = read_verified(path)
+    data = read_verified(path, allow_unverified=allow_unverified)
+    if sha256 is not None:
+        check_digest(path, data, sha256, f"{Path(path).with_suffix('.json').name}'s sha256")
     try:
         return dict(load(data))
     except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
@@ -133,10 +145,10 @@ def write_json(path: Path, values: Mapping[str, Any]) -> None:
     write_verified(path, (json.dumps(values, indent=2, sort_keys=True) + "\n").encode())
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Path, *, allow_unverified: bool = False) -> Any:
     """A JSON file written by :func:`write_json`, verified (``CheckpointError`` naming it)."""
     try:
-        return json.loads(read_verified(path))
+        return json.loads(read_verified(path, allow_unverified=allow_unverified))
     except ValueError as err:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from err
 
@@ -310,13 +322,22 @@ def _load_state(source: Path, records) -> bool:
     return True
 
 
-def verify_files(folder: Path) -> list[str]:
-    """Every file under ``folder`` that has a sidecar and no longer matches it, as messages naming it
-    (a run folder checked before a resume starts anything)."""
+# What Pollen writes with a sidecar in a run folder, besides every safetensors file: the JSON files a later
+# step loads (the run config, a user-data task, checkpoints, final states, node states and personal models).
+VERIFIED_JSON = ("config.json", "task.json", f"{CHECKPOINT_DIR}/*.json", "final/*.json", "nodes/**/*.json")
+
+
+def verify_files(folder: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """Every file under ``folder`` that a later step loads and that no longer matches its sidecar, or has
+    none, as messages naming it (a run folder checked before a resume starts anything). Folders named in
+    ``skip`` are left to their own reader (checkpoints: :func:`latest_checkpoint` falls back past a bad
+    one); hidden files and folders (a write a crash left unfinished) are not loaded, so not checked."""
+    folder = Path(folder)
+    loaded = set(folder.rglob("*.safetensors")).union(*(folder.glob(p) for p in VERIFIED_JSON))
     problems = []
-    for side in sorted(Path(folder).rglob(f"*{SIDECAR}")):
-        path = side.with_name(side.name[: -len(SIDECAR)])
-        if not path.exists():
+    for path in sorted(loaded):
+        parts = path.relative_to(folder).parts
+        if parts[0] in skip or any(part.startswith(".") for part in parts):
             continue
         try:
             read_verified(path)

@@ -105,11 +105,11 @@ def save_final_model(folder: Path, cfg: RunConfig, spec, client, context: Contex
     record = context.state.get(spec.personal_model)
     if not isinstance(record, ArrayRecord):
         return
-    save_arrays(folder / f"{FINAL_MODEL}.safetensors", {k: a.numpy() for k, a in record.items()})
+    digest = save_arrays(folder / f"{FINAL_MODEL}.safetensors", {k: a.numpy() for k, a in record.items()})
     kwargs = client.model_kwargs() if hasattr(client, "model_kwargs") else {}
     meta = {
         "method": cfg.method, "task": cfg.task, **choose_model(cfg, client.task, client.node, options=kwargs).to_json(),
-        "round": server_round, "partition-id": client.partition_id, "seed": cfg.seed,
+        "round": server_round, "partition-id": client.partition_id, "seed": cfg.seed, "sha256": digest,
         "num-partitions": client.node.num_partitions, "config": cfg.to_dict()}
     if client.task.class_names:  # user data: what pollen.launch.predict needs to read this node's own files
         data = client.data

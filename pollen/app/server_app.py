@@ -53,9 +53,9 @@ def write_final(run_dir: Path, cfg: RunConfig, strategy, last_round: int) -> dic
     if not arrays:
         return {}
     folder = run_dir / "final"
-    save_arrays(folder / "global.safetensors", arrays)
+    digest = save_arrays(folder / "global.safetensors", arrays)
     meta = {"method": cfg.method, "task": cfg.task, "family": strategy.family, "round": last_round,
-            "model": cfg.model or "", "values": values}
+            "model": cfg.model or "", "values": values, "sha256": digest}  # the arrays' digest travels with them
     if strategy.family == "weights":  # a global model: what rebuilds it travels with it (pollen predict)
         from pollen.datasets.tasks import TaskOptions, resolve_task
         from pollen.models.spec import choose_model

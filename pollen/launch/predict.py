@@ -47,17 +47,29 @@ def _short(items: Sequence[str], limit: int = 8) -> str:
     return f"[{shown}{f', … and {len(items) - limit} more' if len(items) > limit else ''}]"
 
 
-def _read_json(path: Path, what: str, beside: Path | None = None) -> dict[str, Any]:
-    """A JSON file, verified against its ``.sha256`` sidecar when it has one."""
+UNVERIFIED_HINT = ("; pass --allow-unverified to load it anyway (only for a file you trust: nothing checks that "
+                   "its bytes are the ones Pollen wrote)")
+
+
+def _refused(err: Exception) -> PredictError:
+    """A file that failed its check, as ``pollen predict``'s error (exit 2), with the way out when its
+    sidecar is missing."""
+    from pollen.app.checkpoints import UnverifiedFileError
+
+    return PredictError(str(err) + (UNVERIFIED_HINT if isinstance(err, UnverifiedFileError) else ""))
+
+
+def _read_json(path: Path, what: str, beside: Path | None = None, *, allow_unverified: bool = False) -> dict[str, Any]:
+    """A JSON file, verified against its ``.sha256`` sidecar (refused without one unless ``allow_unverified``)."""
     from pollen.app.checkpoints import CheckpointError, read_verified
 
     if not path.is_file():
         where = f" (expected beside {beside})" if beside is not None else ""
         raise PredictError(f"{path}: {what} not found{where}")
     try:
-        data = json.loads(read_verified(path))
+        data = json.loads(read_verified(path, allow_unverified=allow_unverified))
     except CheckpointError as err:
-        raise PredictError(str(err)) from err
+        raise _refused(err) from err
     except ValueError as err:
         raise PredictError(f"{path}: {what} is not readable JSON ({err})") from err
     if not isinstance(data, dict):
@@ -65,16 +77,18 @@ def _read_json(path: Path, what: str, beside: Path | None = None) -> dict[str, A
     return data
 
 
-def _read_arrays(path: Path, what: str) -> dict[str, Any]:
-    """Named arrays, verified against the file's ``.sha256`` sidecar: a changed byte is refused by name."""
+def _read_arrays(path: Path, what: str, meta: dict[str, Any] | None = None, *,
+                 allow_unverified: bool = False) -> dict[str, Any]:
+    """Named arrays, verified against the file's ``.sha256`` sidecar (refused without one unless
+    ``allow_unverified``) and against the digest its JSON ``meta`` records: a changed byte is refused by name."""
     from pollen.app.checkpoints import CheckpointError, load_arrays
 
     if not path.is_file():
         raise PredictError(f"{path}: {what} not found")
     try:
-        return load_arrays(path)
+        return load_arrays(path, allow_unverified=allow_unverified, sha256=(meta or {}).get("sha256"))
     except CheckpointError as err:
-        raise PredictError(str(err)) from err
+        raise _refused(err) from err
 
 
 def _parse_set(items: Sequence[str]) -> dict[str, Any]:
@@ -178,7 +192,8 @@ def _user_task_config(info: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def load_personal_model(path: Path, config: Path | None, overrides: dict[str, Any]) -> LoadedModel:
+def load_personal_model(path: Path, config: Path | None, overrides: dict[str, Any], *,
+                        allow_unverified: bool = False) -> LoadedModel:
     """A node's ``final-model.safetensors`` + ``final-model.json`` (+ the run config, when found)."""
     from pollen.models import ModelSpec
 
@@ -186,10 +201,10 @@ def load_personal_model(path: Path, config: Path | None, overrides: dict[str, An
     meta_path = path.with_suffix(".json")
     if not path.is_file():
         raise PredictError(f"{path}: model file not found")
-    info = _read_json(meta_path, "the model's JSON", beside=path)
+    info = _read_json(meta_path, "the model's JSON", beside=path, allow_unverified=allow_unverified)
     if "family" in info:  # a run's final/global.* passed as --model
         if info["family"] == "weights":
-            return load_global_model(path.parent.parent, overrides, weights=path)
+            return load_global_model(path.parent.parent, overrides, weights=path, allow_unverified=allow_unverified)
         raise PredictError(f"{path}: is the final global state of a {info['family']}-family run "
                            f"(method {info.get('method')!r}), not a model"
                            + ("; pass it as --prototypes with a node's --model" if info["family"] == "prototypes"
@@ -203,7 +218,7 @@ def load_personal_model(path: Path, config: Path | None, overrides: dict[str, An
     config = config or _find_run_config(path)
     if config is not None:
         config = _config_path(Path(config))
-        raw = _read_json(config, "run config")
+        raw = _read_json(config, "run config", allow_unverified=allow_unverified)
         cfg = _run_config(raw, overrides, str(config))
         differ = [k for k, mine in (("method", cfg.method), ("task", cfg.task), ("seed", cfg.seed))
                   if info.get(k) != mine]
@@ -226,13 +241,14 @@ def load_personal_model(path: Path, config: Path | None, overrides: dict[str, An
     described = (f"model {info['model']!r} (width {info['width']}, {info['num-classes']} classes, "
                  f"{info['in-channels']}×{info['image-size']}² input{f', {kwargs}' if kwargs else ''}) "
                  f"described by {meta_path.name}")
-    arrays = _read_arrays(path, "model file")
+    arrays = _read_arrays(path, "model file", info, allow_unverified=allow_unverified)
     check_state(model, arrays, path, described)
     _load_into(model, arrays)
     return LoadedModel(_prepare(model, info["model"]), info["model"], dict(info), path, cfg, notes)
 
 
-def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | None = None) -> LoadedModel:
+def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | None = None, *,
+                      allow_unverified: bool = False) -> LoadedModel:
     """A weights-family run's final global model, rebuilt from the run's ``config.json`` (as the
     ServerApp built its initial model: the task's default model unless ``model`` is set)."""
     from pollen.datasets.tasks import TaskOptions, resolve_task
@@ -242,14 +258,14 @@ def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | 
     if not run_dir.is_dir():
         raise PredictError(f"{run_dir}: run folder not found")
     config = run_dir / "config.json"
-    raw = _read_json(config, "run config")
+    raw = _read_json(config, "run config", allow_unverified=allow_unverified)
     weights = weights or run_dir / "final" / "global.safetensors"
     meta_path = weights.with_suffix(".json")
     from pollen.app.registry import METHODS
 
     spec = METHODS.get(str(raw.get("method", "fedavg")))
     if weights.is_file():
-        meta = _read_json(meta_path, "the global state's JSON", beside=weights)
+        meta = _read_json(meta_path, "the global state's JSON", beside=weights, allow_unverified=allow_unverified)
     elif spec is None or spec.family == "weights":
         raise PredictError(f"{weights}: not found — did the run finish? (a run writes final/ at its end)")
     else:
@@ -277,7 +293,8 @@ def load_global_model(run_dir: Path, overrides: dict[str, Any], weights: Path | 
     else:
         described, source = choose_model(cfg, task), str(config)
     model = described.build()
-    arrays = {k[len("model."):]: v for k, v in _read_arrays(weights, "global state").items()
+    arrays = {k[len("model."):]: v for k, v in _read_arrays(weights, "global state", meta,
+                                                            allow_unverified=allow_unverified).items()
               if k.startswith("model.")}
     check_state(model, arrays, weights, f"model {described.name!r} (width {described.width}, "
                                         f"{described.num_classes} classes) built from {source}")
@@ -308,7 +325,7 @@ class Prototypes:
     info: dict[str, Any]
 
 
-def load_prototypes(path: Path, loaded: LoadedModel) -> Prototypes:
+def load_prototypes(path: Path, loaded: LoadedModel, *, allow_unverified: bool = False) -> Prototypes:
     import numpy as np
     import torch
 
@@ -318,11 +335,11 @@ def load_prototypes(path: Path, loaded: LoadedModel) -> Prototypes:
     meta_path = path.with_suffix(".json")
     if not path.is_file():
         raise PredictError(f"{path}: prototype file not found")
-    meta = _read_json(meta_path, "the global state's JSON", beside=path)
+    meta = _read_json(meta_path, "the global state's JSON", beside=path, allow_unverified=allow_unverified)
     if meta.get("family") != "prototypes":
         raise PredictError(f"{path}: holds the global state of a {meta.get('family')!r}-family run "
                            f"(method {meta.get('method')!r}), not prototypes")
-    arrays = _read_arrays(path, "prototype file")
+    arrays = _read_arrays(path, "prototype file", meta, allow_unverified=allow_unverified)
     absent = [k for k in ("prototypes", "present") if k not in arrays]
     if absent:
         raise PredictError(f"{path}: missing keys {_short(absent)} (a prototypes run's final/global.safetensors "
@@ -591,10 +608,12 @@ output:
   (prototypes; smaller is nearer). label is empty for unlabelled images; file is
   <task>/partition-<i>/<split>/<index> for a task split.
 refused (exit code 2, naming the file and the mismatch):
-  a safetensors whose keys or shapes differ from the model its JSON / run config describes, a missing
-  or unreadable JSON or config.json, a global state without a model (prototypes, logits, local runs),
-  prototypes whose d differs from the model's feature_dim or whose class count or task differs, and
-  bad usage or input (unknown task, partition out of range, missing data, unreadable images).
+  a file whose bytes changed since Pollen wrote it (its .sha256 sidecar, or the sha256 its JSON records),
+  a file without its sidecar (unless --allow-unverified), a safetensors whose keys or shapes differ
+  from the model its JSON / run config describes, a missing or unreadable JSON or config.json, a global
+  state without a model (prototypes, logits, local runs), prototypes whose d differs from the model's
+  feature_dim or whose class count or task differs, and bad usage or input (unknown task, partition out
+  of range, missing data, unreadable images).
 examples:
   pollen predict --model runs/7/nodes/partition-0/final-model.safetensors --partition 0 --num-partitions 3
   pollen predict --model state/final-model.safetensors --prototypes runs/7 --images my-digits/ --out p.csv
@@ -647,6 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto = cuda when available (default)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="load a model, JSON or run config that has no .sha256 sidecar (refused by default, like a "
+                        "changed byte: exit 2), with a warning; a file whose bytes do not match its sidecar or the "
+                        "digest its JSON records is refused even then")
     return p
 
 
@@ -679,10 +702,11 @@ def run(args: argparse.Namespace) -> int:
     if args.run is not None:
         if args.config is not None:
             raise PredictError("--config is for --model; --run reads RUN_DIR/config.json")
-        loaded = load_global_model(args.run, overrides)
+        loaded = load_global_model(args.run, overrides, allow_unverified=args.allow_unverified)
     else:
-        loaded = load_personal_model(args.model, args.config, overrides)
-    protos = load_prototypes(args.prototypes, loaded) if args.prototypes is not None else None
+        loaded = load_personal_model(args.model, args.config, overrides, allow_unverified=args.allow_unverified)
+    protos = (load_prototypes(args.prototypes, loaded, allow_unverified=args.allow_unverified)
+              if args.prototypes is not None else None)
 
     task_name = args.task or loaded.info["task"]
     if task_name not in TASKS:

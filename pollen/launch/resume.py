@@ -66,7 +66,13 @@ def check_resume(app_dir: Path, args: argparse.Namespace) -> tuple[Path, dict[st
 
 
 def _resume_checks(app_dir: Path, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
-    from pollen.app.checkpoints import CheckpointError, latest_checkpoint, verify_files
+    from pollen.app.checkpoints import (
+        CHECKPOINT_DIR,
+        CheckpointError,
+        latest_checkpoint,
+        list_checkpoints,
+        verify_files,
+    )
 
     run_config = resume_config(app_dir, run_dir, args.run_config)
     info = read_launch_info(run_dir)
@@ -83,13 +89,18 @@ def _resume_checks(app_dir: Path, args: argparse.Namespace, run_dir: Path) -> di
                   flush=True)
         if given is None and saved is not None:
             setattr(args, option, saved)
-    problems = verify_files(run_dir)
+    problems = verify_files(run_dir, skip=(CHECKPOINT_DIR,))  # checkpoints: the newest valid one is used
     if problems:
-        raise LaunchConfigError(f"--resume {args.resume}: refusing files that changed since they were written: "
-                                + "; ".join(problems))
+        raise LaunchConfigError(f"--resume {args.resume}: refusing files that changed since they were written or "
+                                "have no sidecar: " + "; ".join(problems))
     try:
-        latest_checkpoint(run_dir)
+        checkpoint = latest_checkpoint(run_dir)
     except CheckpointError as err:
         raise LaunchConfigError(f"--resume {args.resume}: {err}") from err
+    newest = max(list_checkpoints(run_dir))
+    if checkpoint.round != newest:
+        print(f"[pollen] note: --resume {args.resume}: the checkpoints after round {checkpoint.round} (newest: round "
+              f"{newest}) are damaged (see the warning above); the run continues from round {checkpoint.round}",
+              flush=True)
     return run_config
 

@@ -10,9 +10,10 @@ Used by ``make run``, the tests and the benchmarks::
 
 Exit codes (:mod:`pollen.launch.errors`): 0 only for ``finished:completed``; 1 the run failed, was stopped
 or its status is unknown; 2 bad options or run config, an out-dir that cannot be written, a run folder
-another launcher holds or a resume that does not match its folder (nothing was started); 3 the SuperLink
-died; 124 timeout; 128 + signal when interrupted (130 Ctrl-C, 143 SIGTERM).
+another launcher holds, a resume that does not match its folder or a run the machine cannot hold (nothing
+was started); 3 the SuperLink died; 124 timeout; 128 + signal when interrupted (130 Ctrl-C, 143 SIGTERM).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,6 +44,7 @@ from pollen.launch.errors import (
     SuperLinkDied,
     signals_raise,
 )
+from pollen.launch.resources import check_simulation
 from pollen.launch.resume import check_resume
 from pollen.launch.runs import (
     RunFolderError,
@@ -113,8 +115,9 @@ def _catalog() -> str:
 
 def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
     epilog = ("exit codes: 0 finished:completed; 1 run failed/stopped/unknown; 2 bad options or run config, "
-              "out-dir not writable, run folder held by another launcher, resume not matching its folder "
-              "(nothing started); 3 SuperLink died; 124 timeout; 130/143 interrupted (Ctrl-C/SIGTERM)")
+              "out-dir not writable, run folder held by another launcher, resume not matching its folder, a "
+              "machine too small for the run (nothing started); 3 SuperLink died; 124 timeout; 130/143 interrupted "
+              "(Ctrl-C/SIGTERM)")
     if catalog:
         epilog = _catalog() + "\n\n" + epilog
     parser = argparse.ArgumentParser(prog="pollen run", description=__doc__.split("\n\n")[0],
@@ -189,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.num_supernodes = fitting_node_count(app_dir, values, args.num_supernodes)
         args.cpus_per_client = 1 if args.cpus_per_client is None else args.cpus_per_client
         args.gpus_per_client = 0.0 if args.gpus_per_client is None else args.gpus_per_client
+        check_simulation({**app_run_config(app_dir), **values}, args.num_supernodes, args.cpus_per_client,
+                         args.ray_cpus, args.ray_address)
         if results_root is not None and "run-name" in app_run_config(app_dir):  # a Pollen app: named, locked
             run_dir, lock = prepare_run_dir(app_dir, values, results_root, run_dir, args, lock)
     except (LaunchConfigError, RunFolderError) as err:

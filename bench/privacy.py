@@ -82,19 +82,26 @@ def command_config(record_path: Path) -> tuple[dict[str, Any], int]:
     return config, nodes
 
 
+# The study's accuracies are the experimenter's measurement, not a release: the private arms evaluate with
+# dp-evaluate = 'unprotected' (recorded in each summary), so accuracy is read as without DP.
+MEASURED = {"dp-evaluate": "unprotected"}
+
+
 def arms(family: str) -> list[tuple[str, dict[str, Any]]]:
     """(arm name, the run keys it adds) for one family, the no-DP arm first."""
     audit = {"leak-audit": True}
+    private = {**audit, **MEASURED}
     if family == "fedproto":
         out = [("off", audit)]
         for mode in ("payload", "sample"):
-            out += [(f"{mode}-eps{e:g}", {**audit, "dp-mode": mode, "dp-target-epsilon": e}) for e in FEDPROTO_EPSILONS]
+            out += [(f"{mode}-eps{e:g}", {**private, "dp-mode": mode, "dp-target-epsilon": e})
+                    for e in FEDPROTO_EPSILONS]
         return out
-    if family == "glfc":
+    if family == "glfc":  # GLFC evaluates on the server: no client evaluation to decide on
         return [("sigma0", audit)] + [(f"sigma{s:g}", {**audit, "dp-mode": "payload", "dp-noise-multiplier": s})
                                       for s in GLFC_SIGMAS]
     if family == "fccl":
-        return [("off", audit)] + [(f"payload-eps{e:g}", {**audit, "dp-mode": "payload", "dp-target-epsilon": e})
+        return [("off", audit)] + [(f"payload-eps{e:g}", {**private, "dp-mode": "payload", "dp-target-epsilon": e})
                                    for e in FCCL_EPSILONS]
     raise ValueError(family)
 

@@ -324,7 +324,7 @@ def test_the_prototype_strategy_refuses_releases_beyond_the_dp_bound():
 
 
 # -- the run config to the strategy ------------------------------------------------------------------------
-UCI = {"task": "uci-dirichlet", "max-train-samples": 48, "batch-size": 8}
+UCI = {"task": "uci-dirichlet", "max-train-samples": 48, "batch-size": 8, "fraction-evaluate": 0.0}
 
 
 def test_strategy_options_carry_the_dp_bound_of_the_run_keys_and_none_without_dp():
@@ -430,8 +430,8 @@ def test_a_fedavg_run_drowned_in_noise_is_warned_before_round_1_and_its_clients_
     from pollen.strategies.base import NoTrainingError
     from pollen.testing import run_inprocess
 
-    rc = {"method": "fedavg", "num-server-rounds": 3, "local-epochs": 1, "dp-mode": "payload", "dp-clip": 0.5,
-          "dp-noise-multiplier": 1.5, "avg-weighting": "uniform", "torch-threads": 1}
+    rc = {"method": "fedavg", "num-server-rounds": 3, "local-epochs": 1, "fraction-evaluate": 0.0, "dp-mode": "payload",
+          "dp-clip": 0.5, "dp-noise-multiplier": 1.5, "avg-weighting": "uniform", "torch-threads": 1}
     assert len(run_inprocess(rc, stop_after=1, echo=False)) == 1  # round 1 trains the clean initial model
     warnings = [r.getMessage() for r in caplog.records if "averaged model gets noise" in r.getMessage()]
     assert len(warnings) == 1 and "k = 3 clients a round" in warnings[0] and "σ 1.5, dp-clip 0.5" in warnings[0]

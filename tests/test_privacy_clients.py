@@ -33,7 +33,7 @@ from tests.numerics import REFERENCE, on_this_platform
 
 torch.set_num_threads(1)
 
-UCI = {"task": "uci-dirichlet", "max-train-samples": 48, "batch-size": 8}
+UCI = {"task": "uci-dirichlet", "max-train-samples": 48, "batch-size": 8, "fraction-evaluate": 0.0}
 PAYLOAD = {"method": "fedproto", **UCI, "dp-mode": "payload", "dp-noise-multiplier": 2.0, "dp-clip": 1.0}
 # SHA-256 of the round-1 train reply of partition 1 of 3 (UCI, 48 samples, batch 8) before dp-mode existed
 # (commit 545f108), per numeric platform (tests/numerics.py): each computed by that commit on the platform
@@ -235,7 +235,7 @@ def test_payload_weights_need_uniform_averaging():
 
 TINY_FCCL = {"task": "digits-offline", "model-width": 0.125, "fccl-public": "photo_patches", "fccl-public-size": 40,
              "fccl-public-batch-size": 20, "fccl-train-sizes": "24,24,24,24", "fccl-solo-epochs": 1,
-             "fccl-local-epochs": "1", "fccl-test-size": 20, "fccl-batch-size": 12}
+             "fccl-local-epochs": "1", "fccl-test-size": 20, "fccl-batch-size": 12, "fraction-evaluate": 0.0}
 
 
 def test_payload_logits_clip_every_row_and_add_noise_over_the_matrix(data_root, tmp_path, monkeypatch):
@@ -280,12 +280,17 @@ def test_payload_glfc_run_in_process_releases_noisy_models_and_gradients(tmp_pat
 
     # clip 0.05: noise std 0.05·√6 per weight; at clip 1 (std 2.4) the averaged model is mostly noise
     rc = {**UCI_RC, "dp-mode": "payload", "dp-noise-multiplier": 1.0, "dp-clip": 0.05,
-          "out-dir": str(tmp_path / "runs")}
+          "glfc-detect-all-clients": True, "out-dir": str(tmp_path / "runs")}
     cfg = parse_run_config(rc)
     strategy = make_strategy(cfg)
     grid = client_app_grid(rc, 5, tmp_path)
     strategy.start(grid=grid, initial_arrays=initial_arrays(cfg), num_rounds=4, evaluate_fn=strategy.evaluate_global)
     reports = [strategy.take_round_report(r) for r in range(1, 5)]
+    # the unsampled clients ran task detection on the new model; under DP their replies say nothing of their
+    # data (no transition, entropy, class or exemplar count, training-set size)
+    detected = [m for rep in reports for m in rep.evaluate_clients.values()]
+    assert detected and all(set(m) <= {"partition-id", "loss", "num-examples"} for m in detected), detected
+    assert all(m.get("num-examples", 1) == 1 and m.get("loss", 0.0) == 0.0 for m in detected)
     assert all(rep.accepted == 3 and not rep.rejected and not rep.failures for rep in reports), \
         [(rep.rejected, rep.failures) for rep in reports]
     rounds_of: dict[str, int] = {}

@@ -263,7 +263,8 @@ def test_a_whole_distributed_dp_run_reports_the_epsilon_an_independent_accountan
 
     z = 0.8
     rounds = run_inprocess({"method": "fedproto", "num-server-rounds": 2, "seed": 0, "secure-aggregation": True,
-                            "dp-mode": "distributed", "dp-min-honest": 3, "dp-noise-multiplier": z}, 4, echo=False)
+                            "dp-mode": "distributed", "dp-min-honest": 3, "dp-noise-multiplier": z,
+                            "fraction-evaluate": 0.0}, 4, echo=False)
     for r in rounds:
         assert r["fit"]["accepted"] == 4 and r["failures"] == 0
         assert r["fit"]["dp-epsilon"] == pytest.approx(_independent_epsilon(z, 1.0, r["round"], 1e-5), rel=1e-8)
@@ -278,7 +279,7 @@ def test_pollens_client_keeps_its_distributed_dp_ledger_beside_its_state_and_ref
     from pollen.protocol.secagg import Refused, Setup
 
     run_config = {"method": "fedproto", "secure-aggregation": True, "dp-mode": "distributed", "dp-min-honest": 3,
-                  "dp-noise-multiplier": 1.2, "out-dir": str(tmp_path)}
+                  "dp-noise-multiplier": 1.2, "fraction-evaluate": 0.0, "out-dir": str(tmp_path)}
     context = Context(run_id=7, node_id=1, node_config={"partition-id": 2, "num-partitions": 4}, state=RecordDict(),
                       run_config=run_config)
     setup = Setup("s", 3, 4, 64, 8.0, 1 << 22, 1000, "prototypes", "samples", 1.0, 1.2, 3)

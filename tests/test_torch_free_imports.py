@@ -78,7 +78,7 @@ def test_the_launcher_checks_a_sample_mode_run_config_without_torch(tmp_path):
         from pollen.launch.launcher import main
         report("launcher")
         sample = {{"method": "fedavg", "task": "uci-dirichlet", "avg-weighting": "uniform", "dp-mode": "sample",
-                  "dp-noise-multiplier": 1.0}}
+                  "dp-noise-multiplier": 1.0, "fraction-evaluate": 0.0}}
         values, _ = compose_run_config(Path.cwd(), sample, out_dir={str(tmp_path / "runs")!r})
         assert fitting_node_count(Path.cwd(), values, 3) == 3
         report("accepted")
@@ -91,7 +91,8 @@ def test_the_launcher_checks_a_sample_mode_run_config_without_torch(tmp_path):
             else:
                 raise AssertionError(model)
         report("refused")
-        rc = "method='fedavg' avg-weighting='uniform' dp-mode='sample' dp-noise-multiplier=1.0 model='resnet18'"
+        rc = ("method='fedavg' avg-weighting='uniform' dp-mode='sample' dp-noise-multiplier=1.0 model='resnet18' "
+              "fraction-evaluate=0.0")
         assert main(["--out-dir", {str(tmp_path / "runs")!r}, "--run-config", rc]) == 2  # `pollen run`, exit 2
         report("pollen run")
     """)

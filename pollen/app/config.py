@@ -26,8 +26,8 @@ from pollen.settings import parse_node_config as _read_node_config
 from pollen.settings.common import NetworkKeys, PrivacyKeys, SecureAggregationKeys
 from pollen.settings.keys import declared_keys
 
-__all__ = ["DEFAULTS", "ConfigError", "NodeConfig", "RunConfig", "check_privacy", "check_secure_aggregation",
-           "parse_node_config",
+__all__ = ["DEFAULTS", "ConfigError", "NodeConfig", "RunConfig", "check_privacy", "check_private_evaluation",
+           "check_secure_aggregation", "evaluates_on_clients", "parse_node_config",
            "parse_run_config", "validated_run_config"]
 
 
@@ -48,6 +48,8 @@ def parse_run_config(raw: Mapping[str, Any] | None = None) -> RunConfig:
     check_secure_aggregation(cfg)
     if spec.validate is not None:
         spec.validate(cfg)
+    if cfg.dp_mode != "off":  # last: a private run's own errors (a key its mode ignores) are named first
+        check_private_evaluation(cfg)
     return cfg
 
 
@@ -137,6 +139,33 @@ def check_privacy(cfg: RunConfig) -> None:
                           f"(family {family!r}); it is for: {', '.join(supported) or 'no method yet'}")
     if cfg.dp_mode == "sample":
         _refuse_cross_sample_models(cfg)
+
+
+def evaluates_on_clients(cfg: RunConfig) -> bool:
+    """Whether the run's clients answer evaluate messages with their own figures (``fraction-evaluate``;
+    GLFC evaluates on the server)."""
+    return cfg.fraction_evaluate > 0 and METHODS[cfg.method].client_evaluation
+
+
+def check_private_evaluation(cfg: RunConfig) -> None:
+    """Evaluation under DP is a decision: evaluate replies are computed from the clients' data (accuracy,
+    loss and test-set size, every round), so a private run whose clients evaluate must say how."""
+    evaluates = evaluates_on_clients(cfg)
+    if not evaluates and cfg.dp_evaluate != "refuse":
+        why = ("fraction-evaluate = 0" if METHODS[cfg.method].client_evaluation else
+               f"method {cfg.method!r} evaluates on the server")
+        raise ConfigError(f"run config key 'dp-evaluate' = {cfg.dp_evaluate!r} has no effect: no client evaluates "
+                          f"({why}); remove it")
+    if evaluates and cfg.dp_evaluate == "refuse":
+        raise ConfigError(
+            f"dp-mode = {cfg.dp_mode!r} with fraction-evaluate = {cfg.fraction_evaluate:g}: every round the clients "
+            "would send evaluate replies computed from their data (accuracy, loss, test-set size) outside the ε "
+            "ledger. Choose one: fraction-evaluate = 0 (no client evaluation), dp-evaluate = 'noised' (only the "
+            "accuracies leave, noised and accounted in the ledger; σ covers the evaluations too), or "
+            "dp-evaluate = 'unprotected' (they leave as they are, outside ε; summary.json records it)")
+    if cfg.dp_evaluate == "noised" and cfg.dp_mode not in ("payload", "sample"):
+        raise ConfigError(f"run config key 'dp-evaluate' = 'noised' is for dp-mode 'payload' or 'sample', not "
+                          f"{cfg.dp_mode!r}: set fraction-evaluate = 0 or dp-evaluate = 'unprotected'")
 
 
 # The families whose train payload is a sum (pollen.secagg.payloads), and why the others cannot be summed.

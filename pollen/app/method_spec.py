@@ -39,7 +39,7 @@ class ClientAdapter:
         return client.train(self.decode(content)).content()
 
     def evaluate(self, client: Any, content: RecordDict) -> RecordDict:
-        return client.test(self.decode(content)).content()
+        return client.released_evaluation(client.test(self.decode(content))).content()
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,8 @@ class MethodSpec:
     task_kinds: tuple[str, ...] = ("partitioned",)
     # The dp-mode values its clients implement (docs/privacy.md); any other is refused before start.
     dp_modes: tuple[str, ...] = ()
+    # Whether its strategy asks clients to evaluate (fraction-evaluate); GLFC evaluates on the server.
+    client_evaluation: bool = True
     # Whether its clients measure what their release reveals under leak-audit (docs/privacy.md).
     leak_audit: bool = False
 

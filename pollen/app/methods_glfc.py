@@ -188,6 +188,6 @@ for _name, _desc in DESCRIPTIONS.items():
                                make_client=make_client, adapter=GLFC_ADAPTER, initial_arrays=initial_arrays,
                                required_nodes=final_population,
                                keys=GLFC_KEYS, validate=validate_glfc, task_kinds=("class-incremental",),
-                               dp_modes=("payload",),
+                               dp_modes=("payload",), client_evaluation=False,
                                # leak-audit scores the proxy's reconstructions: only methods that run it
                                leak_audit=VARIANTS[_name][4] == "proxy"))

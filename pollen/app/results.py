@@ -275,8 +275,8 @@ def privacy_spent(rounds: list[dict[str, Any]], **dp_terms: str) -> dict[str, An
     def note(name: str, client: str, value: float) -> None:
         spent[name][client] = max(spent[name].get(client, 0.0), value)
 
-    for rec in rounds:
-        for client, metrics in rec.get("fit-clients", {}).items():
+    for rec in rounds:  # fit then evaluate: a noised evaluation is a release too (dp-evaluate)
+        for client, metrics in [*rec.get("fit-clients", {}).items(), *rec.get("evaluate-clients", {}).items()]:
             for name in spent:
                 if isinstance(metrics.get(name), (int, float)):
                     note(name, client, float(metrics[name]))

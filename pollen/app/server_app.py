@@ -16,7 +16,7 @@ from flwr.app import Array, ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from pollen.app.checkpoints import CheckpointError, latest_checkpoint, save_arrays, write_checkpoint, write_json
-from pollen.app.config import RunConfig, validated_run_config
+from pollen.app.config import RunConfig, evaluates_on_clients, validated_run_config
 from pollen.app.grid_poll import prompt_replies
 from pollen.app.registry import METHODS, all_defaults
 from pollen.app.results import RunRecorder, run_directory
@@ -99,7 +99,10 @@ def main(grid: Grid, context: Context) -> None:
         initial = _initial_arrays(strategy, ckpt.arrays) or initial
         first_round = ckpt.round + 1
         LOGGER.info("resuming %s after round %d (%s)", run_dir, ckpt.round, ckpt.path.name)
-    dp_terms = release_terms(spec.family, cfg.dp_mode) if cfg.dp_mode != "off" else None
+    dp_terms = None
+    if cfg.dp_mode != "off":  # what every ε protects, and what became of the clients' evaluation
+        dp_terms = {**release_terms(spec.family, cfg.dp_mode),
+                    "dp-evaluate": cfg.dp_evaluate if evaluates_on_clients(cfg) else "none"}
     if cfg.dp_mode != "off" and (caveat := no_headline_warning(spec.family, cfg.dp_mode)):
         LOGGER.warning(caveat)
     recorder = RunRecorder(run_dir, cfg.to_dict(), cfg.num_server_rounds, resume_after=first_round - 1,

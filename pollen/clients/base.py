@@ -26,6 +26,7 @@ from pollen.privacy.config import PrivacyConfig
 from pollen.privacy.ledger import LedgerFile
 from pollen.privacy.payload import PayloadPrivacy
 from pollen.privacy.sample import SamplePrivacy
+from pollen.protocol.records import Evaluation
 from pollen.settings import NodeConfig, RunConfig
 
 # Conv backbones are stored channels-last (NHWC): faster training on CPU as well as CUDA, see
@@ -95,6 +96,24 @@ class PollenClient(NumPyClient):
         return SamplePrivacy(self.privacy_config, self.cfg.num_server_rounds, self.ledger(),
                              f"partition {self.partition_id}", num_records=self.data.num_train,
                              batch_size=self.cfg.batch_size, epochs=self.cfg.local_epochs, prototypes=prototypes)
+
+    def released_evaluation(self, evaluation: Evaluation) -> Evaluation:
+        """What an evaluate reply may carry: as it is, or under ``dp-evaluate = noised`` only its accuracies,
+        noised and composed in this node's ledger (no loss, no test-set size; :mod:`pollen.privacy.evaluation`).
+        Other private runs whose clients evaluate are refused before start, or chose ``unprotected``."""
+        if self.cfg.dp_mode == "off" or self.cfg.dp_evaluate != "noised":
+            return evaluation
+        privacy = self.payload_privacy() or self.sample_privacy(prototypes=self.release_kind == "prototypes")
+        if privacy is None:
+            raise ValueError(f"dp-evaluate = 'noised' has no mechanism in dp-mode {self.cfg.dp_mode!r}")
+        metrics, num = privacy.evaluation(evaluation.metrics, evaluation.num_examples)
+        return Evaluation(None, num, {**self.base_metrics(), **metrics})
+
+    def numpy_evaluation(self, evaluation: Evaluation) -> tuple[float, int, dict[str, Any]]:
+        """``NumPyClient.evaluate``'s answer: the evaluation as the Message API releases it (a loss that
+        is not released reads 0)."""
+        out = self.released_evaluation(evaluation)
+        return (0.0 if out.loss is None else float(out.loss)), out.num_examples, dict(out.metrics)
 
     def base_metrics(self) -> dict[str, Any]:
         return {"partition-id": self.partition_id}

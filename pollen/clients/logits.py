@@ -84,8 +84,7 @@ class LogitClient(PollenClient):
         return reply.parameters(), reply.num_examples, dict(reply.metrics)
 
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
-        result = self.test(LogitInstruction.from_parameters(parameters, config, self.state_keys()))
-        return result.loss, result.num_examples, dict(result.metrics)
+        return self.numpy_evaluation(self.test(LogitInstruction.from_parameters(parameters, config, self.state_keys())))
 
     def train(self, ins: LogitInstruction) -> LogitReply:
         reply = self.core.fit(ins, self.contributed(ins.config))

@@ -62,8 +62,7 @@ class PrototypeClient(PollenClient):
         return reply.parameters(), reply.num_examples, dict(reply.metrics)
 
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
-        result = self.test(PrototypeInstruction.from_parameters(parameters, config))
-        return result.loss, result.num_examples, dict(result.metrics)
+        return self.numpy_evaluation(self.test(PrototypeInstruction.from_parameters(parameters, config)))
 
     def train(self, ins: PrototypeInstruction) -> PrototypeReply | PrivatePrototypeReply:
         seed = derive_seed(self.cfg.seed, self.partition_id, ins.server_round, 0)

@@ -25,8 +25,8 @@ class WeightClient(PollenClient):
         return reply.parameters(), reply.num_examples, dict(reply.metrics)
 
     def evaluate(self, parameters, config):
-        result = self.test(WeightsInstruction.from_parameters(self.state_keys(), parameters, config))
-        return result.loss, result.num_examples, dict(result.metrics)
+        ins = WeightsInstruction.from_parameters(self.state_keys(), parameters, config)
+        return self.numpy_evaluation(self.test(ins))
 
     def received_model(self, ins: WeightsInstruction):
         model = self.new_model()
@@ -85,8 +85,7 @@ class LocalClient(PollenClient):
         return reply.parameters(), reply.num_examples, dict(reply.metrics)
 
     def evaluate(self, parameters, config):
-        result = self.test(WeightsInstruction({}, dict(config)))
-        return result.loss, result.num_examples, dict(result.metrics)
+        return self.numpy_evaluation(self.test(WeightsInstruction({}, dict(config))))
 
     def train(self, ins: WeightsInstruction) -> WeightsReply:
         model = self._load()

@@ -298,7 +298,9 @@ class IncrementalRound:
         """Accuracy of the global model on this client's current data (the server evaluates globally).
 
         With ``detect-only`` (the code's every-client-every-round detection, ``glfc-detect-all-clients``)
-        the client instead runs task-transition detection and its memory update on the received model.
+        the client instead runs task-transition detection and its memory update on the received model;
+        under differential privacy its reply then carries no statistic of its data (no transition, entropy,
+        class or exemplar count, training-set size).
         """
         config = ins.config
         task = int(config.get("task", 0))
@@ -306,6 +308,8 @@ class IncrementalRound:
         load_state(model, ins.model)
         if bool(config.get("detect-only", False)):
             transition, st, memory, _, y_cur, _, entropy = self._detect(model, task)
+            if self.privacy is not None:  # the client updates its memory; the reply carries nothing of its data
+                return 0.0, 1, {}
             return 0.0, int(len(y_cur)), {"transition": int(transition), "entropy": entropy,
                                           "learned-classes": len(st["learned"]),
                                           "exemplars": int(sum(len(v) for v in memory.values()))}

@@ -54,7 +54,8 @@ def no_headline_warning(kind: str, mode: str) -> str | None:
 @dataclass(frozen=True)
 class PrivacyConfig:
     """``dp-mode``, ``dp-clip``, ``dp-noise-multiplier``, ``dp-target-epsilon``, ``dp-delta``,
-    ``dp-max-epsilon``; 0 means "not set" for the last three numbers but δ."""
+    ``dp-max-epsilon``; 0 means "not set" for the last three numbers but δ. ``evaluate``
+    (``dp-evaluate``): whether evaluate replies are releases too (``noised``)."""
 
     mode: str
     clip: float
@@ -62,6 +63,7 @@ class PrivacyConfig:
     target_epsilon: float
     delta: float
     max_epsilon: float
+    evaluate: str = "refuse"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -81,7 +83,7 @@ class PrivacyConfig:
     def of(cls, cfg: RunConfig) -> PrivacyConfig:
         """The DP keys of run ``cfg`` as one value (mode, clip, σ or target ε, δ, cap)."""
         return cls(cfg.dp_mode, cfg.dp_clip, cfg.dp_noise_multiplier, cfg.dp_target_epsilon, cfg.dp_delta,
-                   cfg.dp_max_epsilon)
+                   cfg.dp_max_epsilon, cfg.dp_evaluate)
 
     @property
     def private(self) -> bool:
@@ -93,12 +95,18 @@ class PrivacyConfig:
         counts every release ever made, so the cap holds across resumes, which repeat rounds."""
         return self.max_epsilon if self.max_epsilon > 0 else self.target_epsilon
 
+    @property
+    def evaluations(self) -> int:
+        """Releases an evaluation adds to a round: 1 when evaluate replies are noised and accounted."""
+        return int(self.evaluate == "noised")
+
     def payload_noise_multiplier(self, planned_releases: int, unit: str = "record") -> float:
-        """σ of each payload release: given, or calibrated so ``planned_releases`` stay within the target ε
-        (stated under ``unit``'s neighbour relation)."""
+        """σ of each payload release: given, or calibrated so ``planned_releases`` rounds (each one release,
+        plus one evaluation when noised) stay within the target ε (stated under ``unit``'s neighbour
+        relation)."""
         if self.noise_multiplier > 0:
             return self.noise_multiplier
-        return calibrate_noise_multiplier(self.target_epsilon, self.delta, planned_releases,
+        return calibrate_noise_multiplier(self.target_epsilon, self.delta, planned_releases * (1 + self.evaluations),
                                           neighbour=DEFAULT_NEIGHBOUR[unit])
 
 

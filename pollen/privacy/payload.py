@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from pollen.privacy.accounting import Release
 from pollen.privacy.budget import Budget
 from pollen.privacy.config import PrivacyConfig, release_unit
+from pollen.privacy.evaluation import spend_evaluation
 from pollen.privacy.ledger import LedgerFile
 from pollen.privacy.mechanisms import (
     PrototypeRelease,
@@ -50,6 +52,12 @@ class PayloadPrivacy:
         """Raise :class:`~pollen.privacy.budget.BudgetExhausted` before any work when the next release
         would pass ``dp-max-epsilon``."""
         self.budget.check(self._release())
+
+    def evaluation(self, metrics: Mapping[str, Any], num_examples: int, rng: np.random.Generator | None = None
+                   ) -> tuple[dict[str, float], int]:
+        """An evaluate reply as a release (``dp-evaluate = noised``): its noisy accuracies and ε metrics,
+        and the ``num-examples`` it may report (:mod:`pollen.privacy.evaluation`)."""
+        return spend_evaluation(self.budget, self._release(), self.unit, metrics, num_examples, rng or secure_rng())
 
     def prototypes(self, embeddings: np.ndarray, labels: np.ndarray, num_classes: int,
                    rng: np.random.Generator | None = None) -> tuple[PrototypeRelease, dict[str, float]]:

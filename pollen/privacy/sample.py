@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from pollen.privacy.accounting import Release, calibrate_noise_multiplier
 from pollen.privacy.budget import Budget
 from pollen.privacy.config import PrivacyConfig
+from pollen.privacy.evaluation import spend_evaluation
 from pollen.privacy.ledger import LedgerFile
 from pollen.privacy.mechanisms import PrototypeRelease, release_prototypes, secure_rng
 
@@ -47,7 +50,7 @@ class SamplePrivacy:
         if self.config.noise_multiplier > 0:
             return self.config.noise_multiplier
         return calibrate_noise_multiplier(self.config.target_epsilon, self.config.delta, self.planned_rounds,
-                                          self.rate, self.steps, int(self.with_prototypes))
+                                          self.rate, self.steps, int(self.with_prototypes) + self.config.evaluations)
 
     @functools.cached_property
     def budget(self) -> Budget:
@@ -70,6 +73,13 @@ class SamplePrivacy:
         """The prototype release after DP training (its cost is spent with the round's steps)."""
         return release_prototypes(embeddings, labels, num_classes, self.config.clip, self.noise_multiplier,
                                   rng or secure_rng())
+
+    def evaluation(self, metrics: Mapping[str, Any], num_examples: int, rng: np.random.Generator | None = None
+                   ) -> tuple[dict[str, float], int]:
+        """An evaluate reply as a release (``dp-evaluate = noised``), one record the unit: its noisy
+        accuracies and ε metrics, and the ``num-examples`` it may report (:mod:`pollen.privacy.evaluation`)."""
+        return spend_evaluation(self.budget, Release(self.noise_multiplier), "record", metrics, num_examples,
+                                rng or secure_rng())
 
     def spend(self, trained: Release) -> dict[str, float]:
         """Compose what DP-SGD reports it ran (and the prototype release), persist, return ε metrics."""

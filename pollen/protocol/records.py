@@ -102,11 +102,13 @@ def arrays_of(content: RecordDict, key: str = ARRAYS) -> ArrayRecord:
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Client side, every family: what an evaluate message is answered with (metrics only)."""
+    """Client side, every family: what an evaluate message is answered with (metrics only). ``loss``
+    ``None``: not released (an evaluate reply under differential privacy)."""
 
-    loss: float
+    loss: float | None
     num_examples: int
     metrics: Mapping[str, Any] = field(default_factory=dict)
 
     def content(self) -> RecordDict:
-        return RecordDict({METRICS: metric_record(self.num_examples, {**self.metrics, "loss": float(self.loss)})})
+        loss = {} if self.loss is None else {"loss": float(self.loss)}
+        return RecordDict({METRICS: metric_record(self.num_examples, {**self.metrics, **loss})})

@@ -21,6 +21,7 @@ AGGREGATIONS = ("mean", "median", "trimmed-mean")
 WEIGHTINGS = ("samples", "uniform")
 # Differential privacy (pollen.privacy): none, per release, DP-SGD, noise shared across a secure sum.
 DP_MODES = ("off", "payload", "sample", "distributed")
+DP_EVALUATIONS = ("refuse", "noised", "unprotected")  # dp-evaluate: client evaluation under DP
 # How a user-data task's folder is split across partitions (pollen.datasets.user_tasks).
 DATA_SPLITS = ("iid", "dirichlet")
 # Where the ServerApp streams a run (pollen.app.tracking).
@@ -214,6 +215,12 @@ class PrivacyKeys:
         "dp-max-epsilon", 0.0, "float in [0, 1000000]",
         "a client stops releasing before its ε (every release it ever made, resumes included) would pass this "
         "(its replies become errors); 0 = `dp-target-epsilon` when set, else no cap")
+    dp_evaluate: str = setting(
+        "dp-evaluate", "refuse", "choice",
+        "private runs whose clients evaluate (`fraction-evaluate` > 0): `refuse` = refused before start (set "
+        "`fraction-evaluate` = 0 or choose), `noised` = an evaluate reply releases only its accuracies, noised "
+        "and accounted in the ledger (σ covers the evaluations too), `unprotected` = evaluate replies leave as "
+        "they are, outside ε (summary.json records it)", choices=DP_EVALUATIONS)
     leak_audit: bool = setting(
         "leak-audit", False, "bool",
         "simulations: each round reports what the server could learn from the clients' releases, against the "

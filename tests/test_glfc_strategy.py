@@ -22,7 +22,7 @@ from pollen.datasets.incremental import StreamConfig, plan_stream
 from pollen.methods.glfc import build_lenet, build_stream_model
 from pollen.protocol import glfc as protocol
 from pollen.protocol.records import ARRAYS, CONFIG, METRICS, array_record, metric_record
-from pollen.strategies.base import NoTrainingError
+from pollen.strategies import NoTrainingError
 from pollen.strategies.glfc import IncrementalFedAvg, aia, average_forgetting
 from tests.conftest import make_context
 from pollen.testing import InProcessGrid, clientapp_node

@@ -8,6 +8,7 @@ Every round runs through a real Flower ``Message`` exchange in process (``pollen
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 
 import numpy as np
@@ -352,6 +353,7 @@ def test_prototype_and_logit_strategies_aggregate_robustly_when_asked():
     logits = [np.full((5, 3), v, np.float32) for v in (1.0, 2.0, 3.0, 4.0, 9e3)]
     grid = InProcessGrid({10 + i: _logit_node(i, x) for i, x in enumerate(logits)})
     strategy = LogitAveraging(num_public=5, num_classes=3, aggregation="trimmed-mean", trim_fraction=0.2,
+                              outlier_factor=0,
                               min_available_nodes=5)
     strategy.start(grid=grid, initial_arrays=_record({}), num_rounds=1)
     np.testing.assert_array_equal(strategy.consensus, np.full((5, 3), 3.0, np.float32))  # mean of 2, 3, 4
@@ -384,3 +386,198 @@ def test_the_fleet_pins_each_partition_to_its_registered_node(tmp_path, capsys):
         fleet.partition_pins()
     assert main(["--pin-partitions", "--num-supernodes", "2"]) == EXIT_USAGE
     assert "--pin-partitions pins partitions to registered node keys: add --tls" in capsys.readouterr().err
+
+
+# -- the default defence: one node of five sending ×k of its honest update ---------------------------------
+# Each family's run in process (Pollen's ServerApp, real ClientApps), tiny; partition ATTACKER's ClientApp
+# is tests/faults.py's: its train replies carry k × its honest update (inside every declared bound).
+ATTACKER = 2
+COMMON_RUN = {"seed": 1, "device": "cpu", "torch-threads": 1, "num-server-rounds": 3}
+FAMILY_RUNS: dict[str, tuple[dict, int, bool]] = {  # family -> (run config, nodes, needs the MNIST files)
+    "weights": ({"method": "fedavg", "task": "uci-dirichlet", "max-train-samples": 96, "batch-size": 16}, 5, False),
+    "prototypes": ({"method": "fedproto", "task": "uci-dirichlet", "max-train-samples": 96, "batch-size": 8,
+                    "lr": 0.05}, 5, False),
+    # digits-offline has one client per domain: four nodes, one of them hostile
+    "logits": ({"method": "fccl", "task": "digits-offline", "model": "cnn_mnist", "fccl-public": "photo_patches",
+                "fccl-public-size": 40, "fccl-public-batch-size": 20, "fccl-train-sizes": "24,24,24,24",
+                "fccl-solo-epochs": 1, "fccl-local-epochs": "1", "fccl-test-size": 20, "fccl-batch-size": 12},
+               4, True),
+    # every round is a new task, so every client shares gradient sets every round
+    "glfc": ({"method": "glfc", "task": "uci-digits-cil", "glfc-tasks": 3, "glfc-classes-per-task": 3,
+              "glfc-rounds-per-task": 1, "glfc-initial-clients": 5, "glfc-new-clients": 0,
+              "glfc-clients-per-round": 5, "glfc-max-per-class": 20, "glfc-memory-size": 20,
+              "glfc-oracle-boundary": True, "glfc-proxy-iterations": 3, "glfc-proxy-keep": 2,
+              "glfc-perturb-steps": 2, "glfc-eval-per-class": 20, "model-width": 0.125, "local-epochs": 1,
+              "lr": 0.5, "momentum": 0.0}, 5, False),
+}
+
+
+def _family_config(family: str, out_dir, **extra) -> tuple[dict, int]:
+    config, nodes, needs_data = FAMILY_RUNS[family]
+    rc = {**COMMON_RUN, **config, "min-available-clients": nodes, "out-dir": str(out_dir), **extra}
+    if needs_data:
+        from tests.conftest import require_real_data
+
+        rc["data-root"] = require_real_data()
+    return rc, nodes
+
+
+def _float_arrays(arrays: dict, prefix: str = "") -> dict:
+    return {k[len(prefix):]: v.astype(np.float64) for k, v in arrays.items()
+            if k.startswith(prefix) and v.dtype.kind == "f"}
+
+
+def _final(run_dir) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(str(run_dir / "final" / "global.safetensors"))
+
+
+def run_family(family: str, out_dir, kind: str | None = None, **extra):
+    """One whole run in process; ``(metrics.jsonl rows, summary, final global state, last round's honest
+    replies {partition: arrays})``. With ``kind``, partition ATTACKER runs tests/faults.py's ClientApp;
+    ``kind = "silent"``: it answers no train message (the federation without the attacker)."""
+    import json
+
+    from flwr.app import Context
+
+    from pollen.app import client_app, server_app
+    from pollen.testing import clientapp_node
+    from tests.faults import make_app
+
+    rc, nodes = _family_config(family, out_dir, **extra)
+    last: dict[int, dict] = {}
+
+    def node(pid: int):
+        hostile = kind is not None and kind != "silent" and pid == ATTACKER
+        inner = clientapp_node(make_app(ATTACKER, kind) if hostile else client_app.app, rc, pid, nodes,
+                               node_id=100 + pid)
+
+        def handle(msg):
+            training = msg.metadata.message_type == MessageType.TRAIN
+            if training and kind == "silent" and pid == ATTACKER:
+                return None
+            out = inner(msg)
+            if training and not out.has_error() and pid != ATTACKER \
+                    and msg.content["config"]["server-round"] == rc["num-server-rounds"]:
+                last[pid] = {k: a.numpy() for k, a in out.content["arrays"].items()}
+            return out
+        return handle
+
+    grid = InProcessGrid({100 + p: node(p) for p in range(nodes)})
+    server_app.app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=dict(rc)))
+    run_dir = out_dir / "1"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return rows, json.loads((run_dir / "summary.json").read_text()), _final(run_dir), last
+
+
+def honest_spread(family: str, final: dict, replies: dict) -> float:
+    """How far the honest clients' last replies lie from the global state they made: the yardstick."""
+    if family in ("weights", "glfc"):
+        glob = _float_arrays(final, "model.")
+        return max(math.sqrt(sum(float(np.square(r[k].astype(np.float64) - g).sum()) for k, g in glob.items()))
+                   for r in replies.values())
+    if family == "prototypes":
+        protos, present = final["prototypes"].astype(np.float64), final["present"].astype(bool)
+        return max(float(np.linalg.norm(r["prototypes"][j] - protos[j])) for r in replies.values()
+                   for j in np.flatnonzero((r["class-counts"] > 0) & present))
+    return max(float(np.linalg.norm(r["logits"].astype(np.float64) - final["consensus"])) for r in replies.values())
+
+
+def distance(family: str, got: dict, honest: dict) -> float:
+    """How far one run's final global state lies from another's."""
+    if family in ("weights", "glfc"):
+        a, b = _float_arrays(got, "model."), _float_arrays(honest, "model.")
+        return math.sqrt(sum(float(np.square(a[k] - b[k]).sum()) for k in b))
+    if family == "prototypes":
+        both = np.flatnonzero(got["present"].astype(bool) & honest["present"].astype(bool))
+        return max(float(np.linalg.norm(got["prototypes"][j].astype(np.float64) - honest["prototypes"][j]))
+                   for j in both)
+    return float(np.linalg.norm(got["consensus"].astype(np.float64) - honest["consensus"]))
+
+
+@pytest.fixture(scope="module")
+def runs_without_attacker(tmp_path_factory):
+    """Each family's run without the attacker (its node silent), computed once, on first use."""
+    done: dict[str, tuple] = {}
+
+    def get(family: str):
+        if family not in done:
+            done[family] = run_family(family, tmp_path_factory.mktemp(f"without-{family}"), kind="silent")
+        return done[family]
+    return get
+
+
+def check_defended(family: str, rows: list, summary: dict, final: dict, without, messages: list[str]) -> None:
+    """The run completed, its global state lies within the honest spread of the run without the attacker,
+    and every round refused the attacker by ratio, with a WARNING naming node, partition and ratio."""
+    h_rows, h_summary, h_final, h_replies = without
+    assert h_summary["status"] == "completed" and all(r["accepted"] == r["sampled"] - 1 for r in h_rows), h_rows
+    assert summary["status"] == "completed", summary.get("failure-reason")
+    spread, moved = honest_spread(family, h_final, h_replies), distance(family, final, h_final)
+    assert moved <= spread, f"{family}: the global state moved {moved:.4g} from the honest run's, beyond {spread:.4g}"
+    for row in rows:  # refused by the spread rule, or (far enough) by a declared bound first: the outer wall
+        (refused,) = [r for r in row["rejected"] if r["stage"] == "train"]
+        assert refused["client"] == f"partition {ATTACKER}" and f"partition {ATTACKER}" not in row["fit-clients"]
+        warned = [m for m in messages if m.startswith(f"round {row['round']} train: rejected reply from partition "
+                                                      f"{ATTACKER}: ")]
+        assert len(warned) == 1, warned
+        if "ratio" in refused:
+            assert refused["node"] == 100 + ATTACKER and refused["ratio"] > 5, refused
+            assert f"(node {100 + ATTACKER})" in warned[0] and f"is {refused['ratio']:.4g} × the round's median" \
+                in warned[0]
+        else:
+            assert "above the bound max-" in refused["reason"], refused
+
+
+@pytest.mark.parametrize("factor", [10, 100, 1000])
+@pytest.mark.parametrize("family", list(FAMILY_RUNS))
+def test_one_node_sending_k_times_its_update_is_refused_by_default(family, factor, runs_without_attacker, tmp_path,
+                                                                  caplog):
+    without = runs_without_attacker(family)
+    with caplog.at_level(logging.WARNING, logger="flwr.pollen"):
+        rows, summary, final, _ = run_family(family, tmp_path, kind=f"scale-{factor}")
+    check_defended(family, rows, summary, final, without, [r.getMessage() for r in caplog.records])
+
+
+def test_without_the_defence_the_attack_moves_the_global_state_far_outside(runs_without_attacker, tmp_path):
+    """The yardstick can fail: with the rule off, ×100 from one node of five drags the mean far away."""
+    without = runs_without_attacker("weights")
+    rows, summary, final, _ = run_family("weights", tmp_path, kind="scale-100", **{"outlier-factor": 0.0})
+    assert not any("ratio" in r for row in rows for r in row["rejected"])  # nothing refused by the spread rule
+    assert distance("weights", final, without[2]) > 3 * honest_spread("weights", without[2], without[3])
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", list(FAMILY_RUNS))
+def test_flwr_run_with_one_node_sending_10_100_1000_times_its_update(family, runs_without_attacker, tmp_path):
+    """Through ``flwr run`` (simulation, default settings): partition ATTACKER's ClientApp sends ×10, ×100 and
+    ×1000 of its honest update in rounds 1, 2 and 3 (tests/faults.py ``scale-by-round``). The run completes,
+    every round refuses it with a WARNING naming its partition, and the final global state lies within the
+    honest spread of the run without it (in process, same settings)."""
+    import json
+
+    from pollen.launch.launcher import simulate
+    from tests.conftest import PROJECT_ROOT, RAY_CPUS
+    from tests.faults import faulty_app_dir
+
+    out = tmp_path / "runs"
+    rc, nodes = _family_config(family, out)
+    app_dir = faulty_app_dir(tmp_path, PROJECT_ROOT, partition=ATTACKER, kind="scale-by-round")
+    outcome = simulate(ray_cpus=RAY_CPUS, app_dir=app_dir, flwr_home=tmp_path / "flwr", num_supernodes=nodes,
+                       run_config=rc, timeout=600, echo=False)
+    assert outcome.completed, outcome.log[-4000:]
+    run_dir = out / str(outcome.run_id)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    without = runs_without_attacker(family)
+    spread, moved = honest_spread(family, without[2], without[3]), distance(family, _final(run_dir), without[2])
+    assert summary["status"] == "completed" and moved <= spread, (moved, spread)
+    log = outcome.log
+    for row in rows:
+        (refused,) = [r for r in row["rejected"] if r["stage"] == "train"]
+        assert refused["client"] == f"partition {ATTACKER}", refused
+        assert f"round {row['round']} train: rejected reply from partition {ATTACKER}: {refused['reason']}" in log
+        if "ratio" in refused:  # the spread rule; else a declared bound refused it first
+            assert f"(node {refused['node']})" in refused["reason"] and refused["ratio"] > 5

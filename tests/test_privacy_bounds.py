@@ -427,7 +427,7 @@ def test_a_fedavg_run_drowned_in_noise_is_warned_before_round_1_and_its_clients_
     """The warning depends only on the keys, the initial model and k, so it is certain; when a round does
     diverge (the noise comes from the OS, so when is not: forced here by a learning rate that overflows
     in round 1) the client's error names the noise as well as the learning rate."""
-    from pollen.strategies.base import NoTrainingError
+    from pollen.strategies import NoTrainingError
     from pollen.testing import run_inprocess
 
     rc = {"method": "fedavg", "num-server-rounds": 3, "local-epochs": 1, "fraction-evaluate": 0.0, "dp-mode": "payload",

@@ -27,7 +27,7 @@ from pollen.clients.state import ClientState
 from pollen.datasets.spec import TaskOptions
 from pollen.privacy import calibrate_noise_multiplier
 from pollen.protocol import prototypes as proto_protocol
-from pollen.strategies.base import NoTrainingError
+from pollen.strategies import NoTrainingError
 from pollen.testing import InProcessGrid, clientapp_node, set_task_identity
 from tests.numerics import REFERENCE, on_this_platform
 

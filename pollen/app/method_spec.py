@@ -144,7 +144,7 @@ def strategy_options(cfg: RunConfig) -> dict[str, Any]:
             "max_empty_rounds": cfg.max_empty_rounds, "min_train_nodes": cfg.min_train_clients,
             "network": NetworkModel.of(cfg),  # dropouts, slow clients, a round deadline (docs/stragglers.md)
             "identify_nodes": cfg.sample_by_partition,  # Pollen's ClientApp answers QUERY
-            "aggregation": cfg.aggregation, "trim_fraction": cfg.trim_fraction,
+            "aggregation": cfg.aggregation, "trim_fraction": cfg.trim_fraction, "outlier_factor": cfg.outlier_factor,
             "bounds": PayloadBounds(cfg.max_update_norm, cfg.max_logit_abs, cfg.max_grad_norm,
                                     _dp_bounds(cfg)),
             "partition_pins": parse_partition_pins(cfg.partition_pins)}

@@ -159,6 +159,8 @@ class RunRecorder:
         rec["fit"] = _clean(report.fit)
         rec["evaluate"] = _clean(report.evaluate)
         rec["rejected"].extend(report.rejected)
+        if report.spread:  # how the accepted train replies spread around the round's median (pollen.strategies.spread)
+            rec["spread"] = report.spread
         if report.dropped_metrics:  # a bad reported metric left out while its reply counted (absent when none)
             rec.setdefault("dropped-metrics", []).extend(
                 {**d, "value": None if d["value"] is None else repr(d["value"])} for d in report.dropped_metrics)

@@ -176,6 +176,10 @@ class HostileKeys:
     trim_fraction: float = setting(
         "trim-fraction", 0.2, "float in [0, 0.5)",
         "`trimmed-mean`: share of the smallest and of the largest client values dropped at each coordinate")
+    outlier_factor: float = setting(
+        "outlier-factor", 5.0, "float in [0, 1000000]",
+        "a train reply whose size (update norm, prototype or logit size, gradient-set norm) is more than this × "
+        "the round's median is refused, naming node, partition and ratio; 0 = off (docs/strategies.md)")
     max_update_norm: float = setting(
         "max-update-norm", 10000.0, "float in (0, 1000000000000]",
         "weights, GLFC and homogeneous-logit models: a reply moving further than this × the broadcast model's "

@@ -14,9 +14,8 @@ unchecked. The parts, each usable and tested without a grid:
 * :class:`~pollen.strategies.sampling.NodeSampler` (``strategy.nodes``): waiting for nodes, drawing a
   sample with the strategy's own RNG, identity queries.
 
-The round loop is :meth:`PollenStrategy.start`; every message of a round goes out and comes back through
-one seam, :meth:`PollenStrategy.exchange` (``grid.send_and_receive`` by default): a strategy that runs a
-round differently on the wire (secure aggregation, deadlines) overrides that method alone.
+The round loop is :meth:`PollenStrategy.start`; every message goes out and comes back through one seam,
+:meth:`PollenStrategy.exchange`: a strategy that runs a round differently on the wire overrides it alone.
 """
 
 from __future__ import annotations
@@ -38,17 +37,11 @@ from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION, average_arrays,
 from pollen.strategies.exchange import NetworkExchange
 from pollen.strategies.network import NetworkModel
 from pollen.strategies.options import check_options
-from pollen.strategies.partitions import PartitionBook, Quarantine
-from pollen.strategies.replies import (
-    Accepted,
-    Decode,
-    MetricsAggrFn,
-    NoTrainingError,  # noqa: F401  (importable from here, as before the split)
-    ReplyScreen,
-    RoundReport,
-)
+from pollen.strategies.partitions import PartitionBook
+from pollen.strategies.replies import Accepted, Decode, MetricsAggrFn, ReplyScreen, RoundReport
 from pollen.strategies.rounds import run_rounds
 from pollen.strategies.sampling import NodeSampler
+from pollen.strategies.spread import DEFAULT_OUTLIER_FACTOR, check_factor, far_outside, spread_record
 
 
 class PollenStrategy(Strategy):
@@ -73,6 +66,8 @@ class PollenStrategy(Strategy):
         network: a simulated network (:class:`~pollen.strategies.network.NetworkModel`: dropouts, slow
             clients, a round deadline after which at least ``min_train_nodes`` replies are aggregated);
             on a fleet only its deadline applies, as wall time (:mod:`pollen.strategies.exchange`).
+        outlier_factor: a train reply more than this × the round's median size of its family's measure is
+            refused (:mod:`pollen.strategies.spread`); 0 turns the rule off.
         train_metrics_aggr_fn / evaluate_metrics_aggr_fn: Flower's: ``fn(contents, "num-examples") ->
             MetricRecord`` replaces the clients' mean ± std; ``contents`` holds one
             ``RecordDict({"metrics": MetricRecord})`` per accepted reply, its metrics as screened.
@@ -91,6 +86,7 @@ class PollenStrategy(Strategy):
                  identify_nodes: bool = False, query_timeout: float | None = None, aggregation: str = "mean",
                  trim_fraction: float = DEFAULT_TRIM_FRACTION, bounds: PayloadBounds | None = None,
                  partition_pins: Mapping[int, int] | None = None, network: NetworkModel | None = None,
+                 outlier_factor: float = DEFAULT_OUTLIER_FACTOR,
                  train_metrics_aggr_fn: MetricsAggrFn | None = None,
                  evaluate_metrics_aggr_fn: MetricsAggrFn | None = None,
                  weighted_by_key: str = "num-examples", arrayrecord_key: str = ARRAYS, configrecord_key: str = CONFIG,
@@ -109,6 +105,7 @@ class PollenStrategy(Strategy):
                       aggr_fns={"train_metrics_aggr_fn": train_metrics_aggr_fn,
                                 "evaluate_metrics_aggr_fn": evaluate_metrics_aggr_fn})
         self.aggregation = aggregation
+        self.outlier_factor = check_factor(outlier_factor)
         self.trim_fraction = float(trim_fraction)
         self.bounds = bounds if bounds is not None else PayloadBounds()
         self.fraction_train = fraction_train
@@ -158,9 +155,6 @@ class PollenStrategy(Strategy):
     def reports(self) -> dict[int, RoundReport]:
         return self.replies.reports
 
-    def quarantined(self) -> Quarantine:
-        return self.book.quarantined()
-
     def label(self, node_id: int) -> str:
         return self.book.label(node_id)
 
@@ -190,6 +184,15 @@ class PollenStrategy(Strategy):
     def screen(self, server_round: int, stage: str, replies: Iterable[Message], decode: Decode) -> list[Accepted]:
         """This round's replies judged (:meth:`ReplyScreen.screen`); the accepted ones in partition order."""
         return self.replies.screen(server_round, stage, replies, decode, self.nodes.live())
+
+    def hold_to_round(self, server_round: int, accepted: Sequence[Accepted],
+                      size: Callable[[Any], Mapping[str, float]]) -> list[Accepted]:
+        """``accepted`` less the replies far outside the round's spread: ``size(payload)`` gives a reply's
+        size per measure (:mod:`pollen.strategies.spread`); each one refused is a WARNING and a rejection."""
+        sizes = [size(a.payload) for a in accepted]
+        self.report(server_round).spread = spread_record(sizes)
+        return self.replies.refuse_outliers(server_round, accepted, far_outside(sizes, self.outlier_factor),
+                                            self.outlier_factor)
 
     def train_metrics(self, server_round: int, accepted: Sequence[Accepted], **extra: float) -> MetricRecord:
         return self.replies.train_metrics(server_round, accepted, **extra)

@@ -69,7 +69,9 @@ from pollen.protocol.screening import (
     check_metrics,
     decode_record,
 )
-from pollen.strategies.base import Accepted, NoTrainingError, PollenStrategy
+from pollen.strategies.base import PollenStrategy
+from pollen.strategies.replies import Accepted, NoTrainingError
+from pollen.strategies.spread import GRADIENT_NORM, UPDATE_NORM, largest_norm, update_norm
 
 OLD_MODEL_SOURCES = ("proxy", "previous-task", "none")
 
@@ -487,7 +489,13 @@ class IncrementalFedAvg(PollenStrategy):
                 reason = dp.check_glfc(decoded[0], broadcast, decoded[1], max_sets)
             return (decoded, None) if reason is None else (None, reason)
 
-        accepted = self.screen(server_round, "train", replies, decode)
+        def size(update: protocol.GlfcUpdate) -> dict[str, float]:
+            out = {UPDATE_NORM: update_norm(update.state, broadcast)}
+            if update.gradients:  # the gradient sets it shares (a transition), each a group of LeNet arrays
+                out[GRADIENT_NORM] = largest_norm(g.values() for g in update.gradients)
+            return out
+
+        accepted = self.hold_to_round(server_round, self.screen(server_round, "train", replies, decode), size)
         pool: list[list[np.ndarray]] = []
         truth: list[tuple[np.ndarray, int]] = []  # leak-audit: truth[i] is the sample behind pool[i]
         lenet_names = list(self.lenet_shapes or {})  # without a proxy, replies carry no gradient sets

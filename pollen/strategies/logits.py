@@ -22,6 +22,7 @@ from pollen.protocol.records import ARRAYS, CONFIG, METRICS, array_record
 from pollen.protocol.weights import decode_weights_reply
 from pollen.strategies.aggregation import robust_stack
 from pollen.strategies.base import PollenStrategy
+from pollen.strategies.spread import LOGIT_RMS, UPDATE_NORM, logit_size, update_norm
 
 
 def mean_logits(client_logits: Sequence[np.ndarray]) -> np.ndarray:
@@ -196,7 +197,13 @@ class LogitAveraging(PollenStrategy):
         def decode(msg: Message, metrics: dict) -> tuple[object, str | None]:
             return self._decode(msg, reference, metrics)
 
-        accepted = self.screen(server_round, "train", replies, decode)
+        def size(update: LogitUpdate) -> dict[str, float]:
+            out = {LOGIT_RMS: logit_size(update.logits)}
+            if update.model is not None and self._broadcast is not None:
+                out[UPDATE_NORM] = update_norm(update.model, self._broadcast)
+            return out
+
+        accepted = self.hold_to_round(server_round, self.screen(server_round, "train", replies, decode), size)
         metrics = self.train_metrics(server_round, accepted)
         self.close_train_round(server_round, accepted)
         if not accepted:  # keep last round's consensus: better stale than nothing

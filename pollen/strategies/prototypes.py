@@ -20,12 +20,14 @@ from pollen.protocol.prototypes import (
     NOISY_COUNTS,
     PROTO_SUMS,
     PROTO_WEIGHTINGS,
+    ClientPrototypes,
     decode_prototype_reply,
     encode_global_prototypes,
 )
 from pollen.protocol.records import ARRAYS, CONFIG
 from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION, check_aggregation, robust_stack
 from pollen.strategies.base import PollenStrategy
+from pollen.strategies.spread import PROTOTYPE_NORM, prototype_size
 
 
 def aggregate_prototypes(protos: Sequence[np.ndarray], counts: Sequence[np.ndarray],
@@ -86,6 +88,12 @@ def prototype_margin(protos: np.ndarray, present: np.ndarray) -> float:
     dist = ((p[:, None, :] - p[None, :, :]) ** 2).mean(axis=2)
     upper = dist[np.triu_indices(idx.size, k=1)]
     return float(np.median(upper))
+
+
+def _size(update: ClientPrototypes) -> dict[str, float]:
+    """A reply's size for the round's spread: its largest held prototype row (none held: no vote)."""
+    held = np.asarray(update.weights) > 0
+    return {PROTOTYPE_NORM: prototype_size(update.prototypes, update.weights)} if held.any() else {}
 
 
 class PrototypeStrategy(PollenStrategy):
@@ -167,7 +175,7 @@ class PrototypeStrategy(PollenStrategy):
                 reason = self._check_dp(record)
             return (decoded, None) if reason is None else (None, reason)
 
-        accepted = self.screen(server_round, "train", replies, decode)
+        accepted = self.hold_to_round(server_round, self.screen(server_round, "train", replies, decode), _size)
         if accepted:
             protos, present = aggregate_prototypes([a.payload.prototypes for a in accepted],
                                                    [a.payload.weights for a in accepted], self.weighting,

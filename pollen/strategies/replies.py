@@ -25,6 +25,7 @@ nobody never looks like a success.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from pollen.protocol.records import METRICS, record_bytes
 from pollen.protocol.screening import metric_bounds, screen_metrics
 from pollen.strategies.metrics import aggregate_metrics
 from pollen.strategies.partitions import PartitionBook, Quarantine
+from pollen.strategies.spread import Outlier
 
 REASON_CHARS = 2000  # a ClientApp traceback's last lines (long data paths included), bounded for metrics.jsonl
 WEIGHT_KEY = "num-examples"  # Flower's weighted_by_key, fixed by Pollen's wire contract
@@ -80,6 +82,9 @@ class RoundReport:
     dropped_metrics: list[dict] = field(default_factory=list)
     # the simulated network's round (pollen.strategies.exchange): clock, deadline, who was missing and why
     network: dict[str, Any] = field(default_factory=dict)
+    # {measure: {"replies", "median", "max-ratio"}}: how the round's accepted train replies spread
+    # (pollen.strategies.spread); a reply above outlier-factor × the median is in ``rejected``
+    spread: dict[str, dict] = field(default_factory=dict)
     fit: dict[str, Any] = field(default_factory=dict)
     evaluate: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
@@ -256,6 +261,22 @@ class ReplyScreen:
             target = rep.fit_clients if stage == "train" else rep.evaluate_clients
             target[label] = metrics
         return accepted
+
+    def refuse_outliers(self, server_round: int, accepted: Sequence[Accepted], outliers: Sequence[Outlier],
+                        factor: float) -> list[Accepted]:
+        """``accepted`` less the replies :func:`~pollen.strategies.spread.far_outside` named, each refused with
+        a WARNING naming its node, partition and ratio, and kept in the round's ``rejected`` records."""
+        rep = self.report(server_round)
+        for o in outliers:
+            a = accepted[o.index]
+            ratio = o.ratio if math.isfinite(o.ratio) else None
+            self.reject(server_round, "train", a.label,
+                        f"{o.measure} {o.size:.4g} is {o.ratio:.4g} × the round's median {o.median:.4g}, far outside "
+                        f"the round's spread (outlier-factor = {factor:g}; {_who(a.label, a.node_id)})",
+                        node=a.node_id, measure=o.measure, ratio=ratio)
+            rep.fit_clients.pop(a.label, None)
+        refused = {o.index for o in outliers}
+        return [a for i, a in enumerate(accepted) if i not in refused]
 
     # ---------------------------------------------------------------- the round's numbers
     def client_metrics(self, server_round: int, stage: str,

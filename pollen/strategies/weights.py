@@ -20,6 +20,7 @@ from pollen.protocol.weights import PROXIMAL_MU, decode_weights_reply
 from pollen.settings import WEIGHTINGS
 from pollen.strategies.aggregation import average_arrays  # noqa: F401  (public here since v2)
 from pollen.strategies.base import PollenStrategy
+from pollen.strategies.spread import UPDATE_NORM, update_norm
 
 
 class WeightAveraging(PollenStrategy):
@@ -88,7 +89,8 @@ class WeightAveraging(PollenStrategy):
                 reason = dp.check_update(state, broadcast)
             return (state, None) if reason is None else (None, reason)
 
-        accepted = self.screen(server_round, "train", replies, decode)
+        accepted = self.hold_to_round(server_round, self.screen(server_round, "train", replies, decode),
+                                      lambda state: {UPDATE_NORM: update_norm(state, broadcast)})
         metrics = self.train_metrics(server_round, accepted)
         self.close_train_round(server_round, accepted)
         if not accepted:

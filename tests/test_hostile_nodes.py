@@ -183,7 +183,7 @@ def test_a_non_finite_proxy_matching_loss_is_a_warning_naming_the_round(monkeypa
 # -- partitions: a claim never takes one ----------------------------------------------------------------
 @pytest.mark.parametrize("impostor_id", [5, 99], ids=["impostor-answers-first", "impostor-answers-second"])
 def test_an_impostor_never_takes_a_partition(impostor_id, caplog):
-    """Two nodes claim partition 0: neither is trusted (quarantine), every round, whatever the order."""
+    """Two nodes claim partition 0: neither is trusted (quarantine) nor sampled again, whatever the order."""
     honest = _weights_node(0, 10, 1.0)
     grid = InProcessGrid({50: honest, 60: _weights_node(1, 10, 3.0), impostor_id: _hostile_weights(0, 2.0)})
     strategy = WeightAveraging(min_available_nodes=3)
@@ -196,28 +196,57 @@ def test_an_impostor_never_takes_a_partition(impostor_id, caplog):
         assert report.quarantined == [{"partition": 0, "nodes": nodes}]
         assert list(report.fit_clients) == ["partition 1"]  # nobody's values recorded under partition 0
         train = [r for r in report.rejected if r["stage"] == "train"]
-        assert len(train) == 2 and all(f"partition 0 is quarantined: nodes {nodes}" in r["reason"] for r in train)
+        assert len(train) == (2 if rnd == 1 else 0)  # round 2 sends them nothing
+        assert all(f"partition 0 is quarantined: nodes {nodes}" in r["reason"] for r in train)
         warns = [r.getMessage() for r in caplog.records
                  if r.getMessage().startswith(f"round {rnd}: partition 0 is claimed by nodes {nodes}")]
         assert len(warns) == 1
     np.testing.assert_allclose(result.arrays["w"].numpy(), STATE["w"] + 6.0, rtol=1e-6)  # partition 1 alone, twice
+    assert {m.metadata.dst_node_id for m in grid.sent if m.content["config"]["server-round"] == 2} == {60}
 
 
-def test_an_impostor_arriving_later_quarantines_the_partition_until_it_leaves():
-    grid = InProcessGrid({50: _weights_node(0, 10, 1.0)})
-    strategy = WeightAveraging(min_available_nodes=1, max_empty_rounds=1)
+def test_an_impostor_whose_victim_leaves_never_trains_as_its_partition(caplog):
+    """The impostor joins after round 1 (partition 0 is then disputed), the honest node leaves after round 2:
+    the impostor inherits nothing, and neither it nor (while there) the honest node is sampled again."""
+    grid = InProcessGrid({50: _weights_node(0, 10, 1.0), 60: _weights_node(1, 10, 3.0)})
+    strategy = WeightAveraging(min_available_nodes=1)
 
     def round_hook(server_round, arrays):
         if server_round == 1:
             grid.handlers[7] = _hostile_weights(0, 1.0)  # joins after round 1
         if server_round == 2:
-            del grid.handlers[7]  # and leaves after round 2
+            del grid.handlers[50]  # the victim leaves after round 2
         return None
 
-    strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=3, evaluate_fn=round_hook)
-    assert strategy.reports[1].accepted == 1 and not strategy.reports[1].quarantined
-    assert strategy.reports[2].accepted == 0 and strategy.reports[2].quarantined == [{"partition": 0, "nodes": [7, 50]}]
-    assert strategy.reports[3].accepted == 1 and strategy.node_of == {0: 50}
+    with caplog.at_level(logging.WARNING, logger="flwr.pollen"):
+        result = strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=4, evaluate_fn=round_hook)
+    assert strategy.reports[1].accepted == 2 and not strategy.reports[1].quarantined
+    for rnd in (2, 3, 4):
+        report = strategy.reports[rnd]
+        assert report.quarantined == [{"partition": 0, "nodes": [7, 50]}], rnd
+        assert report.accepted == 1 and list(report.fit_clients) == ["partition 1"], rnd
+    assert 0 not in strategy.node_of and strategy.node_of[1] == 60
+    sent_after = {(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent
+                  if m.content["config"]["server-round"] >= 3}
+    assert sent_after == {(3, 60), (4, 60)}  # train and evaluate: the impostor (7) is never sampled
+    np.testing.assert_allclose(result.arrays["w"].numpy(), STATE["w"] + 2.0 + 3.0 * 3, rtol=1e-6)
+    assert any(r.getMessage().startswith("partition 0: node(s) [50], claimant(s) of this quarantined partition, "
+                                         "left the grid") for r in caplog.records)
+
+
+def test_quarantined_nodes_are_not_sampled():
+    grid = InProcessGrid({11: _weights_node(0, 10, 1.0), 12: _weights_node(0, 10, 3.0), 13: _weights_node(1, 10, 5.0)})
+    strategy = WeightAveraging(min_available_nodes=3)
+    strategy.start(grid=grid, initial_arrays=_record(STATE), num_rounds=3)
+    by_round = {}
+    for m in grid.sent:
+        by_round.setdefault((int(m.content["config"]["server-round"]), m.metadata.message_type), set()).add(
+            m.metadata.dst_node_id)
+    assert by_round[(1, MessageType.TRAIN)] == {11, 12, 13}  # round 1: nobody knew
+    for rnd in (2, 3):  # once disputed, both claimants of partition 0 are left out of every draw
+        assert by_round[(rnd, MessageType.TRAIN)] == by_round[(rnd, MessageType.EVALUATE)] == {13}
+    assert by_round[(1, MessageType.EVALUATE)] == {13}
+    assert all(r.accepted == 1 and r.rejected == [] for rnd, r in strategy.reports.items() if rnd > 1)
 
 
 def test_a_pinned_partition_holds_against_an_impostor_in_either_order():
@@ -345,7 +374,9 @@ def test_prototype_and_logit_strategies_aggregate_robustly_when_asked():
     protos = [np.full((4, 3), v, np.float32) for v in (1.0, 2.0, 3.0, 4.0)] + [np.full((4, 3), 1e5, np.float32)]
     counts = np.array([5, 5, 0, 0])
     grid = InProcessGrid({10 + i: _proto_node(i, p, counts) for i, p in enumerate(protos)})
-    strategy = PrototypeStrategy(num_classes=4, embed_dim=3, aggregation="median", min_available_nodes=5)
+    # outlier_factor=0: the aggregation rule alone (the default spread rule would refuse the 1e5 client first)
+    strategy = PrototypeStrategy(num_classes=4, embed_dim=3, aggregation="median", min_available_nodes=5,
+                                 outlier_factor=0)
     strategy.start(grid=grid, initial_arrays=_record({}), num_rounds=1)
     np.testing.assert_array_equal(strategy.protos[:2], np.full((2, 3), 3.0, np.float32))
     assert not strategy.present[2:].any()
@@ -361,7 +392,7 @@ def test_prototype_and_logit_strategies_aggregate_robustly_when_asked():
 
 
 def test_glfc_aggregates_robustly_when_asked():
-    strat = _strategy(clients_per_round=10, old_model="previous-task", aggregation="median")
+    strat = _strategy(clients_per_round=10, old_model="previous-task", aggregation="median", outlier_factor=0)
     msgs = _configure(strat, 1, identity_grid(5))
     arrays, _ = strat.aggregate_train(1, [_reply(msgs[0], 0, scale=1.0), _reply(msgs[1], 1, scale=2.0),
                                           _reply(msgs[2], 2, scale=40.0)])

@@ -30,9 +30,38 @@ def test_two_claimants_quarantine_a_partition_and_neither_serves_it():
     book.claim(12, 0)
     assert book.quarantined() == {0: [11, 12]} and 0 not in book.node_of
     for node in (11, 12):
-        assert book.refusal(node, 0) == (f"partition 0 is quarantined: nodes [11, 12] all claim it, so none is "
-                                         f"trusted (this is node {node}; pin the partition with partition-pins)")
+        assert book.refusal(node, 0) == (f"partition 0 is quarantined: nodes [11, 12] have claimed it, so none is "
+                                         f"trusted for the rest of the run (this is node {node}; pin the partition "
+                                         "with partition-pins)")
         assert book.refusal(node, None) is not None  # naming no partition does not get round it
+
+
+def test_a_quarantine_sticks_when_a_claimant_leaves_and_nobody_inherits(caplog):
+    book = PartitionBook()
+    book.claim(11, 0)
+    book.claim(12, 0)
+    book.claim(13, 1)
+    assert book.suspects() == {11, 12}
+    with caplog.at_level(logging.INFO, logger="flwr.pollen"):
+        book.prune([12, 13])  # the honest node 11 leaves: the impostor 12 must not inherit partition 0
+    assert book.quarantined() == {0: [11, 12]} and 0 not in book.node_of and book.node_of == {1: 13}
+    assert book.refusal(12, 0).startswith("partition 0 is quarantined: nodes [11, 12] have claimed it")
+    assert book.suspects() == {12}
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.getMessage().startswith("partition 0: node(s) [11], claimant(s) of this quarantined partition, "
+                                           "left the grid; it stays quarantined for the rest of the run and no "
+                                           "other claimant inherits it")
+    book.claim(14, 0)  # a newcomer joins the dispute; it serves nothing either
+    assert book.quarantined() == {0: [11, 12, 14]} and book.suspects() == {12, 14}
+
+
+def test_an_engine_assignment_a_reply_refutes_disputes_nothing():
+    book = PartitionBook()
+    book.assume({11: 0, 12: 1})
+    book.claim(13, 0)  # node 13 says it serves 0, which the engine assigned to 11: a dispute, for now
+    assert book.quarantined() == {0: [11, 13]}
+    book.confirm(2, 11, 1)  # 11's own reply: it serves 1; the engine's word was wrong, so no dispute on 0
+    assert book.quarantined() == {} and book.node_of == {0: 13}
 
 
 def test_a_pin_wins_over_any_claim_and_is_never_quarantined():

@@ -3,10 +3,14 @@
 A node's ``partition-id`` is a claim, never proof: answering first does not make it true.
 
 * A node keeps the partition it first claimed; a changed claim is refused.
-* When two connected nodes claim one unpinned partition, neither is trusted: the partition is
-  *quarantined* and every reply claiming it is refused.
-* A claimant that has left the grid lapses (:meth:`PartitionBook.prune`); that is how a SuperNode
-  restarted on the same state folder carries on.
+* When two connected nodes claim one unpinned partition, the partition is *disputed*: neither is
+  trusted, and the partition is *quarantined* for the rest of the run — every reply claiming it is
+  refused and its claimants are not sampled (:meth:`PartitionBook.suspects`). When a claimant leaves,
+  the others inherit nothing (a WARNING says so): otherwise an impostor would only have to outlast
+  the node it copies.
+* A claimant of an undisputed partition that has left the grid lapses (:meth:`PartitionBook.prune`);
+  that is how a SuperNode restarted on the same state folder carries on (after the SuperLink has
+  dropped the old one: a new claim while the old node is still connected is a dispute).
 * ``pins`` (``{partition: node id}``, the operator's word): a pinned partition is served by its pinned
   node only, whoever else claims it, and is never quarantined.
 * Flower's simulation engine assigns partitions itself; its assignment is a node's *provisional* claim
@@ -51,6 +55,7 @@ class PartitionBook:
         self.partition_of: dict[int, int] = {n: p for p, n in self.pins.items()}  # node -> its (first) claim
         self.node_of: dict[int, int] = dict(self.pins)  # partition -> the one node trusted to serve it
         self.claims: dict[int, set[int]] = {p: {n} for p, n in self.pins.items()}  # partition -> claimants
+        self.disputed: dict[int, set[int]] = {}  # partition -> every node that has claimed it, once several did
         self.provisional: dict[int, int] = {}  # node -> the engine's assignment, not yet confirmed by a reply
         self.asked: set[int] = set()  # nodes asked their partition (or assigned one by the engine) once
         self.engine_refuted = False  # a reply contradicted the engine: its assignment is not used again
@@ -65,7 +70,10 @@ class PartitionBook:
         if self.partition_of.get(node, pid) != pid or self.plan(pid) is not None:
             return
         self.partition_of[node] = pid
-        self.claims.setdefault(pid, set()).add(node)
+        claimants = self.claims.setdefault(pid, set())
+        claimants.add(node)
+        if pid in self.disputed or len(claimants) > 1:
+            self.disputed.setdefault(pid, set()).update(claimants)
         self._refresh_owner(pid)
 
     def assume(self, assignment: Mapping[int, int]) -> None:
@@ -92,18 +100,33 @@ class PartitionBook:
             if self.partition_of.get(other) == engine_pid:
                 del self.partition_of[other]
                 self.claims.get(engine_pid, set()).discard(other)
+                self._undispute(engine_pid, other)
                 self._refresh_owner(engine_pid)
         self.provisional.clear()
 
+    def _undispute(self, pid: int, node: int) -> None:
+        """``node``'s claim on ``pid`` was the engine's word, not the node's: it disputes nothing."""
+        nodes = self.disputed.get(pid)
+        if nodes is None:
+            return
+        nodes.discard(node)
+        if len(nodes) < 2:
+            del self.disputed[pid]
+
     def prune(self, live: Iterable[int]) -> None:
         """The claims of nodes no longer in ``live`` lapse (a restarted SuperNode returns under a new id);
-        a pinned node's never does."""
+        a pinned node's never does. A disputed partition stays quarantined: a WARNING, no inheritance."""
         connected = set(live)
         for pid, nodes in self.claims.items():
             gone = {n for n in nodes if n not in connected and self.pins.get(pid) != n}
             if not gone:
                 continue
-            LOGGER.info("partition %d: node(s) %s left the grid; their claim lapses", pid, sorted(gone))
+            if pid in self.disputed:
+                LOGGER.warning("partition %d: node(s) %s, claimant(s) of this quarantined partition, left the grid; "
+                               "it stays quarantined for the rest of the run and no other claimant inherits it "
+                               "(pin it to its node with partition-pins)", pid, sorted(gone))
+            else:
+                LOGGER.info("partition %d: node(s) %s left the grid; their claim lapses", pid, sorted(gone))
             nodes -= gone
             for n in gone:
                 self.partition_of.pop(n, None)
@@ -111,20 +134,23 @@ class PartitionBook:
             self._refresh_owner(pid)
 
     def _refresh_owner(self, pid: int) -> None:
-        """``node_of[pid]``: the pinned node, else the sole claimant; nobody when several claim it."""
+        """``node_of[pid]``: the pinned node, else the sole claimant of an undisputed partition; else nobody."""
         nodes = self.claims.get(pid, set())
         if pid in self.pins:
             self.node_of[pid] = self.pins[pid]
-        elif len(nodes) == 1:
+        elif len(nodes) == 1 and pid not in self.disputed:
             self.node_of[pid] = next(iter(nodes))
         else:
             self.node_of.pop(pid, None)
 
     # ---------------------------------------------------------------- who may serve what
     def quarantined(self) -> Quarantine:
-        """``{partition: claiming node ids}`` for every unpinned partition that several nodes claim."""
-        return {pid: sorted(nodes) for pid, nodes in sorted(self.claims.items())
-                if len(nodes) > 1 and pid not in self.pins}
+        """``{partition: the node ids that have claimed it}`` for every disputed partition (for the run)."""
+        return {pid: sorted(nodes) for pid, nodes in sorted(self.disputed.items()) if pid not in self.pins}
+
+    def suspects(self) -> set[int]:
+        """The nodes that claim a quarantined partition: never sampled."""
+        return {node for node, pid in self.partition_of.items() if pid in self.disputed and pid not in self.pins}
 
     def refusal(self, node: int, pid: int | None, quarantined: Quarantine | None = None) -> str | None:
         """Why ``node``'s reply may not count for ``pid`` (the partition it names now; ``None``: it names
@@ -146,8 +172,8 @@ class PartitionBook:
             quarantined = self.quarantined()
         nodes = quarantined.get(target) if target is not None else None
         if nodes:
-            return (f"partition {target} is quarantined: nodes {nodes} all claim it, so none is trusted "
-                    f"(this is node {node}; pin the partition with partition-pins)")
+            return (f"partition {target} is quarantined: nodes {nodes} have claimed it, so none is trusted for "
+                    f"the rest of the run (this is node {node}; pin the partition with partition-pins)")
         return None
 
     def unknown(self, nodes: Iterable[int]) -> list[int]:

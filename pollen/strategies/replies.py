@@ -156,8 +156,9 @@ class ReplyScreen:
             if pid in logged:
                 continue
             rep.quarantined.append({"partition": pid, "nodes": nodes})
-            LOGGER.warning("round %d: partition %d is claimed by nodes %s: quarantined, none of them is trusted "
-                           "(pin the partition to its node with partition-pins)", server_round, pid, nodes)
+            LOGGER.warning("round %d: partition %d is claimed by nodes %s: quarantined for the rest of the run, none "
+                           "of them is trusted or sampled (pin the partition to its node with partition-pins)",
+                           server_round, pid, nodes)
         return quarantined
 
     # ---------------------------------------------------------------- failures, named by destination

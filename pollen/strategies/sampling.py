@@ -100,9 +100,12 @@ class NodeSampler:
 
     def sample(self, grid: Grid, fraction: float, minimum: int, server_round: int | None = None,
                timeout: float | None = None) -> list[int]:
-        """``max(fraction × connected, minimum)`` node ids, drawn with the sampler's RNG; with
-        ``identify_nodes`` over the nodes ordered by the partition they serve."""
-        nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, minimum))
+        """``max(fraction × eligible, minimum)`` node ids, drawn with the sampler's RNG from the connected nodes
+        that claim no quarantined partition; with ``identify_nodes`` over them ordered by the partition they
+        serve."""
+        connected = self.wait_for_nodes(grid, max(self.min_available_nodes, minimum))
+        suspects = self.book.suspects()
+        nodes = [n for n in connected if n not in suspects]
         size = min(len(nodes), max(int(len(nodes) * fraction), minimum, 1))
         if self.identify_nodes and size < len(nodes) and server_round is not None:
             self.identify(server_round, grid, nodes, timeout)

@@ -435,3 +435,51 @@ def test_logit_averaging_under_dp_refuses_logits_beyond_the_dp_bound_and_homogen
     np.testing.assert_allclose(parameters_to_ndarrays(params)[0], honest, rtol=1e-6)
     with pytest.raises(ValueError, match="homogeneous mode.*differential privacy"):
         LegacyLogitAveraging(num_public=5, num_classes=3, average_weights=True, bounds=PayloadBounds(dp=bounds))
+
+
+# -- every *accuracy key, on both APIs ---------------------------------------------------------------------
+def accuracy_keys() -> list[str]:
+    """Every metric key ending in ``accuracy`` that Pollen's code writes (string literals in ``pollen/``;
+    an f-string's placeholder stands for 0), plus FCCL's ``solo-`` copies and a key of the user's own."""
+    import re
+
+    from tests.conftest import PROJECT_ROOT
+
+    found = set()
+    for path in (PROJECT_ROOT / "pollen").rglob("*.py"):
+        for key in re.findall(r"""["']([a-z0-9{}_-]*accuracy)["']""", path.read_text()):
+            found.add(re.sub(r"\{[^}]*\}", "0", key))
+    found -= {"final-accuracy"}  # the summary's field, not a metric a client sends
+    found |= {f"solo-{k}" for k in ("inter-accuracy", "intra-accuracy")} | {"my-own-accuracy"}
+    return sorted(found)
+
+
+def test_the_accuracy_keys_are_found():
+    assert {"accuracy", "proto-accuracy", "inter-accuracy", "intra-accuracy", "task0-accuracy",
+            "proxy-monitor-accuracy"} <= set(accuracy_keys())
+
+
+@pytest.mark.parametrize("key", accuracy_keys())
+def test_every_accuracy_key_is_range_checked_on_both_apis(key):
+    """A legacy reply with ``<key> = 1.5`` (or -0.1) is refused, fit and evaluate alike; on the Message API
+    the value is dropped alone (the reply counts), a list with one element outside [0, 1] too."""
+    from pollen.protocol.screening import metric_bounds, screen_metrics
+
+    strat = LegacyPrototypeStrategy(num_classes=C, embed_dim=D)
+    protos, counts = np.ones((C, D), np.float32), np.array([1, 1, 0, 0], np.int64)
+    for bad in (1.5, -0.1):
+        fit = [(stub_node("a"), _fit_res([protos, counts], 2, 0, **{key: 0.5})),
+               (stub_node("b"), _fit_res([protos, counts], 2, 1, **{key: bad}))]
+        _, metrics = strat.aggregate_fit(1, fit, [])
+        assert metrics["accepted"] == 1, key
+        (refused,) = strat.take_rejections()
+        assert (refused.client, refused.reason) == ("partition 1", f"metric '{key}' = {bad} is outside [0, 1]")
+        strat.aggregate_evaluate(1, [(stub_node("c"), _eval_res(0.3, 5, 2, **{key: bad}))], [])
+        (refused,) = strat.take_rejections()
+        assert refused.stage == "evaluate" and refused.reason == f"metric '{key}' = {bad} is outside [0, 1]"
+        for stage in (False, True):
+            screened = screen_metrics({"num-examples": 3, key: bad}, metric_bounds(10, evaluate=stage))
+            assert screened.reason is None and key not in screened.kept and screened.dropped[0][0] == key
+    listed = screen_metrics({"num-examples": 3, key: [0.5, 1.5]}, metric_bounds(10, evaluate=True))
+    assert key not in listed.kept and "is above 1" in listed.dropped[0][2]
+    assert screen_metrics({"num-examples": 3, key: 1.0}, metric_bounds(10, evaluate=True)).kept[key] == 1.0

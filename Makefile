@@ -1,6 +1,6 @@
-# Pollen — `make run` runs the default federated simulation, `make test` runs the full test suite,
-# `make test-fast` everything but the slow end-to-end (`e2e`) tests, `make coverage` the full suite with
-# a coverage report for `pollen`.
+# Pollen — `make run` runs the default federated simulation (into ./runs, where `pollen runs` looks),
+# `make test` runs the full test suite, `make test-fast` everything but the slow end-to-end (`e2e`) tests,
+# `make coverage` the full suite with a coverage report for `pollen`.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,6 +16,7 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export POLLEN_DATA_ROOT ?= $(if $(wildcard $(CURDIR)/../shared/data/MNIST),$(abspath $(CURDIR)/../shared/data),)
 
 NUM_SUPERNODES ?=
+RAY_CPUS ?=
 RUN_CONFIG ?=
 OUT_DIR ?= $(CURDIR)/runs
 PYTEST_ARGS ?=
@@ -32,7 +33,7 @@ install: $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/pollen run $(if $(NUM_SUPERNODES),--num-supernodes $(NUM_SUPERNODES)) \
-		--run-config "out-dir='$(OUT_DIR)' $(RUN_CONFIG)"
+		$(if $(RAY_CPUS),--ray-cpus $(RAY_CPUS)) --run-config "out-dir='$(OUT_DIR)' $(RUN_CONFIG)"
 
 # The full suite (what CI runs), in two passes: the tests that launch nothing, one pytest-xdist worker
 # per core (they share only the read-only datasets); then the `e2e` tests, E2E_WORKERS test files side by
@@ -62,7 +63,7 @@ lint: $(STAMP)
 	$(PY) -m mypy --explicit-package-bases pollen deploy/*.py
 
 clean:
-	rm -rf .flwr-home runs pollen-runs .pytest_cache
+	rm -rf .flwr-home runs .pytest_cache
 
 # Local fleet: one SuperLink + NUM_SUPERNODES SuperNodes (deploy/README.md). Options: METHOD=fedprox
 # ROUNDS=2 TLS=1 RUN_CONFIG="local-epochs=1" FLEET_ARGS="--keep-logs --models ... --gpus 0,1 --timeout 900".

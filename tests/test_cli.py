@@ -116,3 +116,26 @@ def test_listing_runs_loads_neither_torch_nor_flower(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                          cwd=PROJECT_ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_make_run_pollen_run_and_pollen_runs_share_one_default_folder(tmp_path):
+    """`make run` writes to ./runs of the checkout, where `pollen run` writes and `pollen runs` looks by default
+    (issue 44: `runs/` against `./pollen-runs`). A real launch into the default folder, then listed by `pollen
+    runs`: tests/test_launch.py::test_resume_continues_a_finished_run_with_more_rounds."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    env = {k: v for k, v in os.environ.items() if k not in ("POLLEN_OUT_DIR", "MAKEFLAGS")}
+    made = subprocess.run(["make", "-n", "--no-print-directory", "-o", ".venv/.pollen-installed", "run"],
+                          cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert f"out-dir='{PROJECT_ROOT / 'runs'}'" in made.stdout, made.stdout
+    run = tmp_path / "runs" / "20260101-000000-fedavg-uci-dirichlet"
+    write_stopped_summary(run, "interrupted", "Ctrl-C")
+    listed = pollen("runs", cwd=tmp_path)  # no --out-dir, no $POLLEN_OUT_DIR: ./runs
+    assert listed.returncode == 0 and run.name in listed.stdout, listed.stdout + listed.stderr
+    default = subprocess.run([sys.executable, "-c", "from pollen.launch.compose import default_out_dir; "
+                              "print(default_out_dir())"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert default.stdout.strip() == str((tmp_path / "runs").resolve()), default.stderr

@@ -141,6 +141,8 @@ def test_fedavg_runs_on_both_nodes_and_leaves_the_cluster_up(loopback, tmp_path)
     assert proc.returncode == 0, text[-5000:]
     assert f"Ray cluster at {loopback.address} (--ray-address): 2 node(s) alive, 2 CPU, 0 GPU" in proc.stdout
     assert "Ray cluster holds 2 client(s) at once" in proc.stdout
+    # the actors the cluster holds, not one per SuperNode (issue 44: it said 4 when the cluster held 2)
+    assert "the simulation starts the cluster's 2 ClientApp actor(s) for 3 SuperNode(s) first" in proc.stdout
     assert _summary(out)["status"] == "completed"
     placed = _placement(out)
     assert set(placed["nodes"]) == {loopback.head_id, loopback.worker_id}, placed

@@ -467,32 +467,54 @@ def test_missing_data_root_fails_with_the_datasets_message(tmp_path):
 @pytest.mark.e2e
 def test_resume_continues_a_finished_run_with_more_rounds(tmp_path):
     """``--resume RUN_DIR`` reruns with the saved config and federation (``--num-supernodes`` not repeated),
-    continues after the last checkpoint and appends to the same run folder, whose name sorts by start time
-    and which ``latest`` points at; a changed method is refused before anything starts, naming the key."""
-    out = tmp_path / "runs"
+    continues after the last checkpoint and appends to the same run folder, whose name sorts by start time;
+    a changed method is refused before anything starts, naming the key. The first launch writes to the
+    default folder, ./runs of the checkout (where `make run` writes) and `pollen runs` lists it there; the
+    console shows one line per round, Flower's own lines are in the run's run.log (issue 44.5)."""
+    env = {k: v for k, v in os.environ.items() if k != "POLLEN_OUT_DIR"}
     first = subprocess.run(_launch_cmd("--run-config", "num-server-rounds=1 local-epochs=1", "--num-supernodes", "2",
-                                       "--out-dir", str(out), "--timeout", "300"),
-                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
-    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
-    run_dir = (out / "latest").resolve()
-    assert re.fullmatch(r"\d{8}-\d{6}-fedavg-uci-dirichlet", run_dir.name), run_dir
-    first_summary = json.loads((run_dir / "summary.json").read_text())
-    assert first_summary["status"] == "completed" and first_summary["last-round"] == 1
-    assert f"run {first_summary['flower-run-id']}: finished:completed" in first.stdout
-    again = subprocess.run([sys.executable, "-m", "pollen.launch.launcher", "--ray-cpus", str(RAY_CPUS), "--resume",
-                            str(run_dir), "--run-config",
-                            "num-server-rounds=2", "--timeout", "300"],
-                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
-    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    rounds = [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rounds == [1, 2]
-    assert json.loads((run_dir / "summary.json").read_text())["files"]["checkpoint"].endswith("round-0002.safetensors")
-    assert re.search(r"round 2/2 .*\| elapsed \d+s", again.stdout), again.stdout[-3000:]
-    changed = subprocess.run(_launch_cmd("--resume", str(run_dir), "--run-config",
-                                         "num-server-rounds=3 method='fedprox'", "--timeout", "300"),
-                             cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
-    assert changed.returncode == EXIT_USAGE, changed.stderr
-    assert "--run-config changes 'method' = 'fedprox' (the run has 'fedavg')" in changed.stderr
+                                       "--timeout", "300"),
+                           cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=500)
+    found = re.search(r"^\[pollen\] run folder (\S+)", first.stdout, flags=re.M)
+    run_dir = Path(found[1]) if found else None
+    try:
+        assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+        assert run_dir is not None and run_dir.parent == PROJECT_ROOT / "runs", first.stdout[-3000:]
+        assert re.fullmatch(r"\d{8}-\d{6}-fedavg-uci-dirichlet", run_dir.name), run_dir
+        first_summary = json.loads((run_dir / "summary.json").read_text())
+        assert first_summary["status"] == "completed" and first_summary["last-round"] == 1
+        assert f"run {first_summary['flower-run-id']}: finished:completed" in first.stdout
+        listed = subprocess.run([sys.executable, "-m", "pollen.launch.cli", "runs"], cwd=PROJECT_ROOT, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert re.search(rf"^{run_dir.name}\s+completed\s+fedavg\s+uci-dirichlet\s+1/1", listed.stdout,
+                         flags=re.M), listed.stdout + listed.stderr
+        console = first.stdout + first.stderr
+        assert len(re.findall(r"\[pollen\] round 1/1 ", console)) == 1, console[-3000:]
+        assert "[ROUND 1/1]" not in console and "Aggregated MetricRecord" not in console  # Flower's: in run.log
+        log = (run_dir / "run.log").read_text()
+        assert "[ROUND 1/1]" in log and "[pollen] round 1/1 " in log and "[pollen] SuperLink up on port" in log
+        assert "\x1b[" not in log
+        again = subprocess.run([sys.executable, "-m", "pollen.launch.launcher", "--ray-cpus", str(RAY_CPUS),
+                                "--resume", str(run_dir), "--run-config", "num-server-rounds=2", "--timeout", "300"],
+                               cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
+        assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+        rounds = [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert rounds == [1, 2]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["files"]["checkpoint"].endswith("round-0002.safetensors")
+        assert re.search(r"round 2/2 .*\| elapsed \d+s", again.stdout), again.stdout[-3000:]
+        assert "launched again ---" in (run_dir / "run.log").read_text()  # the resume appends to run.log
+        changed = subprocess.run(_launch_cmd("--resume", str(run_dir), "--run-config",
+                                             "num-server-rounds=3 method='fedprox'", "--timeout", "300"),
+                                 cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500)
+        assert changed.returncode == EXIT_USAGE, changed.stderr
+        assert "--run-config changes 'method' = 'fedprox' (the run has 'fedavg')" in changed.stderr
+    finally:
+        if run_dir is not None and run_dir.parent == PROJECT_ROOT / "runs":
+            shutil.rmtree(run_dir, ignore_errors=True)
+            latest = PROJECT_ROOT / "runs" / "latest"
+            if latest.is_symlink() and not latest.exists():
+                latest.unlink()
 
 
 @pytest.mark.e2e
@@ -575,7 +597,9 @@ def test_the_run_dies_with_its_launcher(tmp_path):
     assert everything == "", everything
     # what happens before round 1 is said as it happens
     assert re.search(r"^\[pollen\] SuperLink up on port \d+ \([\d.]+s\)", text, flags=re.M), text[-3000:]
-    assert "waiting for round 1 (the simulation starts Ray with 2 ClientApp actor(s) first)" in text
+    # the actors Flower really starts (one per CPU of --ray-cpus 1), not one per SuperNode
+    assert "waiting for round 1 (the simulation starts a private Ray with 1 ClientApp actor(s) for 2 SuperNode(s) " \
+           "first)" in text
     home = re.search(r"^\[pollen\] FLWR_HOME (\S+) \(private", text, flags=re.M)
     assert home and not Path(home.group(1)).exists(), text[-3000:]
     run_dir = (out / "latest").resolve()

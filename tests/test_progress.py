@@ -51,3 +51,30 @@ def test_on_a_terminal_a_bar_counts_the_rounds_below_the_lines():
     shown = screen.getvalue()
     assert "[pollen] SuperLink up" in shown and "round 5/10" in shown
     assert "5/10" in shown.split("round 5/10")[-1]  # the bar's own k/N after the last line
+
+
+def test_the_console_gets_pollen_lines_and_warnings_and_run_log_gets_everything(tmp_path, capsys):
+    """One line per round by default: Flower's INFO lines only in run.log (and on the console with
+    --verbose); WARNINGs and ERRORs always shown; what the launcher prints is copied to run.log, without
+    terminal colours, and a second launch appends."""
+    from pollen.launch.console import RunLog, on_console
+
+    flower_info = "\x1b[92mINFO \x1b[0m:      [ROUND 2/5]\n"
+    warning = "\x1b[93mWARNING \x1b[0m:   round 2 train: partition 1 failed\n"
+    ours = ROUND.format(k=2, n=5)
+    assert [on_console(x) for x in (flower_info, warning, ours)] == [False, True, True]
+    assert on_console(flower_info, verbose=True)
+    log_path = tmp_path / "run.log"
+    with RunLog(log_path) as log:
+        print("[pollen] SuperLink up on port 1234")
+        for line in (flower_info, warning, ours):
+            log.record(line)
+            if on_console(line):
+                log.console.write(line)
+    with RunLog(log_path):
+        print("[pollen] run folder again")
+    out = capsys.readouterr().out
+    assert out == "[pollen] SuperLink up on port 1234\n" + warning + ours + "[pollen] run folder again\n"
+    text = log_path.read_text()
+    assert text.startswith("[pollen] SuperLink up on port 1234\nINFO :      [ROUND 2/5]\nWARNING :   round 2")
+    assert ours in text and "launched again ---\n[pollen] run folder again\n" in text and "\x1b[" not in text

@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+from pollen import RUNS_DIR
 from pollen.app.checkpoints import atomic_write, write_json
 from pollen.app.tracking import Tracker, round_scalars
 from pollen.strategies.base import RoundReport
@@ -30,13 +32,11 @@ STATUSES = ("completed", "failed", "interrupted")
 def run_directory(cfg, run_id: int | str) -> Path:
     """``resume-from`` when continuing a run, else ``out-dir/<run-name>`` (the launcher names runs
     ``YYYYMMDD-HHMMSS-<method>-<task>``), else ``out-dir/<run-id>`` (``flwr run`` without the launcher).
-    ``out-dir`` empty: ``$POLLEN_OUT_DIR`` or ``./pollen-runs``. Pass absolute paths: relative ones
+    ``out-dir`` empty: ``$POLLEN_OUT_DIR`` or ``./runs``. Pass absolute paths: relative ones
     resolve against the working directory of the SuperLink (server) or SuperNode (clients)."""
-    import os
-
     if cfg.resume_from:
         return Path(cfg.resume_from).expanduser().resolve()
-    base = cfg.out_dir or os.environ.get("POLLEN_OUT_DIR") or "pollen-runs"
+    base = cfg.out_dir or os.environ.get("POLLEN_OUT_DIR") or RUNS_DIR
     return Path(base).expanduser().resolve() / (cfg.run_name or str(run_id))
 
 

@@ -145,7 +145,7 @@ def runs_main(argv: Sequence[str]) -> int:
 
     parser = argparse.ArgumentParser(prog=f"{PROG} runs", description=TOOLS["runs"][1])
     parser.add_argument("--out-dir", type=Path, default=None,
-                        help="the results root (default: $POLLEN_OUT_DIR, else ./pollen-runs)")
+                        help="the results root (default: $POLLEN_OUT_DIR, else ./runs)")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a table")
     args = parser.parse_args(list(argv))
     if args.out_dir is not None:

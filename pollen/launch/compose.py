@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pollen import RUNS_DIR
 from pollen.launch.errors import LaunchConfigError
 
 try:
@@ -181,8 +182,9 @@ def format_run_config(values: Mapping[str, Any]) -> str:
 
 
 def default_out_dir() -> Path:
-    """Results root when neither ``--out-dir`` nor the run config's ``out-dir`` names one."""
-    return Path(os.environ.get("POLLEN_OUT_DIR") or "pollen-runs").expanduser().resolve()
+    """Results root when neither ``--out-dir`` nor the run config's ``out-dir`` names one: ``$POLLEN_OUT_DIR``,
+    else ``./runs`` — where ``make run`` writes from a checkout, ``pollen fleet`` too, and ``pollen runs`` looks."""
+    return Path(os.environ.get("POLLEN_OUT_DIR") or RUNS_DIR).expanduser().resolve()
 
 
 DEFAULT_SUPERNODES = 5

@@ -33,6 +33,7 @@ from pollen.launch.compose import (
     is_flower_app,
     preset_node_count,
 )
+from pollen.launch.console import RUN_LOG, RunLog
 from pollen.launch.errors import (
     EXIT_COMPLETED,
     EXIT_NOT_COMPLETED,
@@ -141,7 +142,7 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", default=None,
                         help="results root, the 'out-dir' run key; results land in "
                              "OUT_DIR/YYYYMMDD-HHMMSS-<method>-<task>/, OUT_DIR/latest points at the newest (default: "
-                             "the run config's out-dir, else $POLLEN_OUT_DIR, else ./pollen-runs)")
+                             "the run config's out-dir, else $POLLEN_OUT_DIR, else ./runs)")
     parser.add_argument("--data-root", default=None,
                         help="dataset root, the 'data-root' run key (default: the run config's, else "
                              "$POLLEN_DATA_ROOT as the app reads it)")
@@ -159,6 +160,9 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="seconds before the run is stopped (exit 124; it can be resumed)")
     parser.add_argument("--quiet", action="store_true", help="do not stream the run's log")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show every line of the run's log (Flower's own too) instead of one per round, Pollen's "
+                             "lines and the warnings; run.log in the run folder keeps them all either way")
     return parser
 
 
@@ -229,12 +233,20 @@ def prepare_run_dir(app_dir: Path, values: dict[str, Any], results_root: Path, r
                                     "app": str(app_dir)})
     with contextlib.suppress(RunFolderError):  # a file system without symlinks still runs
         link_latest(run_dir)
-    print(f"[pollen] run folder {run_dir}" + (" (resumed)" if args.resume else ""), flush=True)
     return run_dir, lock
 
 
 def _launch(args: argparse.Namespace, app_dir: Path, values: dict[str, Any], run_dir: Path | None,
             lock: RunLock | None) -> int:
+    if run_dir is None:  # another app's run: its folder is named by Flower's run id, known once submitted
+        return _simulate(args, app_dir, values, run_dir, lock, None)
+    with RunLog(run_dir / RUN_LOG) as run_log:  # what the console shows, and Flower's lines besides
+        print(f"[pollen] run folder {run_dir}" + (" (resumed)" if args.resume else ""), flush=True)
+        return _simulate(args, app_dir, values, run_dir, lock, run_log)
+
+
+def _simulate(args: argparse.Namespace, app_dir: Path, values: dict[str, Any], run_dir: Path | None,
+              lock: RunLock | None, run_log: RunLog | None) -> int:
     started = time.monotonic()
     outcome = None
     with signals_raise():
@@ -243,7 +255,8 @@ def _launch(args: argparse.Namespace, app_dir: Path, values: dict[str, Any], run
                                cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                                run_config=values, timeout=args.timeout, echo=not args.quiet,
                                ray_address=args.ray_address, ray_cpus=args.ray_cpus, run_dir=run_dir,
-                               lock_fd=lock.fd if lock is not None else None)
+                               lock_fd=lock.fd if lock is not None else None, verbose=args.verbose,
+                               run_log=run_log)
         except LaunchInterrupted as err:
             print(f"[pollen] {err}: stopped every process of the run after {time.monotonic() - started:.1f}s",
                   file=sys.stderr, flush=True)
@@ -280,9 +293,6 @@ def _launch(args: argparse.Namespace, app_dir: Path, values: dict[str, Any], run
     if outcome.leftover:
         return EXIT_NOT_COMPLETED
     return EXIT_COMPLETED if outcome.completed else EXIT_NOT_COMPLETED
-
-
-
 
 
 if __name__ == "__main__":

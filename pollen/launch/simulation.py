@@ -18,9 +18,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pollen.launch.compose import compose_run_config, default_app_dir, format_run_config
+from pollen.launch.compose import app_run_config, compose_run_config, default_app_dir, format_run_config
+from pollen.launch.console import RunLog
 from pollen.launch.errors import LaunchConfigError, LaunchInterrupted, SuperLinkDied
 from pollen.launch.processes import ProcessTree
+from pollen.launch.resources import actor_slots, check_simulation
 from pollen.launch.submit import DEFAULT_TIMEOUT_S, RunOutcome, failure_reason, submit_and_wait
 from pollen.launch.superlinks import superlink, superlink_watch
 from pollen.launch.watchdog import Watchdog
@@ -67,7 +69,7 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
              run_config: str | Mapping[str, Any] = "", timeout: float = DEFAULT_TIMEOUT_S, echo: bool = True,
              out_dir: str | Path | None = None, data_root: str | Path | None = None,
              ray_address: str | None = None, ray_cpus: int | None = None, run_dir: Path | None = None,
-             lock_fd: int | None = None) -> RunOutcome:
+             lock_fd: int | None = None, verbose: bool = False, run_log: RunLog | None = None) -> RunOutcome:
     """One simulation run on a fresh, owned SuperLink, its whole process tree stopped afterwards.
 
     The run config is checked against the app's keys first (:class:`LaunchConfigError`, nothing
@@ -85,6 +87,7 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
     app_dir = (Path(app_dir) if app_dir is not None else default_app_dir()).resolve()
     values, results_root = compose_run_config(app_dir, run_config, out_dir=out_dir, data_root=data_root)
     ray_address = ray_address or "local"
+    check_simulation({**app_run_config(app_dir), **values}, num_supernodes, cpus_per_client, ray_cpus, ray_address)
     fed = (f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client} "
            f"client-resources-num-gpus={gpus_per_client}")
     if ray_cpus is not None:
@@ -112,8 +115,11 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
             where["run_dir"] = found
             watchdog.run_dir(found)
         if echo:
-            print(f"[pollen] run {run_id} submitted; waiting for round 1 (the simulation starts Ray with "
-                  f"{num_supernodes} ClientApp actor(s) first)", flush=True)
+            actors = (cluster_info.slots(cpus_per_client, gpus_per_client) if cluster_info is not None
+                      else actor_slots(cpus_per_client, ray_cpus))
+            ray = "the cluster's" if cluster_info is not None else "a private Ray with"
+            print(f"[pollen] run {run_id} submitted; waiting for round 1 (the simulation starts {ray} {actors} "
+                  f"ClientApp actor(s) for {num_supernodes} SuperNode(s) first)", flush=True)
 
     try:
         try:
@@ -135,7 +141,8 @@ def simulate(*, app_dir: Path | None = None, flwr_home: Path | None = None, num_
                     outcome = submit_and_wait(app_dir, conn, home, run_config=format_run_config(values),
                                               federation_config=fed, timeout=timeout, echo=echo,
                                               out_dir=results_root, watch=_tree_watch(tree, proc, kept_log), tree=tree,
-                                              run_dir=run_dir, on_run_id=submitted)
+                                              run_dir=run_dir, on_run_id=submitted, verbose=verbose,
+                                              run_log=run_log)
                     if not outcome.completed and outcome.failure_reason is None:
                         outcome.failure_reason = failure_reason(None, "", log_path.read_text(errors="replace"))
                     teardown_from = time.monotonic()

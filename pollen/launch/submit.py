@@ -19,6 +19,7 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
+from pollen.launch.console import RUN_LOG, RunLog, on_console
 from pollen.launch.errors import LaunchInterrupted
 from pollen.launch.fab import staged_app
 from pollen.launch.processes import ProcessTree, stop_process
@@ -125,10 +126,15 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
                     federation_config: str = "", timeout: float = DEFAULT_TIMEOUT_S, echo: bool = True,
                     out_dir: Path | None = None, watch: Callable[[], None] | None = None,
                     tree: ProcessTree | None = None, run_dir: Path | None = None,
-                    on_run_id: Callable[[int], None] | None = None) -> RunOutcome:
+                    on_run_id: Callable[[int], None] | None = None, verbose: bool = False,
+                    run_log: RunLog | None = None) -> RunOutcome:
     """``flwr run`` + stream the log until the run ends + read its final status (and, with ``run_dir``
     or ``out_dir`` (then ``out_dir/<run-id>``), the run's summary.json and failure reason).
     ``on_run_id`` is told the Flower run id as soon as the run is submitted.
+
+    Every streamed line goes to ``run_log`` (else to ``run.log`` in the run folder, once known); with ``echo``
+    the console gets Pollen's lines and the WARNINGs and ERRORs, and every line with ``verbose``
+    (:func:`~pollen.launch.console.on_console`).
 
     ``watch`` is called about once a second throughout (e.g. to notice a dead SuperLink); whatever it
     raises ends the wait. A run still going at ``timeout`` is stopped and :class:`TimeoutError` raised.
@@ -156,6 +162,10 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     if on_run_id is not None:
         on_run_id(run_id)
     results_dir = Path(run_dir) if run_dir is not None else (Path(out_dir) / str(run_id) if out_dir else None)
+    own_log = run_log is None and results_dir is not None
+    if own_log:
+        assert results_dir is not None
+        run_log = RunLog(results_dir / RUN_LOG, tee=False).__enter__()  # left in the finally below
     ended = AppEnd(results_dir, run_id)
     lines: list[str] = []
     stream = subprocess.Popen([flower_bin("flwr"), "log", str(run_id), connection, "--stream"], env=env,
@@ -165,7 +175,8 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     queue: Queue[str | None] = Queue()
     reader = threading.Thread(target=_pump_lines, args=(stream, queue), daemon=True)
     reader.start()
-    progress = RunProgress(live=None if echo else False).__enter__()  # left in the finally below
+    progress = RunProgress(live=None if echo else False,
+                           stream=run_log.console if run_log is not None else None).__enter__()  # left below
     try:
         while True:
             if watch is not None:
@@ -185,7 +196,9 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
                 break
             lines.append(line)
             ended.saw(line)
-            if echo:
+            if run_log is not None:
+                run_log.record(line)
+            if echo and on_console(line, verbose):
                 progress.line(line)
         if ended.summary is not None:  # the app's own word; Flower's wind-down is not waited for
             status = "finished:completed" if ended.summary["status"] == "completed" else "finished:failed"
@@ -204,6 +217,8 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
     finally:
         progress.__exit__()
         stop_process(stream, grace=2.0)
+        if own_log and run_log is not None:
+            run_log.__exit__()
     log = "".join(lines)
     summary = read_summary(results_dir)
     outcome = RunOutcome(run_id, status, time.monotonic() - started, log, summary=summary, results_dir=results_dir,

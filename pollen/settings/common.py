@@ -57,7 +57,7 @@ class PathKeys:
     data_root: str | None = setting("data-root", "", "path", "dataset root (absolute); empty = `$POLLEN_DATA_ROOT`")
     download: bool = setting("download", False, "bool", "let torchvision download missing datasets (needs internet)")
     out_dir: str = setting("out-dir", "", "path",
-                           "results root; empty = `$POLLEN_OUT_DIR`, else `./pollen-runs` of the SuperLink")
+                           "results root; empty = `$POLLEN_OUT_DIR`, else `./runs` of the SuperLink")
     run_name: str = setting("run-name", "", "string",
                             "the run folder's name under `out-dir`; the launcher sets "
                             "`YYYYMMDD-HHMMSS-<method>-<task>`; empty = the run id")

@@ -1,7 +1,14 @@
+import contextlib
+import errno
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
+from pollen.app import results
+from pollen.app.checkpoints import CheckpointError
 from pollen.app.results import RunRecorder
 
 
@@ -139,3 +146,141 @@ def test_every_epsilon_names_its_unit_and_neighbour_and_only_a_record_or_client_
     else:  # one embedding row given a model trained without DP: never the run's ε
         assert privacy["dp-epsilon-max"] is None and "dp-epsilon-per-client" not in privacy
         assert privacy["dp-epsilon-row-given-model-max"] == 2.5 and "no guarantee" in privacy["no-headline"]
+
+
+# -- every exit path keeps its summary ------------------------------------------------------------------
+def test_the_summary_comes_first_and_a_failed_plot_or_hook_is_a_warning(tmp_path, monkeypatch, caplog, capsys):
+    """The seam for optional things (the plot, trackers): each runs after summary.json exists, in order; one
+    that fails (here: the plot, on a full disk) is a WARNING naming it, and the status and the closing line
+    stand."""
+    run = tmp_path / "run"
+    rec = RunRecorder(run, {"method": "fedavg", "task": "uci-dirichlet"}, num_rounds=1)
+    assert (run / results.RESERVE).stat().st_size == results.RESERVE_BYTES  # room kept for the summary
+    rec.round(1)
+    rec.end_round(1)
+    seen = []
+
+    def full_disk(*args, **kwargs):
+        seen.append(("plot", json.loads((run / "summary.json").read_text())["status"]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(results, "plot_curves", full_disk)
+    rec.after_summary.append(("tracker", lambda summary: seen.append(("tracker", summary["status"]))))
+    summary = rec.finish()
+    assert seen == [("plot", "completed"), ("tracker", "completed")]
+    assert summary["status"] == "completed" and not (run / "curves.png").exists()
+    assert "curves.png: not written (OSError: [Errno 28] No space left on device); summary.json is, with status " \
+           "completed" in caplog.text
+    assert not (run / results.RESERVE).exists()  # given back once the summary is written
+    assert capsys.readouterr().out.rstrip().endswith(f"summary: {run / 'summary.json'}")  # the closing line, last
+
+
+def test_a_summary_finds_room_on_a_full_disk_and_keeps_its_essentials_at_least(tmp_path, monkeypatch):
+    """No room for the summary: the reserve is given back and the write tried again; when a whole summary
+    still does not fit, its essentials (status, reason, last round) are written alone."""
+    run = tmp_path / "run"
+    run.mkdir()
+    results.reserve_summary_space(run)
+    writes = []
+    real = results.atomic_write
+
+    def fills_up(path, data):
+        writes.append(((run / results.RESERVE).exists(), len(data)))
+        if len(writes) < 3:  # the whole summary never fits, its essentials do
+            raise CheckpointError(f"cannot write {path}: No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(results, "atomic_write", fills_up)
+    summary = {"status": "failed", "failure-reason": "OSError: [Errno 28] No space left on device", "last-round": 2,
+               "final": {"evaluate-clients": {f"partition {i}": {"accuracy": 0.5} for i in range(100)}}}
+    results.write_summary(run / "summary.json", summary)
+    assert [held for held, _ in writes] == [True, False, False] and writes[2][1] < writes[0][1] // 10
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved["status"] == "failed" and saved["last-round"] == 2 and "final" not in saved
+    assert "No space left" in saved["failure-reason"]
+    monkeypatch.setattr(results, "atomic_write", lambda path, data: (_ for _ in ()).throw(
+        CheckpointError(f"cannot write {path}: No space left on device")))
+    assert results.write_stopped_summary(run, "interrupted", "SIGTERM") is None  # a WARNING, not a crash
+
+
+def _server_run(out_dir: Path, rounds: int, on_round=None) -> Path:
+    """A real fedavg run (ServerApp + 3 ClientApps in process) with its node states in its run folder;
+    ``on_round(round)`` is called after each round is recorded."""
+    from flwr.app import Context, RecordDict
+
+    from pollen.app.client_app import app as client_app
+    from pollen.app.server_app import main as server_main
+    from pollen.testing import InProcessGrid, clientapp_node
+
+    cfg = {"method": "fedavg", "task": "uci-dirichlet", "num-server-rounds": rounds, "seed": 1,
+           "out-dir": str(out_dir), "run-name": "full-disk", "max-empty-rounds": 0}
+    run_dir = out_dir / "full-disk"
+    grid = InProcessGrid({100 + p: clientapp_node(client_app, cfg, p, 3, state_dir=str(run_dir / "nodes" / f"p{p}"))
+                          for p in range(3)})
+    if on_round is not None:
+        end_round = RunRecorder.end_round
+
+        def recorded(self, server_round):
+            end_round(self, server_round)
+            on_round(server_round)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RunRecorder, "end_round", recorded)
+            with contextlib.suppress(Exception):  # the ServerApp raises after writing its failed summary
+                server_main(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=cfg))
+    return run_dir
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs mounted for the test (root with CAP_SYS_ADMIN); skipped where it cannot be made."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN); the injected-failure "
+                    "test covers the same path")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def _fill(folder: Path) -> None:
+    """Write zeros into ``folder`` until its file system says it is full."""
+    with open(folder / "ballast", "wb") as fh:
+        with contextlib.suppress(OSError):
+            while True:
+                fh.write(bytes(1 << 16))
+                fh.flush()
+        with contextlib.suppress(OSError):
+            os.fsync(fh.fileno())
+
+
+def test_a_disk_filled_mid_run_leaves_summary_json_with_status_failed_and_the_reason(small_disk):
+    """A real run on a real 6 MiB file system, filled to the last byte right after round 1 of 4: whatever
+    write fails first (a node's state, a round's line, a checkpoint), the run ends failed and summary.json
+    says so, with the kernel's reason."""
+    run_dir = _server_run(small_disk, rounds=4, on_round=lambda r: _fill(small_disk) if r == 1 else None)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed", summary
+    assert "No space left on device" in summary["failure-reason"], summary["failure-reason"]
+    assert 1 <= summary["last-round"] < 4
+
+
+def test_a_write_failing_mid_run_leaves_summary_json_with_status_failed_and_the_reason(tmp_path, monkeypatch):
+    """The same where no small file system can be made: from round 2 on every write of metrics.jsonl fails
+    as on a full disk."""
+    real_open = Path.open
+
+    def full_after_round_1(self, mode="r", *args, **kwargs):
+        if self.name == "metrics.jsonl" and "a" in mode and full["now"]:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_open(self, mode, *args, **kwargs)
+
+    full = {"now": False}
+    monkeypatch.setattr(Path, "open", full_after_round_1)
+    run_dir = _server_run(tmp_path, rounds=4, on_round=lambda r: full.update(now=True) if r == 1 else None)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["last-round"] == 1, summary
+    assert summary["failure-reason"].startswith("OSError: [Errno 28] No space left on device"), summary

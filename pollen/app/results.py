@@ -9,24 +9,39 @@ tests: they read these, never console output. ``summary.json`` says whether the 
 it when the run ends, and the launcher (or its watchdog) writes it with :func:`write_stopped_summary`
 on every path where the ServerApp could not: Ctrl-C, SIGTERM, a timeout, a dead SuperLink, a killed
 launcher.
+
+The order at the end of a run is the seam for everything optional: :meth:`RunRecorder.finish` writes
+``summary.json`` first, then runs each step of ``RunRecorder.after_summary`` (the plot, then whatever is
+added there, e.g. a tracker's upload) — a step that fails is a WARNING and never changes the run's status
+— and prints the closing line (``...; summary: <path>``) last, which tells the launcher that nothing more
+will be written. A full disk must not cost the summary either: every run folder keeps a small reserve file
+(:func:`reserve_summary_space`) that :func:`write_summary` gives back when a write fails for lack of space,
+and if even that is not enough it writes the summary's essentials alone (status, reason, last round).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pollen import RUNS_DIR
-from pollen.app.checkpoints import atomic_write, write_json
+from pollen.app.checkpoints import CheckpointError, atomic_write, write_json
 from pollen.app.tracking import Tracker, round_scalars
+from pollen.log import LOGGER
 from pollen.strategies.base import RoundReport
 
 STATUSES = ("completed", "failed", "interrupted")
+RESERVE = ".summary-reserve"  # <run>/.summary-reserve: room kept for summary.json on a disk that fills up
+RESERVE_BYTES = 1 << 20  # a summary of 1,000 clients' final metrics is ~0.2 MB
+ESSENTIALS = ("status", "failure-reason", "last-round", "flower-run-id", "method", "task", "num-server-rounds",
+              "run-dir")
 
 
 def run_directory(cfg, run_id: int | str) -> Path:
@@ -55,9 +70,41 @@ def last_round(run_dir: Path) -> int:
     return max(rounds, default=0)
 
 
+def reserve_summary_space(run_dir: Path) -> None:
+    """Keep :data:`RESERVE_BYTES` of the run folder's file system for ``summary.json``: a file of that size,
+    allocated now, that :func:`write_summary` deletes when the disk is full. A disk already too full to hold
+    it is a WARNING; the run goes on (and fails at its first write, with a reason)."""
+    path = Path(run_dir) / RESERVE
+    try:
+        with open(path, "wb") as fh:
+            try:
+                os.posix_fallocate(fh.fileno(), 0, RESERVE_BYTES)
+            except (AttributeError, OSError):  # no fallocate here: real bytes take the room as well
+                fh.write(bytes(RESERVE_BYTES))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as err:
+        path.unlink(missing_ok=True)
+        LOGGER.warning("cannot keep %d bytes for summary.json in %s: %s", RESERVE_BYTES, run_dir, err.strerror or err)
+
+
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    """``summary.json``, whole or not at all: the launcher ends its wait on it (``AppEnd``)."""
-    atomic_write(path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+    """``summary.json``, whole or not at all: the launcher ends its wait on it (``AppEnd``). On a full disk
+    the folder's reserve is given back and the write tried again, then once more with only the
+    :data:`ESSENTIALS` (so a status and its reason survive a disk with no room for final metrics); the
+    reserve goes once a summary is written. ``CheckpointError`` when not even that fits."""
+    path = Path(path)
+    attempts = [summary, summary, {k: summary.get(k) for k in ESSENTIALS}]
+    for attempt, content in enumerate(attempts):
+        try:
+            atomic_write(path, (json.dumps(content, indent=2, sort_keys=True) + "\n").encode())
+            break
+        except CheckpointError:
+            if attempt == len(attempts) - 1:
+                raise
+            if attempt == 0:
+                (path.parent / RESERVE).unlink(missing_ok=True)
+    (path.parent / RESERVE).unlink(missing_ok=True)
 
 
 def write_stopped_summary(run_dir: Path, status: str, reason: str, flower_run_id: int | None = None,
@@ -65,7 +112,8 @@ def write_stopped_summary(run_dir: Path, status: str, reason: str, flower_run_id
     """``summary.json`` of a run that ended where its ServerApp could not write one (interrupted, killed,
     a dead SuperLink). One the ServerApp wrote after ``since`` (epoch seconds) is kept when it says
     ``completed`` or the same status: it knows more (a ServerApp stopped mid-run may call itself
-    ``failed``; the launcher knows it was interrupted). Returns what was written (``None``: nothing)."""
+    ``failed``; the launcher knows it was interrupted). Returns what was written (``None``: nothing; a
+    summary that cannot be written at all is a WARNING here: its callers are on their way out already)."""
     if status not in STATUSES:
         raise ValueError(f"summary status {status!r}: expected one of {STATUSES}")
     run_dir = Path(run_dir)
@@ -80,8 +128,12 @@ def write_stopped_summary(run_dir: Path, status: str, reason: str, flower_run_id
     summary = {"status": status, "failure-reason": reason, "last-round": last_round(run_dir),
                "flower-run-id": flower_run_id, "method": config.get("method"), "task": config.get("task"),
                "num-server-rounds": config.get("num-server-rounds"), "run-dir": str(run_dir)}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_summary(path, summary)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_summary(path, summary)
+    except (OSError, CheckpointError) as err:
+        LOGGER.warning("summary.json of %s not written (%s): %s", run_dir, status, err)
+        return None
     return summary
 
 
@@ -99,7 +151,12 @@ def _clean(metrics: dict | None) -> dict[str, Any]:
 
 
 class RunRecorder:
-    """Collects one record per round and writes the run's files under ``run_dir``."""
+    """Collects one record per round and writes the run's files under ``run_dir``.
+
+    ``after_summary`` holds the optional steps of the run's end, each a ``(name, step(summary))`` run after
+    ``summary.json`` is written (the plot first); append to it to feed something else (a tracker) from the
+    finished summary. A step that raises is logged as a WARNING naming it; the summary stands.
+    """
 
     def __init__(self, run_dir: Path, config: dict[str, Any], num_rounds: int, echo: bool = True,
                  resume_after: int = 0, flower_run_id: int | None = None, tracker: Tracker | None = None,
@@ -108,6 +165,9 @@ class RunRecorder:
         self.tracker = tracker if tracker is not None else Tracker()  # fed after the files (pollen.app.tracking)
         # under DP: what the ε of every round protects (dp-unit, dp-neighbour), on each round and the summary
         self.dp_terms = dict(dp_terms or {})
+        # the optional end of the run, after summary.json: the plot, then the tracker (which uploads it)
+        self.after_summary: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
+            ("curves.png", self._plot), ("the tracker", lambda summary: self.tracker.finish(summary, self.run_dir))]
         self.flower_run_id = flower_run_id
         self.first_round = resume_after + 1
         self.config = config
@@ -118,6 +178,7 @@ class RunRecorder:
         self.started = time.perf_counter()
         self.initial: dict[str, Any] | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        reserve_summary_space(self.run_dir)
         metrics = self.run_dir / "metrics.jsonl"
         if resume_after > 0 and metrics.exists():  # keep the rounds the checkpoint covers, drop the rest
             kept = [line for line in metrics.read_text().splitlines()
@@ -179,10 +240,10 @@ class RunRecorder:
         rec = self.round(server_round)
         rec["wall-time-s"] = round(time.perf_counter() - rec.pop("_t0"), 4)
         rec["elapsed-s"] = round(time.perf_counter() - self.started, 4)
-        self.rounds.append(rec)
         self.current = None
         with (self.run_dir / "metrics.jsonl").open("a") as fh:
             fh.write(json.dumps(rec, sort_keys=True) + "\n")
+        self.rounds.append(rec)  # a round is closed once it is on disk (the summary's last-round)
         self._print(self.round_line(rec))
         self.tracker.log_round(server_round, round_scalars(rec))
 
@@ -220,7 +281,8 @@ class RunRecorder:
     # end of run ----------------------------------------------------------------------------
     def finish(self, status: str = "completed", reason: str | None = None,
                files: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write ``summary.json`` (with ``status`` and, for a failed run, ``failure-reason``) and the plot."""
+        """Write ``summary.json`` (with ``status`` and, for a failed run, ``failure-reason``), then run the
+        optional ``after_summary`` steps (the plot, ...), then print the closing line."""
         final = self.rounds[-1] if self.rounds else {}
         summary = {
             "status": status,
@@ -247,15 +309,23 @@ class RunRecorder:
         spent = privacy_spent(self.rounds, **self.dp_terms)
         if spent:
             summary["privacy"] = spent
-        plot_curves(self.rounds, self.run_dir / "curves.png", title=f"{summary['method']} on {summary['task']}")
-        # Last and whole: a launcher that sees this run's summary knows the ServerApp has nothing left to write.
-        write_summary(self.run_dir / "summary.json", summary)
-        self.tracker.finish(summary, self.run_dir)  # optional, after everything is on disk; a failure only warns
+        write_summary(self.run_dir / "summary.json", summary)  # first: whatever fails after, the status stands
+        for name, step in self.after_summary:
+            try:
+                step(summary)
+            except Exception as err:  # noqa: BLE001 - optional: a WARNING, never the run's status
+                LOGGER.warning("%s: not written (%s: %s); summary.json is, with status %s", name,
+                               type(err).__name__, err, status)
+        # The closing line, last: a launcher that reads it knows the ServerApp has nothing left to write.
         if status == "completed":
             self._print(f"[pollen] done in {summary['wall-time-s']:.1f}s; summary: {self.run_dir / 'summary.json'}")
         else:
             self._print(f"[pollen] run {status}: {reason}; summary: {self.run_dir / 'summary.json'}")
         return summary
+
+
+    def _plot(self, summary: dict[str, Any]) -> None:
+        plot_curves(self.rounds, self.run_dir / "curves.png", title=f"{summary['method']} on {summary['task']}")
 
 
 def privacy_spent(rounds: list[dict[str, Any]], **dp_terms: str) -> dict[str, Any]:
@@ -364,5 +434,9 @@ def plot_curves(rounds: list[dict[str, Any]], path: Path, title: str = "") -> No
     ax_loss.set_ylabel("train loss (client mean)")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    atomic_write(path, image.getvalue())  # a full disk leaves the previous plot, never half a PNG

@@ -231,6 +231,9 @@ def prepare_run_dir(app_dir: Path, values: dict[str, Any], results_root: Path, r
         write_launch_info(run_dir, {"num-supernodes": args.num_supernodes, "cpus-per-client": args.cpus_per_client,
                                     "gpus-per-client": args.gpus_per_client, "ray-address": args.ray_address or "local",
                                     "app": str(app_dir)})
+    from pollen.app.results import reserve_summary_space
+
+    reserve_summary_space(run_dir)  # whatever fills the disk later, summary.json keeps its room
     with contextlib.suppress(RunFolderError):  # a file system without symlinks still runs
         link_latest(run_dir)
     return run_dir, lock

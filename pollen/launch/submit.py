@@ -231,14 +231,15 @@ def submit_and_wait(app_dir: Path, connection: str, flwr_home: Path, *, run_conf
 class AppEnd:
     """Whether a Pollen ServerApp has finished its run, from its run folder.
 
-    Its last act is an atomic ``summary.json`` naming the Flower run, after every model, checkpoint and
-    plot, so once that file names this run the launcher stops waiting: Flower's own wind-down (the
-    simulation's Ray shutdown, the log stream's end, the final status) costs seconds and writes nothing of
-    the run's. The app's closing line (``...; summary: <path>``) is still read from the stream, for at most
-    ``grace`` seconds. An app that writes no such summary (not Pollen's) is waited for as before.
+    At its end the ServerApp writes ``summary.json`` (atomic, naming the Flower run) after every model and
+    checkpoint, then the optional files (the plot, a tracker's upload), then prints its closing line
+    (``...; summary: <path>``). Once the summary names this run, the launcher waits for that line (for at
+    most ``grace`` seconds, in case the line is lost) and stops: Flower's own wind-down (the simulation's
+    Ray shutdown, the log stream's end, the final status) costs seconds and writes nothing of the run's.
+    An app that writes no such summary (not Pollen's) is waited for as before.
     """
 
-    grace = 2.0
+    grace = 30.0
 
     def __init__(self, results_dir: Path | None, run_id: int):
         self.path = None if results_dir is None else Path(results_dir) / "summary.json"

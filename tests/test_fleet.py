@@ -317,26 +317,6 @@ def test_supernode_killed_and_restarted_carries_on_from_its_state_dir(tmp_path, 
 
 
 @pytest.mark.e2e
-def test_tls_fleet_with_node_auth_completes_through_the_cli(tmp_path):
-    """`pollen fleet --tls`: certificates, key registration, HTTPS, one round, clean exit."""
-    work, out = tmp_path / "work", tmp_path / "runs"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pollen.launch.cli", "fleet", "--tls", "--num-supernodes", "2", "--rounds", "1",
-         "--run-config", "local-epochs=1", "--work-dir", str(work), "--out-dir", str(out), "--quiet"],
-        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "finished:completed" in proc.stdout and "TLS + node auth" in proc.stdout
-    report = json.loads(next(out.glob("*/fleet.json")).read_text())
-    assert report["status"] == "finished:completed" and report["tls"] is True
-    assert report["run_s"] > 0 and report["total_s"] >= report["run_s"]
-    summary = json.loads((Path(report["results_dir"]) / "summary.json").read_text())
-    assert summary["rounds"] == 1 and len(summary["final"]["evaluate-clients"]) == 2
-    assert sorted((work / "certs" / "keys").iterdir()) == sorted(
-        work / "certs" / "keys" / f for f in ("supernode_0", "supernode_0.pub", "supernode_1", "supernode_1.pub"))
-    assert not groups_alive([report["superlink_pid"]] + [n["pid"] for n in report["nodes"]])
-
-
-@pytest.mark.e2e
 def test_supernode_with_unregistered_key_is_refused(tmp_path):
     """A node whose key was never registered gets no node id: it logs Flower's exit code 305 with the
     activation error and exits with status 1 (Flower's flwr_exit maps every error code to status 1), and
@@ -399,7 +379,7 @@ def test_cli_says_when_the_superlink_is_killed_and_leaves_nothing(tmp_path):
     with TreeWatcher() as watcher, log_path.open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pollen.launch.cli", "fleet", "--num-supernodes", "2", "--rounds", "50",
-             "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "runs")],
+             "--max-restarts", "0", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "runs")],
             cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=watcher.env())
         try:
             deadline = time.monotonic() + 240
@@ -430,6 +410,80 @@ def test_cli_says_when_the_superlink_is_killed_and_leaves_nothing(tmp_path):
     assert "none left (checked by PID)" in text, text[-3000:]
     assert not groups_alive(_pids_in(text))
     assert left == [], left
+    # the run is named, and its folder says what happened (issue 43: neither file was written, "run None")
+    run_dir = (tmp_path / "runs" / "latest").resolve()
+    assert re.search(rf"run {run_dir.name} \(Flower run \d+\): error: {re.escape(said)}", text), text[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and said in summary["failure-reason"], summary
+    report = json.loads((run_dir / "fleet.json").read_text())
+    assert report["run_name"] == run_dir.name and said in report["status"] and report["superlink_restarts"] == []
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [{k: r[k] for k in ("round", "fit", "evaluate", "fit-clients", "evaluate-clients")} for r in rows]
+
+
+@pytest.mark.e2e
+def test_a_tls_fleet_survives_its_superlink_killed_after_round_2_of_5(tmp_path):
+    """The durable fleet (issue 44): TLS with node authentication, SIGKILL of the SuperLink once round 2 of 5 is
+    written. Without a hand the fleet restarts it (same port, certificates, database), the SuperNodes
+    reconnect with their keys, the run continues from its round-2 checkpoint, and its metrics equal an
+    uninterrupted run's (fedavg: deterministic); the restart is in summary.json and fleet.json. It is also the
+    CLI's TLS test (certificates, one registered key per node, HTTPS, nothing left running)."""
+    from flwr.app import Context, RecordDict
+
+    from pollen.app.client_app import app as client_app
+    from pollen.app.server_app import main as server_main
+    from pollen.testing import InProcessGrid, clientapp_node
+
+    out, work, rounds = tmp_path / "runs", tmp_path / "work", 5
+    config = {"method": "fedavg", "task": "uci-dirichlet", "num-server-rounds": rounds, "local-epochs": 1, "seed": 4}
+    log_path = tmp_path / "fleet.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pollen.launch.cli", "fleet", "--tls", "--num-supernodes", "2",
+             "--run-config", format_config(config), "--work-dir", str(work), "--out-dir", str(out), "--quiet"],
+            cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while len(_rounds_written(out)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        superlink = int(re.search(r"^\[fleet\] SuperLink \S+ \(TLS.*?\) pid (\d+)", log_path.read_text(),
+                                  flags=re.M).group(1))
+        os.kill(superlink, signal.SIGKILL)
+        code = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert code == 0, text[-4000:]
+    assert text.count(f"SuperLink (pid {superlink}) died with code -9 (SIGKILL)") == 1, text[-3000:]
+    assert "restarting the SuperLink (1 of at most 3, --max-restarts)" in text
+    assert "continues after round" in text and "(TLS + node auth)" in text and "SuperLink restart(s)" in text
+    run_dir = (out / "latest").resolve()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == rounds, summary
+    assert len(summary["final"]["evaluate-clients"]) == 2, summary["final"]
+    [restart] = summary["superlink-restarts"]
+    assert f"pid {superlink}" in restart["superlink-died"] and restart["resumed-after-round"] >= 2, restart
+    report = json.loads((run_dir / "fleet.json").read_text())
+    assert report["superlink_restarts"] == [restart] and report["status"] == "finished:completed" and report["tls"]
+    assert report["run_s"] > 0 and report["total_s"] >= report["run_s"]
+    # certificates and one registered key pair per node, kept in the work folder; nothing left running
+    assert sorted((work / "certs" / "keys").iterdir()) == sorted(
+        work / "certs" / "keys" / f for f in ("supernode_0", "supernode_0.pub", "supernode_1", "supernode_1.pub"))
+    assert not groups_alive([superlink, report["superlink_pid"]] + [n["pid"] for n in report["nodes"]])
+
+    # the same run, uninterrupted: the ServerApp and both ClientApps in this process
+    alone = tmp_path / "alone"
+    grid = InProcessGrid({100 + p: clientapp_node(client_app, config, p, 2, state_dir=str(alone / f"p{p}"))
+                          for p in range(2)})
+    server_main(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(),
+                              run_config={**config, "out-dir": str(alone), "run-name": "alone"}))
+    assert _metrics(run_dir) == _metrics(alone / "alone")
 
 
 @pytest.mark.e2e

@@ -41,6 +41,15 @@ def test_a_billion_supernodes_are_refused_before_anything_starts_naming_the_esti
     assert not (tmp_path / "runs").exists()  # not even the run folder
 
 
+def test_a_fleet_too_large_for_the_machine_is_refused_before_its_plan_is_made(tmp_path, capsys, nothing_starts):
+    code = fleet_cli.main(["--num-supernodes", "100000", "--work-dir", str(tmp_path / "work")])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE
+    assert re.search(r"--num-supernodes 100000: the run needs about [\d,.]+ [GT]iB of memory \(.*100,000 SuperNodes x "
+                     r"128\.0 MiB.*100,000 ClientApp processes x 550\.0 MiB.*\); this machine has", err), err
+    assert not (tmp_path / "work").exists()
+
+
 @pytest.mark.parametrize("value", ["2.5", "1e9", "two"])
 def test_an_integer_option_refuses_anything_else(value, capsys, nothing_starts):
     with pytest.raises(SystemExit) as run_exit:

@@ -24,12 +24,13 @@ from typing import Any
 
 from pollen.app.config import ConfigError
 from pollen.launch.compose import default_app_dir
+from pollen.launch.console import RunLog
 from pollen.launch.errors import SuperLinkDied, exit_description, signals_held
 from pollen.launch.fleet import certs, supernodes
 from pollen.launch.fleet.plan import NodeSpec, format_config
 from pollen.launch.processes import ProcessTree, stop_process
-from pollen.launch.submit import DEFAULT_TIMEOUT_S, RunOutcome, submit_and_wait
-from pollen.launch.superlinks import superlink
+from pollen.launch.submit import DEFAULT_TIMEOUT_S, RunOutcome, flwr_call, submit_and_wait
+from pollen.launch.superlinks import flower_env, start_superlink, stop_orphaned_apps, superlink
 
 # The last line of a Python traceback: "package.module.SomeError: message".
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): .+$", re.M)
@@ -61,11 +62,17 @@ class Fleet:
     Every process started carries the fleet's :class:`~pollen.launch.processes.ProcessTree` mark, so :meth:`close` stops
     the whole tree by PID (also ServerApp/ClientApp processes in other sessions) and :attr:`leftover`
     says what survived (nothing, normally). FLWR_HOME is ``<work_dir>/flwr-home``: private to the fleet.
+
+    The SuperLink keeps its state in ``<work_dir>/superlink.db`` (``--database``: runs, registered node
+    keys and the ids they were given), so :meth:`restart_superlink` brings a SuperLink that died back on
+    the same port, with the same certificates and the same registered nodes, and the SuperNodes (which
+    retry their connection) carry on with their keys.
     """
 
     def __init__(self, work_dir: Path, *, tls: bool = False, hosts: Sequence[str] = (), echo: bool = True):
         self.work_dir = Path(work_dir).resolve()
         self.flwr_home = self.work_dir / "flwr-home"
+        self.database = self.work_dir / "superlink.db"
         self.log_dir = self.work_dir / "logs"
         self.cert_dir = self.work_dir / "certs"
         self.tls = tls
@@ -78,8 +85,11 @@ class Fleet:
         self.supernodes: list[SuperNode] = []
         self.teardown_s: float | None = None
         self.superlink_death_reported = False  # said once, when first noticed
+        self.run_id: int | None = None  # the Flower run last submitted
         self.tree = ProcessTree("fleet")
         self.leftover: list[int] = []
+        self._superlink_args: list[str] = []
+        self._root: str | None = None
         self._stack = contextlib.ExitStack()
 
     # lifecycle ---------------------------------------------------------------------------------------
@@ -107,20 +117,37 @@ class Fleet:
     def start(self) -> None:
         """Start the SuperLink (plus certificates for TLS) and wait until it answers."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        extra: list[str] = []
+        extra = ["--database", str(self.database)]
         root = None
         if self.tls:
             self.credentials = certs.write_server_credentials(self.cert_dir, self.hosts, force=True)
             root = str(self.credentials.ca_cert)
-            extra = ["--ssl-ca-certfile", root, "--ssl-certfile", str(self.credentials.server_cert),
-                     "--ssl-keyfile", str(self.credentials.server_key), "--enable-supernode-auth"]
+            extra += ["--ssl-ca-certfile", root, "--ssl-certfile", str(self.credentials.server_cert),
+                      "--ssl-keyfile", str(self.credentials.server_key), "--enable-supernode-auth"]
+        self._superlink_args, self._root = extra, root
         self.connection, self.port, self.superlink_proc = self._stack.enter_context(
             superlink(self.flwr_home, simulation=False, extra_args=extra, connection="fleet",
-                             root_certificates=root, tree=self.tree))
+                      root_certificates=root, tree=self.tree))
         self._stack.callback(self._stop_supernodes)  # the SuperNodes stop before the SuperLink
         mode = "TLS + SuperNode auth" if self.tls else "insecure"
         self._say(f"SuperLink {self.address} ({mode}) pid {self.superlink_proc.pid}, "
                   f"log {self.superlink_log}")
+
+    def restart_superlink(self) -> subprocess.Popen:
+        """Start the SuperLink again after it died: first what is left of the dead one (its process group,
+        and the ServerApp and ClientApp processes still attached to its port), then a new one on the same
+        port with the same arguments (certificates, node authentication, ``--database``). The SuperNodes
+        reconnect by themselves; the run the dead SuperLink held is gone with its ServerApp."""
+        if self.superlink_proc is None or self.port is None:
+            raise RuntimeError("the SuperLink was never started: use the Fleet as a context manager")
+        stop_process(self.superlink_proc, grace=0.0)
+        stop_orphaned_apps(self.port)
+        self.superlink_proc = start_superlink(self.flwr_home, self.port, simulation=False,
+                                              extra_args=self._superlink_args, root_certificates=self._root,
+                                              tree=self.tree)
+        self.superlink_death_reported = False
+        self._say(f"SuperLink {self.address} restarted: pid {self.superlink_proc.pid}, database {self.database}")
+        return self.superlink_proc
 
     @property
     def conn(self) -> str:
@@ -188,24 +215,38 @@ class Fleet:
         return node
 
     def wait_for_nodes(self, count: int | None = None, timeout: float = 180.0) -> list[str]:
-        """Wait until ``count`` (default: all started) SuperNodes are online."""
-        count = len(self.supernodes) if count is None else count
+        """Wait until ``count`` (default: every SuperNode still running) SuperNodes are online."""
+        running = [n for n in self.supernodes if not n.stopped and n.proc.poll() is None]
+        count = len(running) if count is None else count
         ids = supernodes.wait_for_supernodes(self.conn, self.flwr_home, count, timeout=timeout,
-                                             procs=[n.proc for n in self.supernodes],
-                                             logs=[n.log_path for n in self.supernodes], watch=self.check)
+                                             procs=[n.proc for n in running],
+                                             logs=[n.log_path for n in running], watch=self.check)
         self._say(f"{len(ids)} SuperNodes online")
         return ids
 
     def run(self, run_config: Mapping[str, Any], *, timeout: float = DEFAULT_TIMEOUT_S, echo: bool | None = None,
-            app_dir: Path | None = None) -> RunOutcome:
-        """``flwr run`` the app on this fleet and wait for its final status (and a failed run's reason,
-        from ``<out-dir>/<run-id>/summary.json``). Raises :class:`~pollen.launch.errors.SuperLinkDied` within about a
-        second of the SuperLink dying."""
+            app_dir: Path | None = None, run_dir: Path | None = None, verbose: bool = False,
+            run_log: RunLog | None = None) -> RunOutcome:
+        """``flwr run`` the app on this fleet and wait for its final status (and a failed run's reason, from
+        the run folder's summary.json: ``run_dir``, else ``<out-dir>/<run-id>``). Raises
+        :class:`~pollen.launch.errors.SuperLinkDied` within about a second of the SuperLink dying."""
         app_dir = Path(app_dir) if app_dir is not None else default_app_dir()
         out_dir = str(run_config.get("out-dir") or "").strip()
+        self.run_id = None
         return submit_and_wait(app_dir, self.conn, self.flwr_home, run_config=format_config(run_config),
-                                      timeout=timeout, echo=self.echo if echo is None else echo,
-                                      out_dir=Path(out_dir) if out_dir else None, watch=self.check, tree=self.tree)
+                               timeout=timeout, echo=self.echo if echo is None else echo,
+                               out_dir=Path(out_dir) if out_dir else None, watch=self.check, tree=self.tree,
+                               run_dir=run_dir, on_run_id=lambda run_id: setattr(self, "run_id", run_id),
+                               verbose=verbose, run_log=run_log)
+
+    def stop_run(self, run_id: int) -> bool:
+        """``flwr stop`` a run (e.g. the one a dead SuperLink held, so no SuperNode pulls its messages any
+        more); False when the SuperLink would not (it may know the run as finished already)."""
+        try:
+            flwr_call(["stop", str(run_id), self.conn], flower_env(self.flwr_home), timeout=60, watch=self.check)
+        except (RuntimeError, TimeoutError):
+            return False
+        return True
 
     def stop_supernode(self, node: SuperNode, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
         """Stop one SuperNode's process group now (fault injection); ``close`` skips it later."""

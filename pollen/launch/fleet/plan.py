@@ -13,10 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from pollen.app.config import ConfigError, RunConfig, parse_run_config
-from pollen.launch.compose import PROJECT_ROOT, format_run_config
+from pollen.launch.compose import default_out_dir, format_run_config
 from pollen.launch.errors import LaunchConfigError
-
-DEFAULT_OUT_DIR = (PROJECT_ROOT or Path.cwd()) / "runs"
 
 
 def format_config(values: Mapping[str, Any]) -> str:
@@ -131,7 +129,7 @@ def compose_run_config(*, method: str | None, rounds: int | None, out_dir: str |
                               f"and {value!r} as an option")
         values[key] = value
     if "out-dir" not in values:
-        values["out-dir"] = str(Path(out_dir or DEFAULT_OUT_DIR).expanduser().resolve())
+        values["out-dir"] = str(Path(out_dir or default_out_dir()).expanduser().resolve())
     if data_root and "data-root" not in values:
         values["data-root"] = str(Path(data_root).expanduser().resolve())
     cfg = parse_run_config(values)

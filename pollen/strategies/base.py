@@ -14,8 +14,9 @@ unchecked. The parts, each usable and tested without a grid:
 * :class:`~pollen.strategies.sampling.NodeSampler` (``strategy.nodes``): waiting for nodes, drawing a
   sample with the strategy's own RNG, identity queries.
 
-The round loop is :meth:`PollenStrategy.start`; every message goes out and comes back through one seam,
-:meth:`PollenStrategy.exchange`: a strategy that runs a round differently on the wire overrides it alone.
+The round loop is :meth:`PollenStrategy.start`; every message of a round goes out and comes back through
+one seam, :meth:`PollenStrategy.exchange` (``grid.send_and_receive`` by default): a strategy that runs a
+round differently on the wire (secure aggregation, deadlines) overrides that method alone.
 """
 
 from __future__ import annotations
@@ -37,8 +38,15 @@ from pollen.strategies.aggregation import DEFAULT_TRIM_FRACTION, average_arrays,
 from pollen.strategies.exchange import NetworkExchange
 from pollen.strategies.network import NetworkModel
 from pollen.strategies.options import check_options
-from pollen.strategies.partitions import PartitionBook
-from pollen.strategies.replies import Accepted, Decode, MetricsAggrFn, ReplyScreen, RoundReport
+from pollen.strategies.partitions import PartitionBook, Quarantine
+from pollen.strategies.replies import (
+    Accepted,
+    Decode,
+    MetricsAggrFn,
+    NoTrainingError,  # noqa: F401  (importable from here, as before the split)
+    ReplyScreen,
+    RoundReport,
+)
 from pollen.strategies.rounds import run_rounds
 from pollen.strategies.sampling import NodeSampler
 from pollen.strategies.spread import DEFAULT_OUTLIER_FACTOR, check_factor, far_outside, spread_record
@@ -154,6 +162,9 @@ class PollenStrategy(Strategy):
     @property
     def reports(self) -> dict[int, RoundReport]:
         return self.replies.reports
+
+    def quarantined(self) -> Quarantine:
+        return self.book.quarantined()
 
     def label(self, node_id: int) -> str:
         return self.book.label(node_id)

@@ -64,11 +64,17 @@ def check_factor(factor: float) -> float:
     return float(factor)
 
 
+def _size(value: float) -> float:
+    value = float(value)
+    return math.inf if math.isnan(value) else value
+
+
 def medians(sizes: Sequence[Mapping[str, float]]) -> dict[str, tuple[int, float]]:
-    """``{measure: (replies that carry it, their median size)}`` for the round's replies ``sizes[i]``."""
+    """``{measure: (replies that carry it, their median size)}`` for the round's replies ``sizes[i]``. A NaN
+    size counts as infinite: far, and unable to make the median NaN (which would judge nobody)."""
     out: dict[str, tuple[int, float]] = {}
     for measure in sorted({m for s in sizes for m in s}):
-        values = [float(s[measure]) for s in sizes if measure in s]
+        values = [_size(s[measure]) for s in sizes if measure in s]
         out[measure] = (len(values), float(np.median(values)))
     return out
 
@@ -100,7 +106,7 @@ def spread_record(sizes: Sequence[Mapping[str, float]]) -> dict[str, dict[str, f
     the largest ratio to it (how close the round came to the factor), for ``metrics.jsonl``."""
     out: dict[str, dict[str, float | None]] = {}
     for measure, (count, median) in medians(sizes).items():
-        top = max(float(s[measure]) for s in sizes if measure in s)
+        top = max(_size(s[measure]) for s in sizes if measure in s)
         ratio = top / median if median > 0 and math.isfinite(top) else None
         out[measure] = {"replies": count, "median": median, "max-ratio": ratio}
     return out

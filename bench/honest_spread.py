@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.kit import RESULTS, ROOT, default_data_root, read_json, table, write_atomic, write_json
+from pollen.strategies.spread import DEFAULT_OUTLIER_FACTOR
 
 OUT = RESULTS / "honest_spread"
 FEW_THREADS = {"torch-threads": 1, "device": "cpu"}
@@ -71,11 +72,18 @@ RUNS: dict[str, tuple[dict[str, Any], int, str]] = {
                            "model-width": 0.125, "local-epochs": 2, "lr": 0.5, "momentum": 0.0,
                            "weight-decay": 1e-5}, 10,
                           "README GLFC command with 5 rounds per task (4 tasks: 4 transitions, 20 rounds)"),
-    "fedavg-dp-payload": ({"method": "fedavg", "dp-mode": "payload", "dp-noise-multiplier": 1.0,
-                           "num-server-rounds": 10}, 5, "`make run` under dp-mode = payload, σ = 1"),
+    "glfc-uci-cil": ({"method": "glfc", "task": "uci-digits-cil", "glfc-tasks": 3, "glfc-classes-per-task": 3,
+                      "glfc-rounds-per-task": 2, "num-server-rounds": 6, "glfc-initial-clients": 5,
+                      "glfc-new-clients": 0,
+                      "glfc-clients-per-round": 5, "glfc-max-per-class": 20, "glfc-memory-size": 20,
+                      "glfc-oracle-boundary": True, "glfc-proxy-iterations": 3, "glfc-proxy-keep": 2,
+                      "glfc-eval-per-class": 20, "model-width": 0.125, "local-epochs": 1, "lr": 0.5,
+                      "momentum": 0.0}, 5,
+                     "GLFC, tests/test_hostile_nodes.py's shape with 2 rounds per task (3 tasks, 6 rounds)"),
     "fedproto-dp-payload": ({"method": "fedproto", "task": "mnist-shot", "shot-ways": 3, "shot-shots": 30,
                              "batch-size": 4, "lr": 0.01, "num-server-rounds": 10, "dp-mode": "payload",
-                             "dp-noise-multiplier": 1.0}, 5, "FedProto 5 clients under dp-mode = payload, σ = 1"),
+                             "dp-noise-multiplier": 1.0, "dp-evaluate": "unprotected"}, 5,
+                            "FedProto 5 clients under dp-mode = payload, σ = 1"),
 }
 
 
@@ -130,8 +138,8 @@ def report() -> str:
                          f"`{result['commit']}`"])
     lines = ["# Honest replies against their round's median (`python -m bench.honest_spread`)", "",
              "The largest ratio of a reply's size to its round's median size, over all rounds of honest runs "
-             "(in process, the spread rule observing only). `outlier-factor` (default 10) must stay above "
-             "every value here.", "",
+             "(in process, the spread rule observing only). A reply above `outlier-factor` (default "
+             f"{DEFAULT_OUTLIER_FACTOR:g}) × its round's median is refused; runs not listed were not measured.", "",
              *table(["run", "setting", "measure", "largest ratio", "round", "replies", "status", "commit"], rows),
              ""]
     return "\n".join(lines)

@@ -6,6 +6,7 @@ with DP off nothing changes."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import tempfile
 
@@ -16,6 +17,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from pollen.privacy import PayloadPrivacy, PrivacyConfig, calibrate_noise_multiplier, release_unit
 from pollen.privacy.bounds import coordinate_bound, dp_bounds, norm_bound
 from pollen.privacy.ledger import LedgerFile
+from pollen.privacy.mechanisms import release_glfc, release_logits, release_prototypes, release_update
 from pollen.privacy.sample import SamplePrivacy
 from pollen.protocol.logits import encode_logit_reply
 from pollen.protocol.prototypes import divide_release, encode_dp_prototype_reply, encode_prototype_reply
@@ -321,6 +323,137 @@ def test_the_prototype_strategy_refuses_releases_beyond_the_dp_bound():
     assert strategy.present.tolist() == (weights > 0).tolist() and weights.any()
     np.testing.assert_allclose(strategy.protos[weights > 0], protos[weights > 0], rtol=1e-5)
 
+
+
+# -- what a norm alone misses: coordinates, the noise floor, rows tied to counts ----------------------------
+def test_a_noise_free_update_concentrated_on_a_few_coordinates_is_refused():
+    """d = 1e5 entries, σ = dp-clip = 1: an update of 320 × the clip on 10 coordinates, without noise,
+    has a norm inside the norm bound (the noise of 1e5 entries is ≈ 316 long), yet no honest reply has a
+    coordinate near 101: refused per coordinate (with honest noise added, by its norm too). A clipped update without
+    its noise is refused by the noise floor."""
+    config, rounds = payload(clip=1.0, sigma=1.0)
+    bounds = bounds_for(config, rounds, "weights")
+    d = 100_000
+    broadcast = {"w": np.zeros(d, np.float32)}
+    crafted = np.zeros(d)
+    crafted[:10] = 320.0 / np.sqrt(10)
+    assert np.linalg.norm(crafted) < bounds.update_limit(d, 0.0, 1.0)  # the norm alone lets it through
+    reason = bounds.check_update({"w": crafted.astype(np.float32)}, broadcast)
+    assert reason.startswith("update coordinate 101.") and "above the DP bound" in reason, reason
+    noisy = crafted + np.random.default_rng(0).normal(0.0, 1.0, d)
+    assert "above the DP bound" in bounds.check_update({"w": noisy.astype(np.float32)}, broadcast)
+    honest, _ = client(config, rounds).update(broadcast, {"w": np.full(d, 0.01, np.float32)},
+                                              np.random.default_rng(1))
+    assert bounds.check_update(honest, broadcast) is None
+    clipped_only = {"w": np.full(d, 1.0 / np.sqrt(d), np.float32)}  # ‖·‖ = the clip, no noise
+    reason = bounds.check_update(clipped_only, broadcast)
+    assert "below the DP noise floor" in reason and "not a release" in reason, reason
+
+
+def test_prototype_rows_are_bounded_by_their_counts_and_must_carry_their_noise():
+    config, rounds = payload(clip=1.0, sigma=1.0)
+    bounds, privacy = pair(config, rounds, "prototypes")
+    r = _release(privacy, np.random.default_rng(0), n=100, classes=10, dim=16)  # classes 0–2 held
+    assert bounds.check_prototypes(r.sums, r.counts, r.count_std, 100) is None
+    # an unheld class (noisy count ≈ 0) with a sum row of norm 30: within every per-coordinate bound of
+    # max count 100, beyond what its count allows
+    row = r.sums.copy()
+    row[7] = 30.0 / 4.0
+    reason = bounds.check_prototypes(row, r.counts, r.count_std, 100)
+    assert reason.startswith("prototype sum") and "of class 7" in reason and "count bound" in reason, reason
+    exact = np.zeros_like(r.sums)  # the counts' noise kept, the sums' noise left out
+    reason = bounds.check_prototypes(exact, r.counts, r.count_std, 100)
+    assert "below the DP noise floor" in reason
+
+
+def test_a_declared_count_noise_is_capped_by_what_the_server_computes():
+    """``sample`` with a target ε: the server knows the DP-SGD plan but not the record count; from the
+    released counts it bounds n, and the σ of that many full-batch steps bounds any client's σ (a Poisson
+    sample is at least as private as all the records). Honest clients of very different sizes pass; one
+    declaring 100 × its noise is refused. The cap is loose where subsampling amplifies much: measured
+    2.9 × the honest std at n = 10, 11.5 × at n = 1,000 (q = 0.016)."""
+    config = PrivacyConfig("sample", 1.0, 0.0, 4.0, 1e-5, 0.0)
+    bounds = dp_bounds(config, 20, epochs=2, batch_size=16)
+    for n in (10, 17, 100, 1000):
+        privacy = SamplePrivacy(config, 20, fresh_ledger(), "partition 0", num_records=n, batch_size=16, epochs=2,
+                                prototypes=True)
+        rng = np.random.default_rng(n)
+        r = privacy.prototypes(rng.normal(size=(n, 8)), rng.integers(0, 4, size=n), 4, rng)
+        assert bounds.check_prototypes(r.sums, r.counts, r.count_std, 10_000) is None
+        cap = bounds.count_std_cap(r.counts, r.count_std, 10_000, 1e-9 / 6)
+        assert r.count_std <= cap < 12.0 * r.count_std, (n, r.count_std, cap)
+        reason = bounds.check_prototypes(r.sums, r.counts, 100 * r.count_std, 10_000)  # the cap grows with it
+        assert "'count-noise-std'" in reason and "is above" in reason, reason
+
+
+HONEST_SEEDS = 1000
+LENET = [(6, 3, 5, 5), (6,), (12, 6, 5, 5), (12,)]
+
+
+@functools.cache
+def _family(kind: str, clip: float, sigma: float = 0.0, target: float = 0.0):
+    """The server's bounds and the client's own σ for one family's payload keys."""
+    config, rounds = payload(clip=clip, sigma=sigma, target=target)
+    return bounds_for(config, rounds, kind), client(config, rounds, kind).noise_multiplier
+
+
+def _honest_weights(rng):
+    bounds, sigma = _family("weights", 2.0, sigma=0.05)
+    broadcast = _named(BROADCAST)
+    released, _ = release_update(_named(_trained(rng)[:2]), _named(BROADCAST[:2]), 2.0, sigma, rng)
+    reply = {**broadcast, **{k: a.astype(np.float32) for k, a in released.items()}}
+    return bounds.check_update(reply, broadcast)
+
+
+def _honest_logits(rng):
+    bounds, sigma = _family("logits", 5.0, target=8.0)
+    released, _ = release_logits(rng.normal(0, 4.0, size=(64, 10)), 5.0, sigma, rng)
+    return bounds.check_logits(released.astype(np.float32))
+
+
+def _honest_glfc(rng):
+    bounds, sigma = _family("glfc", 1.0, sigma=0.02)
+    grads = [{str(j): rng.normal(0, 1.0, sh).astype(np.float32) for j, sh in enumerate(LENET)}
+             for _ in range(rng.integers(0, 5))]
+    floats = _named(BROADCAST[:2])
+    model, sets = release_glfc(_named(_trained(rng)[:2]), floats, grads, 4, 1.0, sigma, rng)
+    reply = {**_named(BROADCAST), **{k: a.astype(np.float32) for k, a in model.items()}}
+    sets = [{k: g.astype(np.float32) for k, g in one.items()} for one in sets]
+    return bounds.check_glfc(reply, _named(BROADCAST), sets, 4)
+
+
+def _honest_prototypes(rng):
+    bounds, sigma = _family("prototypes", 1.0, target=2.0)
+    r = release_prototypes(rng.normal(0, 2.0, size=(100, 16)), rng.integers(0, 3, size=100), 10, 1.0, sigma, rng)
+    return bounds.check_prototypes(
+        r.sums.astype(np.float32), r.counts.astype(np.float32), float(np.float32(r.count_std)), 100)
+
+
+SAMPLE_TARGET = PrivacyConfig("sample", 1.0, 0.0, 4.0, 1e-5, 0.0)
+
+
+@functools.cache
+def _sample_sigma(n: int) -> float:
+    return SamplePrivacy(SAMPLE_TARGET, 20, fresh_ledger(), "p", num_records=n, batch_size=10, epochs=1,
+                         prototypes=True).noise_multiplier
+
+
+def _honest_sample_prototypes(rng):
+    """Clients of 12 or 300 records, σ each calibrated for its own DP-SGD plan (1 epoch, batch 10)."""
+    n = int(rng.choice([12, 300]))
+    sigma = _sample_sigma(n)
+    r = release_prototypes(rng.normal(0, 2.0, size=(n, 8)), rng.integers(0, 4, size=n), 4, 1.0, sigma, rng)
+    return dp_bounds(SAMPLE_TARGET, 20, epochs=1, batch_size=10).check_prototypes(r.sums, r.counts, r.count_std, 1000)
+
+
+@pytest.mark.parametrize("check", [_honest_weights, _honest_logits, _honest_glfc, _honest_prototypes,
+                                   _honest_sample_prototypes], ids=lambda f: f.__name__.removeprefix("_honest_"))
+def test_honest_noisy_replies_are_never_refused_over_1000_seeds(check):
+    """The clients' own mechanisms at the clients' own σ, 1,000 seeds per family: 0 refused (the bound
+    allows 1e-9 a reply, every check together)."""
+    reasons = [check(np.random.default_rng(10_000 + seed)) for seed in range(HONEST_SEEDS)]
+    refused = [r for r in reasons if r is not None]
+    assert not refused, f"{len(refused)} of {HONEST_SEEDS} honest replies refused, e.g. {refused[0]}"
 
 
 # -- the run config to the strategy ------------------------------------------------------------------------

@@ -101,3 +101,62 @@ def test_the_sum_of_discrete_gaussians_approximation_costs_nothing_measurable_at
     rng = np.random.default_rng(5)
     total = sum(dd.discrete_gaussian(rng, 2.5, 100_000) for _ in range(8))
     assert total.var() == pytest.approx(8 * 2.5 ** 2, rel=0.02)
+
+
+# --- the prototype contribution under distributed DP (pollen.secagg.payloads) -------------------------------
+
+def test_a_prototype_contribution_is_within_its_clip_whatever_the_client_holds():
+    """Σ a_c² = 1 (counts normalized in L2) and each prototype clipped to B, B² + β² = clip²: the contribution's
+    norm is at most clip, for any counts and prototype lengths."""
+    from pollen.secagg.payloads import prototype_contribution, prototype_split
+
+    rng = np.random.default_rng(0)
+    for d in (2, 50, 512):
+        bound, beta = prototype_split(4.0, d)
+        assert bound ** 2 + beta ** 2 == pytest.approx(16.0)
+        for _ in range(20):
+            counts = rng.integers(0, 500, size=10) * (rng.random(10) < 0.4)
+            protos = rng.normal(size=(10, d)) * rng.choice([0.01, 1, 100], size=(10, 1))
+            u, w = prototype_contribution(protos, counts, 4.0)
+            assert np.sqrt((u ** 2).sum() + (w ** 2).sum()) <= 4.0 * (1 + 1e-12)
+            assert not u[counts == 0].any() and not w[counts == 0].any()
+
+
+def test_the_prototype_split_minimizes_the_estimates_error_bound():
+    """The split is the minimum of σ² (d/B² + 1/β²) on B² + β² = clip² (prototype_split's docstring): a grid
+    of other splits never does better."""
+    from pollen.secagg.payloads import prototype_split
+
+    for d in (1, 50, 512):
+        bound, beta = prototype_split(1.0, d)
+        best = d / bound ** 2 + 1 / beta ** 2
+        for b in np.linspace(0.01, 0.99, 199):
+            assert d / b ** 2 + 1 / (1 - b ** 2) >= best * (1 - 1e-12)
+
+
+def test_without_noise_the_server_recovers_each_class_as_the_weighted_mean_and_drops_a_drowned_class():
+    """Noise-free sums give each class Σ a_c p_c / Σ a_c exactly (a_c = n_c / |n|₂, prototypes inside B); with
+    noise whose expected error exceeds PRESENCE_ERROR · B the class is absent instead of a random point."""
+    from pollen.secagg.payloads import PRESENCE_ERROR, prototype_contribution, prototype_estimate, prototype_split
+
+    rng = np.random.default_rng(1)
+    d, clip = 8, 4.0
+    bound, _ = prototype_split(clip, d)
+    clients = [(rng.normal(size=(3, d)) * 0.1, np.array([5, 0, 9])), (rng.normal(size=(3, d)) * 0.1,
+                                                                       np.array([1, 4, 0]))]
+    parts = [prototype_contribution(p, n, clip) for p, n in clients]
+    u, w = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    protos, present = prototype_estimate(u, w, 0.0, clip)
+    assert present.tolist() == [True, True, True]
+    for c in range(3):
+        a = [n[c] / np.linalg.norm(n) for _, n in clients]
+        want = sum(ai * p[c] for ai, (p, _) in zip(a, clients)) / sum(a)
+        assert protos[c] == pytest.approx(want, rel=1e-12)
+    weight = w / prototype_split(clip, d)[1]
+    lightest = int(np.argmin(weight))
+    # the noise at which the lightest class is just drowned, the others still present
+    sigma = PRESENCE_ERROR * bound * weight[lightest] / np.sqrt(d + (bound / prototype_split(clip, d)[1]) ** 2)
+    _, present = prototype_estimate(u, w, sigma * 1.01, clip)
+    assert present.tolist() == [c != lightest for c in range(3)]
+    _, present = prototype_estimate(u, w, sigma * 0.99, clip)
+    assert present.all()

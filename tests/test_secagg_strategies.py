@@ -199,13 +199,14 @@ def test_the_noise_of_a_distributed_dp_sum_is_what_the_ledger_accounts(tmp_path)
     from pollen.privacy.ledger import LedgerFile
     from pollen.secagg import SecAggPlus
     from pollen.secagg.client import SecAggMod
+    from pollen.secagg.payloads import dp_layout
     from tests.test_privacy_distributed import _independent_epsilon
 
     n, shape, z, h = 6, (40, 50), 1.5, 3
     privacies = {FIRST + i: _dp_privacy(tmp_path, FIRST + i, z, h) for i in range(n)}
 
     def factory(context, setup, size):
-        return privacies[context.node_id].privatizer(2 * setup.clipping_range / setup.levels, size)
+        return privacies[context.node_id].take_part(2 * setup.clipping_range / setup.levels, size)
 
     app = ClientApp(mods=[SecAggMod(privatizer=factory)])
 
@@ -214,9 +215,10 @@ def test_the_noise_of_a_distributed_dp_sum_is_what_the_ledger_accounts(tmp_path)
         return Message(encode_logit_reply(np.zeros(shape, np.float32), 1, public_digest=1), reply_to=msg)
 
     grid = InProcessGrid({FIRST + i: clientapp_node(app, {}, i, n, node_id=FIRST + i) for i in range(n)})
-    cfg = SecAggConfig(kind="logits", weighting="uniform", clip_dp=1.0, noise_multiplier_dp=z, min_honest_dp=h)
+    cfg = SecAggConfig(kind="logits", weighting="uniform", clip_dp=1.0, noise_multiplier_dp=z, min_honest_dp=h,
+                       dp_shape=shape)
     content = {node: RecordDict({"config": ConfigRecord({"server-round": 1})}) for node in grid.handlers}
-    result = SecAggPlus(cfg).aggregate(grid, content)
+    result = SecAggPlus(cfg).aggregate(grid, content, layout=dp_layout("logits", None, shape))
     step = ring.step(cfg.clipping_range, cfg.levels)
     sigma_c = privacies[FIRST].plan_sigma(step, int(np.prod(shape)))
     noise = result.sums["logits"].ravel() / step
@@ -250,8 +252,6 @@ def test_a_round_with_fewer_survivors_than_dp_min_honest_is_not_unmasked():
     ({"dp-mode": "distributed", "dp-min-honest": 3, "dp-noise-multiplier": 1.0}, "needs secure-aggregation = true"),
     ({"secure-aggregation": True, "dp-mode": "distributed", "dp-noise-multiplier": 1.0}, "go together"),
     ({"secure-aggregation": True, "dp-min-honest": 3}, "go together"),
-    ({"secure-aggregation": True, "dp-mode": "distributed", "dp-min-honest": 3, "dp-noise-multiplier": 1.0,
-      "fraction-fit": 0.5}, "fraction-fit = 1"),
 ])
 def test_distributed_dp_is_refused_before_start_without_what_it_needs(raw, match):
     with pytest.raises(ConfigError, match=match):
@@ -283,10 +283,135 @@ def test_pollens_client_keeps_its_distributed_dp_ledger_beside_its_state_and_ref
     context = Context(run_id=7, node_id=1, node_config={"partition-id": 2, "num-partitions": 4}, state=RecordDict(),
                       run_config=run_config)
     setup = Setup("s", 3, 4, 64, 8.0, 1 << 22, 1000, "prototypes", "samples", 1.0, 1.2, 3)
-    privatize, metrics = distributed_privatizer(context, setup, 20)
+    sampled, privatize, metrics = distributed_privatizer(context, setup, 20)
     (ledger,) = list(tmp_path.rglob("dp-ledger.json"))
-    assert ledger.parent.name == "partition-2" and metrics["dp-epsilon"] > 0
+    assert sampled and ledger.parent.name == "partition-2" and metrics["dp-epsilon"] > 0
     assert privatize(np.zeros(20)).dtype == np.int64
     with pytest.raises(Refused, match="refuses"):
         distributed_privatizer(context, Setup("s", 3, 4, 64, 8.0, 1 << 22, 1000, "prototypes", "samples", 1.0, 0.5, 3),
                                20)
+
+
+# --- distributed DP with Poisson sampling: each client's own secret draw ------------------------------------
+
+def test_under_poisson_sampling_an_unsampled_client_never_trains_and_adds_only_its_noise(tmp_path):
+    """q = 0.5: each client draws in secret whether it contributes. Those not drawn never call the train
+    handler and add zeros plus their noise share, so the sum is the drawn clients' clipped logits plus the
+    noise; every client appends one release at q = 0.5 (sampled or not) and reports dp-sampling in clear,
+    and no drawn client's training metrics travel in clear (they would tell it apart)."""
+    import random
+
+    from pollen.privacy.config import PrivacyConfig
+    from pollen.privacy.distributed import DistributedPrivacy
+    from pollen.privacy.ledger import LedgerFile
+    from pollen.secagg import SecAggPlus
+    from pollen.secagg.client import SecAggMod
+    from pollen.secagg.payloads import dp_layout
+
+    n, shape, z, h, q = 6, (4, 5), 1.5, 3, 0.5
+    config = PrivacyConfig("distributed", 1.0, z, 0.0, 1e-5, 0.0)
+    privacies = {FIRST + i: DistributedPrivacy(config, 10, h, LedgerFile.in_folder(tmp_path / f"node-{i}"),
+                                               f"node {i}", sampling=q, rng=random.Random(i)) for i in range(n)}
+    drawn = {FIRST + i for i in range(n) if random.Random(i).random() < q}  # the same draws, replayed
+    assert 0 < len(drawn) < n
+    trained: list[int] = []
+    inputs: dict[int, np.ndarray] = {}
+    outputs: dict[int, np.ndarray] = {}
+
+    def factory(context, setup, size):
+        sampled, privatize, metrics = privacies[context.node_id].take_part(2 * setup.clipping_range / setup.levels,
+                                                                           size)
+
+        def recorded(vector):
+            inputs[context.node_id] = np.array(vector)
+            outputs[context.node_id] = privatize(vector)
+            return outputs[context.node_id]
+        return sampled, recorded, metrics
+
+    app = ClientApp(mods=[SecAggMod(privatizer=factory)])
+
+    @app.train()
+    def train(msg, context):
+        trained.append(context.node_id)
+        value = 0.02 * (context.node_id - FIRST + 1)  # L2 norm 0.09 (i + 1) <= clip 1: not clipped
+        return Message(encode_logit_reply(np.full(shape, value, np.float32), 1, {"train-loss": value},
+                                          public_digest=1), reply_to=msg)
+
+    grid = InProcessGrid({FIRST + i: clientapp_node(app, {}, i, n, node_id=FIRST + i) for i in range(n)})
+    cfg = SecAggConfig(kind="logits", weighting="uniform", clip_dp=1.0, noise_multiplier_dp=z, min_honest_dp=h,
+                       sampling_dp=q, dp_shape=shape)
+    content = {node: RecordDict({"config": ConfigRecord({"server-round": 1})}) for node in grid.handlers}
+    result = SecAggPlus(cfg).aggregate(grid, content, layout=dp_layout("logits", None, shape))
+    assert sorted(trained) == sorted(drawn) and sorted(inputs) == sorted(grid.handlers)
+    for node, vector in inputs.items():  # what each client privatized: its logits if drawn, else zeros
+        value = 0.02 * (node - FIRST + 1) if node in drawn else 0.0
+        assert vector == pytest.approx(np.full(vector.size, value, np.float64), abs=1e-7)
+    step = ring.step(cfg.clipping_range, cfg.levels)
+    assert np.array_equal(np.rint(result.sums["logits"].ravel() / step).astype(np.int64), sum(outputs.values()))
+    for node, reply in result.replies.items():
+        metrics = reply.content["metrics"]
+        assert metrics["dp-sampling"] == q and "train-loss" not in metrics
+        (release,) = LedgerFile.in_folder(tmp_path / f"node-{node - FIRST}").releases()
+        assert release.sampling_probability == q
+
+
+def test_a_client_refuses_a_server_that_states_another_sampling_probability(tmp_path):
+    import random
+
+    from pollen.privacy.config import PrivacyConfig
+    from pollen.privacy.distributed import DistributedPrivacy
+    from pollen.privacy.ledger import LedgerFile
+
+    config = PrivacyConfig("distributed", 1.0, 1.5, 0.0, 1e-5, 0.0)
+    privacy = DistributedPrivacy(config, 10, 3, LedgerFile.in_folder(tmp_path), "node 1", sampling=0.2,
+                                 rng=random.Random(0))
+    assert privacy.refusal(1.0, 1.5, 3, 0.2) is None
+    assert "sampling 1; this node's run config says" in privacy.refusal(1.0, 1.5, 3, 1.0)
+    assert "sampling 0.1" in privacy.refusal(1.0, 1.5, 3, 0.1)
+
+
+def test_the_server_divides_by_the_expected_number_of_updates_so_the_mean_is_unbiased():
+    """Under sampling q the sum holds on average q·m updates: broadcast + Σ / (q m) for weights, Σ / (q m)
+    for logits, whoever was drawn."""
+    from pollen.secagg.payloads import dp_aggregate
+
+    sums = {"w": np.full((2, 2), 3.0)}
+    assert dp_aggregate("weights", sums, 0.5 * 6, 1.0, {"w": np.ones((2, 2))})["w"] == pytest.approx(np.full((2, 2),
+                                                                                                           2.0))
+    assert dp_aggregate("logits", {"logits": np.full((2, 3), 3.0)}, 0.5 * 6, 1.0)["logits"] == \
+        pytest.approx(np.ones((2, 3)))
+    with pytest.raises(ValueError, match="no contribution"):
+        dp_aggregate("logits", {"logits": np.zeros((2, 3))}, 0.0, 1.0)
+
+
+def test_a_whole_run_under_poisson_sampling_reports_the_epsilon_an_independent_accountant_gives():
+    """fraction-fit = 0.5 under distributed DP: the strategy asks every client (the draw is theirs), every
+    client answers, and the reported ε per round is dp-accounting's Poisson-sampled Gaussian under
+    replace-one (its own PLD accountant), the sampling probability reported beside it."""
+    from tests.test_privacy_distributed import _independent_epsilon
+
+    z, q = 0.8, 0.5
+    rounds = run_inprocess({"method": "fedproto", "num-server-rounds": 2, "seed": 0, "secure-aggregation": True,
+                            "dp-mode": "distributed", "dp-min-honest": 2, "dp-noise-multiplier": z,
+                            "fraction-fit": q}, 4, echo=False)
+    for r in rounds:
+        assert r["fit"]["accepted"] == 4 and r["failures"] == 0 and r["fit"]["dp-sampling"] == q
+        assert r["fit"]["dp-epsilon"] == pytest.approx(_independent_epsilon(z, q, r["round"], 1e-5), rel=1e-9)
+
+
+def test_the_server_states_the_layout_and_a_client_refuses_a_dp_round_without_one():
+    from pollen.protocol.secagg import Collect, Refused, decode_instruction, encode
+    from pollen.secagg.payloads import dp_layout
+
+    layout = dp_layout("prototypes", None, (10, 50))
+    assert [(p.name, p.shape) for p in layout] == [("prototypes", (10, 50)), ("class-shares", (10,))]
+    back = decode_instruction(encode(Collect("s", (1, 2), (b"a", b"b"), layout, True)))
+    assert back.layout == layout and back.timed is True
+    with pytest.raises(ValueError, match="two sizes"):
+        dp_layout("logits", None, ())
+    with pytest.raises(ValueError, match="broadcast model"):
+        dp_layout("weights", None)
+    bad = encode(Collect("s", (1,), (b"a",), layout))
+    bad["layout-dims"] = [10]
+    with pytest.raises(Refused, match="do not agree"):
+        decode_instruction(bad)

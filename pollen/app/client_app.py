@@ -40,8 +40,9 @@ from pollen.secagg.client import SecAggMod
 
 def distributed_privatizer(context: Context, setup: Setup, size: int):
     """This node's side of ``dp-mode = distributed`` (:class:`~pollen.privacy.distributed.DistributedPrivacy`):
-    refused unless the server asks for at least the noise this node's own run config says; the release is
-    in the node's ledger before the reply leaves."""
+    refused unless the server asks for at least the noise this node's own run config says (and its sampling
+    probability, ``fraction-fit``); the node draws whether it is sampled, and the release is in its ledger
+    before the reply leaves."""
     cfg = validated_run_config(context.run_config)
     node = parse_node_config(context.node_config)
     who = f"partition {node.partition_id}"
@@ -49,11 +50,12 @@ def distributed_privatizer(context: Context, setup: Setup, size: int):
         raise Refused(f"{who} refuses: the server asks for distributed DP, this node's dp-mode is {cfg.dp_mode!r}")
     # the ledger lives beside the node's state, where every other DP mode keeps it
     privacy = DistributedPrivacy(PrivacyConfig.of(cfg), cfg.num_server_rounds, cfg.dp_min_honest,
-                                 LedgerFile.in_folder(node_state_dir(cfg, node, context.run_id)), who)
-    reason = privacy.refusal(setup.clip_dp, setup.noise_multiplier_dp, setup.min_honest_dp)
+                                 LedgerFile.in_folder(node_state_dir(cfg, node, context.run_id)), who,
+                                 sampling=cfg.fraction_fit)
+    reason = privacy.refusal(setup.clip_dp, setup.noise_multiplier_dp, setup.min_honest_dp, setup.sampling_dp)
     if reason is not None:
         raise Refused(reason)
-    return privacy.privatizer(2 * setup.clipping_range / setup.levels, size)
+    return privacy.take_part(2 * setup.clipping_range / setup.levels, size)
 
 
 # SecAgg+ stages answered by the mod (with this node's distributed DP); plain messages pass through

@@ -187,9 +187,6 @@ def check_secure_aggregation(cfg: RunConfig) -> None:
         if not cfg.secure_aggregation:
             raise ConfigError("dp-mode = 'distributed' needs secure-aggregation = true: its noise hides a client "
                               "only in a sum the server cannot take apart")
-        if cfg.fraction_fit < 1:
-            raise ConfigError(f"dp-mode = 'distributed' needs fraction-fit = 1 (got {cfg.fraction_fit}): every "
-                              "client every round, as accounted; Poisson client sampling is not implemented")
         if cfg.dp_clip > cfg.secagg_clipping_range:
             raise ConfigError(f"dp-clip = {cfg.dp_clip} is above secagg-clipping-range = "
                               f"{cfg.secagg_clipping_range}: the clipped contribution would not fit the quantizer")

@@ -139,7 +139,10 @@ def _dp_bounds(cfg: RunConfig) -> DpBounds | None:
 
 def strategy_options(cfg: RunConfig) -> dict[str, Any]:
     """The sampling, failure and screening options every method's strategy takes from the run config."""
-    return {"fraction_train": cfg.fraction_fit, "fraction_evaluate": cfg.fraction_evaluate,
+    # distributed DP samples by Poisson on the clients themselves (each its own secret draw with probability
+    # fraction-fit, pollen.privacy.distributed): the strategy asks every connected client
+    poisson = cfg.dp_mode == "distributed"
+    return {"fraction_train": 1.0 if poisson else cfg.fraction_fit, "fraction_evaluate": cfg.fraction_evaluate,
             "min_available_nodes": cfg.min_available_clients, "num_rounds": cfg.num_server_rounds,
             "min_evaluate_nodes": 1 if cfg.fraction_evaluate > 0 else 0, "seed": cfg.seed,
             "max_empty_rounds": cfg.max_empty_rounds, "min_train_nodes": cfg.min_train_clients,

@@ -1,22 +1,32 @@
 """Distributed DP at the client level (``dp-mode = distributed``): noise once for the sum, shared by the clients.
 
-Under secure aggregation the server reads only the sum of the sampled clients' contributions, so the
-noise must hide one client in the *sum*, not in its own release. Each client
+Under secure aggregation the server reads only the sum of the clients' contributions, so the noise must
+hide one client in the *sum*, not in its own release. In every round each client of the secure round
 
-1. clips its whole contribution (one vector: a model update, its class-share-weighted prototypes and
-   shares, its logits) to L2 norm ``clip``, so its influence does not grow with its record count;
-2. rounds it to the secure sum's integer grid (step ``step``): the rounded vector's L2 norm is at most
+1. draws, in secret, whether it is sampled: with probability ``q = fraction-fit`` (Poisson sampling; 1:
+   always). A sampled client trains and contributes its update; the others contribute zeros, which the
+   masks make indistinguishable, so nobody — the server included — learns who was sampled;
+2. clips its contribution (one vector: a model update, its class-weighted prototypes and weights, its
+   logits) to L2 norm ``clip``, so its influence does not grow with its record count;
+3. rounds it to the secure sum's integer grid (step ``step``): the rounded vector's L2 norm is at most
    ``Δ = clip / step + sqrt(d) / 2`` steps (nearest rounding moves each coordinate by at most 1/2);
-3. adds its share of the noise, a discrete Gaussian ``N_Z(0, σ_c²)`` per coordinate (integers, so the
-   noise survives the modular ring: wrapping around is a function of the sum, i.e. post-processing).
+4. adds its share of the noise, sampled or not, a discrete Gaussian ``N_Z(0, σ_c²)`` per coordinate
+   (integers, so the noise survives the modular ring: wrapping around is a function of the sum, i.e.
+   post-processing).
 
-Accounting. Assume at least ``h = dp-min-honest`` of the summed clients are honest (add their noise and
-keep it secret). The sum then carries noise of variance at least ``h σ_c²``; a round is a Gaussian
-mechanism of noise multiplier ``z = sqrt(h) σ_c / Δ`` on client-level neighbours that differ by *replacing*
-one client's data (sensitivity 2Δ, handled by the accountant), applied to a Poisson sample of the
-clients with probability ``q = fraction-train``. :func:`round_release` is that mechanism as the ledger's
+Accounting. Assume at least ``h = dp-min-honest`` of each round's summed clients are honest (add their noise,
+keep it and their draw secret). The sum then carries noise of variance at least ``h σ_c²`` whoever was
+sampled; a round is the Gaussian mechanism of noise multiplier ``z = sqrt(h) σ_c / Δ`` on a Poisson sample
+(probability ``q``) of the clients, on client-level neighbours that differ by *replacing* one client's data
+(sensitivity 2Δ, handled by the accountant). :func:`round_release` is that mechanism as the ledger's
 :class:`~pollen.privacy.accounting.Release` (unit ``client``, neighbour ``replace-one``), which the ledger
-composes with dp-accounting's PLD accountant.
+composes with dp-accounting's PLD accountant (amplification by sampling for ``q < 1``). Each client appends
+one release per round it takes part in, sampled or not: what the sum reveals about it depends on its draw,
+which it never reveals. The draw is what makes amplification hold against the server itself: a server that
+drew the sample would know it, and the noise of a sum of the sampled clients alone would depend on who they
+were. What remains for the server to see: how long each client took to answer (a sampled client trains; a
+deployment that needs amplification against a server timing its replies must make them take equally long),
+and, in a simulation with a simulated network, the example counts it times the round by.
 
 Stated approximation: the sum of ``h`` discrete Gaussians is accounted as a Gaussian of the same
 variance. A sum of discrete Gaussians is within max-divergence ``τ·d`` of one discrete Gaussian of the
@@ -29,6 +39,8 @@ from __future__ import annotations
 
 import functools
 import math
+import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +53,7 @@ from pollen.privacy.ledger import LedgerFile
 MAX_SUM_GAP = 1e-9  # largest max-divergence per round the sum-of-discrete-Gaussians approximation may cost
 NEIGHBOUR = "replace-one"
 UNIT = "client"
+SAMPLING, MIN_HONEST = "dp-sampling", "dp-min-honest"  # reply metrics: the assumptions every ε of the run is under
 
 
 def discrete_gaussian(rng: np.random.Generator, sigma: float, size: int) -> np.ndarray:
@@ -143,46 +156,54 @@ def calibrate(target_epsilon: float, delta: float, sampling_probability: float, 
 
 class DistributedPrivacy:
     """A client's side of ``dp-mode = distributed``: its plan from the run config (z given, or calibrated so
-    ``planned_rounds`` rounds with every client sampled stay within the target ε), its ledger, and the
-    check that the server asks for no less noise than the client's own run config says."""
+    ``planned_rounds`` rounds at sampling probability ``sampling`` stay within the target ε), its ledger, its
+    secret draw, and the check that the server asks for no less noise than the client's own run config says.
+    ``rng``: where the draw comes from (default: the operating system's randomness, never the run's seed)."""
 
-    def __init__(self, config: PrivacyConfig, planned_rounds: int, min_honest: int, ledger: LedgerFile, who: str):
+    def __init__(self, config: PrivacyConfig, planned_rounds: int, min_honest: int, ledger: LedgerFile, who: str,
+                 sampling: float = 1.0, rng: random.Random | None = None):
         if config.mode != "distributed":
             raise ValueError(f"DistributedPrivacy needs dp-mode = 'distributed', got {config.mode!r}")
         if min_honest < 1:
             raise ValueError("dp-mode = 'distributed' needs dp-min-honest >= 1: the honest clients the guarantee "
                              "counts on")
+        if not 0 < sampling <= 1:
+            raise ValueError(f"the sampling probability must be in (0, 1], got {sampling!r}")
         self.config, self.planned_rounds, self.min_honest = config, planned_rounds, min_honest
-        self.ledger, self.who = ledger, who
+        self.ledger, self.who, self.sampling = ledger, who, float(sampling)
+        self.rng = rng if rng is not None else random.SystemRandom()
 
     @functools.cached_property
     def noise_multiplier(self) -> float:
         if self.config.noise_multiplier > 0:
             return self.config.noise_multiplier
-        return calibrate(self.config.target_epsilon, self.config.delta, 1.0, self.planned_rounds)
+        return calibrate(self.config.target_epsilon, self.config.delta, self.sampling, self.planned_rounds)
 
-    def refusal(self, clip: float, noise_multiplier: float, min_honest: int) -> str | None:
+    def refusal(self, clip: float, noise_multiplier: float, min_honest: int, sampling: float = 1.0) -> str | None:
         """Why this client refuses a round whose server states these parameters (``None``: it does not)."""
         if clip > self.config.clip * (1 + 1e-9) or noise_multiplier < self.noise_multiplier * (1 - 1e-9) \
-                or min_honest > self.min_honest:
+                or min_honest > self.min_honest or abs(sampling - self.sampling) > 1e-12:
             return (f"{self.who} refuses: the server asks for clip {clip:g}, noise multiplier {noise_multiplier:g}, "
-                    f"{min_honest} honest clients; this node's run config says clip {self.config.clip:g}, noise "
-                    f"multiplier {self.noise_multiplier:g}, {self.min_honest} honest clients")
+                    f"{min_honest} honest clients, sampling {sampling:g}; this node's run config says clip "
+                    f"{self.config.clip:g}, noise multiplier {self.noise_multiplier:g}, {self.min_honest} honest "
+                    f"clients, sampling {self.sampling:g}")
         return None
 
     def plan_sigma(self, step: float, dim: int) -> float:
         """σ_c in steps this client adds to a contribution of ``dim`` values."""
         return DistributedPlan(self.config.clip, self.noise_multiplier, self.min_honest, step).client_sigma(dim)
 
-    def privatizer(self, step: float, dim: int):
-        """``(privatize, metrics)``: the function that clips, rounds and noises this round's contribution of
-        ``dim`` values, and the round's ε metrics. The release is appended to the ledger *now*, before the
-        reply that carries it leaves."""
+    def take_part(self, step: float, dim: int) -> tuple[bool, Callable[[np.ndarray], np.ndarray], dict[str, float]]:
+        """``(sampled, privatize, metrics)`` for this round's contribution of ``dim`` values: this client's secret
+        draw, the function that clips, rounds and noises the contribution (zeros when not sampled), and the
+        round's ε metrics. The release is appended to the ledger *now*, before the reply that carries it leaves."""
         from pollen.privacy.mechanisms import secure_rng
 
         plan = DistributedPlan(self.config.clip, self.noise_multiplier, self.min_honest, step)
         check_plan(plan, dim)
+        sampled = self.sampling >= 1.0 or self.rng.random() < self.sampling
         metrics = Budget(self.ledger, self.config.delta, self.config.cap, self.who).spend(
-            round_release(self.noise_multiplier))
+            round_release(self.noise_multiplier, self.sampling))
+        metrics.update({SAMPLING: self.sampling, MIN_HONEST: float(self.min_honest)})
         rng = secure_rng()
-        return (lambda vector: plan.privatize(vector, rng)), metrics
+        return sampled, (lambda vector: plan.privatize(vector, rng)), metrics

@@ -6,9 +6,9 @@ A round is four stages; the session is a fresh random id per round, and keys are
 
 | stage | server → client (``secagg``) | client → server (``secagg``) |
 |---|---|---|
-| ``setup`` | ``threshold``, ``num-shares``, ``modulus-bits``, ``clipping-range``, ``levels``, ``max-weight``, ``kind``, ``weighting``; ``dp-clip``, ``dp-noise-multiplier``, ``dp-min-honest`` (0: no distributed DP) | ``pk1``, ``pk2``: compressed P-384 points (49 bytes) |
+| ``setup`` | ``threshold``, ``num-shares``, ``modulus-bits``, ``clipping-range``, ``levels``, ``max-weight``, ``kind``, ``weighting``; ``dp-clip``, ``dp-noise-multiplier``, ``dp-min-honest`` (0: no distributed DP), ``dp-sampling`` (each node's probability of contributing its update, 1: always) | ``pk1``, ``pk2``: compressed P-384 points (49 bytes) |
 | ``share-keys`` | ``node-ids`` (neighbours and itself, ascending), ``pk1s``, ``pk2s`` | ``destinations``, ``ciphertexts`` (one sealed share pair per neighbour), ``commitment`` (SHA-256 of its mask seed) |
-| ``collect`` | the strategy's train instruction (``arrays``, ``config``) + ``sources``, ``ciphertexts`` (the shares sent to it) | ``layout-names``, ``layout-roles``, ``layout-ranks``, ``layout-dims``; ``arrays`` record ``secagg-masked`` = ``{"vector": uint32 (modulus <= 2^32) or uint64}``; the train reply's scalar metrics except ``num-examples`` |
+| ``collect`` | the strategy's train instruction (``arrays``, ``config``) + ``sources``, ``ciphertexts`` (the shares sent to it); ``layout-*`` (under distributed DP the contribution's layout, else empty); ``timed`` (a simulated network times the round: ``num-examples`` travels in clear) | ``layout-names``, ``layout-roles``, ``layout-ranks``, ``layout-dims``; ``arrays`` record ``secagg-masked`` = ``{"vector": uint32 (modulus <= 2^32) or uint64}``; the train reply's scalar metrics except ``num-examples`` |
 | ``unmask`` | ``survivors``, ``dropped`` (neighbours) | ``owners``, ``shares``: the mask-seed share of each survivor, the private-key share of each dropped node |
 
 A client holds share number ``i + 1`` of each owner, ``i`` its position among the owner's ``node-ids``.
@@ -69,6 +69,7 @@ class Setup:
     clip_dp: float = 0.0  # > 0: distributed DP, each client clips its contribution to this L2 norm
     noise_multiplier_dp: float = 0.0
     min_honest_dp: int = 0
+    sampling_dp: float = 1.0  # < 1: each node contributes its update with this probability, its own secret draw
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class Collect:
     session: str
     sources: tuple[int, ...]
     ciphertexts: tuple[bytes, ...]
+    layout: Layout = ()  # under distributed DP: what every contribution looks like (a node not sampled sends zeros)
+    timed: bool = False  # a simulated network times this stage by each node's num-examples, which then travels in clear
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,8 @@ def encode(record: Setup | PublicKeys | ShareKeys | SealedShares | Collect | Unm
                        "modulus-bits": record.modulus_bits, "clipping-range": float(record.clipping_range),
                        "levels": record.levels, "max-weight": record.max_weight, "kind": record.kind,
                        "weighting": record.weighting, "dp-clip": float(record.clip_dp),
-                       "dp-noise-multiplier": float(record.noise_multiplier_dp), "dp-min-honest": record.min_honest_dp})
+                       "dp-noise-multiplier": float(record.noise_multiplier_dp), "dp-min-honest": record.min_honest_dp,
+                       "dp-sampling": float(record.sampling_dp)})
     elif isinstance(record, PublicKeys):
         values.update({"pk1": record.pk1, "pk2": record.pk2})
     elif isinstance(record, ShareKeys):
@@ -147,7 +151,8 @@ def encode(record: Setup | PublicKeys | ShareKeys | SealedShares | Collect | Unm
         values.update({"destinations": list(record.destinations), "ciphertexts": list(record.ciphertexts),
                        "commitment": record.commitment})
     elif isinstance(record, Collect):
-        values.update({"sources": list(record.sources), "ciphertexts": list(record.ciphertexts)})
+        values.update({"sources": list(record.sources), "ciphertexts": list(record.ciphertexts),
+                       "timed": bool(record.timed), **_layout_values(record.layout)})
     elif isinstance(record, Unmask):
         values.update({"survivors": list(record.survivors), "dropped": list(record.dropped)})
     elif isinstance(record, Shares):
@@ -157,13 +162,14 @@ def encode(record: Setup | PublicKeys | ShareKeys | SealedShares | Collect | Unm
     return ConfigRecord(values)
 
 
+def _layout_values(layout: Layout) -> dict[str, list]:
+    return {"layout-names": [p.name for p in layout], "layout-roles": [p.role for p in layout],
+            "layout-ranks": [len(p.shape) for p in layout], "layout-dims": [int(d) for p in layout for d in p.shape]}
+
+
 def encode_masked(record: MaskedInput) -> tuple[ConfigRecord, ArrayRecord]:
     """The collect reply's ``secagg`` record (layout) and ``secagg-masked`` record (the vector)."""
-    cfg = ConfigRecord({STAGE: COLLECT, SESSION: record.session,
-                        "layout-names": [p.name for p in record.layout],
-                        "layout-roles": [p.role for p in record.layout],
-                        "layout-ranks": [len(p.shape) for p in record.layout],
-                        "layout-dims": [int(d) for p in record.layout for d in p.shape]})
+    cfg = ConfigRecord({STAGE: COLLECT, SESSION: record.session, **_layout_values(record.layout)})
     return cfg, ArrayRecord({VECTOR: Array(np.ascontiguousarray(record.vector))})
 
 
@@ -231,6 +237,31 @@ class _Reader:
             raise self._fail(key, "a list of strings", v)
         return tuple(v)
 
+    def flag(self, key: str) -> bool:
+        v = self._get(key)
+        if not isinstance(v, bool):
+            raise self._fail(key, "true or false", v)
+        return v
+
+    def fraction(self, key: str) -> float:
+        v = self._get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise self._fail(key, "a number in (0, 1]", v)
+        return float(v)
+
+    def layout(self) -> Layout:
+        names, roles = self.str_list("layout-names"), self.str_list("layout-roles")
+        ranks, dims = self.ids("layout-ranks", unique=False), self.ids("layout-dims", unique=False)
+        if not (len(names) == len(roles) == len(ranks)) or sum(ranks) != len(dims) or len(set(names)) != len(names):
+            raise Refused(f"stage {self.stage!r}: the layout's names, roles, ranks and dims do not agree")
+        if any(role not in ROLES for role in roles):
+            raise Refused(f"stage {self.stage!r}: 'layout-roles' must be among {ROLES}, got {list(roles)}")
+        layout, at = [], 0
+        for name, role, rank in zip(names, roles, ranks):
+            layout.append(Part(name, tuple(dims[at:at + rank]), role))
+            at += rank
+        return tuple(layout)
+
 
 def read_header(record: Any, expected_stage: str | None = None, session: str | None = None) -> str:
     """The stage a record says it belongs to; refused unless it is ``expected_stage`` of ``session``."""
@@ -257,13 +288,13 @@ def decode_instruction(record: Any) -> Setup | ShareKeys | Collect | Unmask:
         return Setup(session, r.whole("threshold", 2), r.whole("num-shares", 2), r.whole("modulus-bits", 8, 64),
                      r.positive("clipping-range"), r.whole("levels", 2), r.whole("max-weight", 1),
                      r.text("kind"), r.text("weighting"), r.positive("dp-clip", zero=True),
-                     r.positive("dp-noise-multiplier", zero=True), r.whole("dp-min-honest"))
+                     r.positive("dp-noise-multiplier", zero=True), r.whole("dp-min-honest"), r.fraction("dp-sampling"))
     if stage == SHARE_KEYS:
         ids = r.ids("node-ids")
         return ShareKeys(session, ids, r.byte_list("pk1s", len(ids)), r.byte_list("pk2s", len(ids)))
     if stage == COLLECT:
         sources = r.ids("sources")
-        return Collect(session, sources, r.byte_list("ciphertexts", len(sources)))
+        return Collect(session, sources, r.byte_list("ciphertexts", len(sources)), r.layout(), r.flag("timed"))
     survivors, dropped = r.ids("survivors"), r.ids("dropped")
     if set(survivors) & set(dropped):
         raise Refused(f"stage 'unmask': nodes {sorted(set(survivors) & set(dropped))} are listed as both "
@@ -285,16 +316,7 @@ def decode_reply(content: RecordDict, stage: str, session: str, *,
     if stage == UNMASK:
         owners = r.ids("owners")
         return Shares(session, owners, r.byte_list("shares", len(owners)))
-    names, roles = r.str_list("layout-names"), r.str_list("layout-roles")
-    ranks, dims = r.ids("layout-ranks", unique=False), r.ids("layout-dims", unique=False)
-    if not (len(names) == len(roles) == len(ranks)) or sum(ranks) != len(dims) or len(set(names)) != len(names):
-        raise Refused("stage 'collect': the layout's names, roles, ranks and dims do not agree")
-    if any(role not in ROLES for role in roles):
-        raise Refused(f"stage 'collect': 'layout-roles' must be among {ROLES}, got {list(roles)}")
-    layout, at = [], 0
-    for name, role, rank in zip(names, roles, ranks):
-        layout.append(Part(name, tuple(dims[at:at + rank]), role))
-        at += rank
+    layout = r.layout()
     masked = content.get(MASKED)
     if not isinstance(masked, ArrayRecord) or list(masked.keys()) != [VECTOR]:
         raise Refused(f"stage 'collect': the reply needs an ArrayRecord '{MASKED}' holding exactly '{VECTOR}'")
@@ -307,4 +329,4 @@ def decode_reply(content: RecordDict, stage: str, session: str, *,
     vector = array.numpy()
     if modulus_bits is not None and modulus_bits < 64 and vector.size and int(vector.max()) >= 1 << modulus_bits:
         raise Refused(f"stage 'collect': '{MASKED}.{VECTOR}' has values outside the ring 2^{modulus_bits}")
-    return MaskedInput(session, tuple(layout), vector)
+    return MaskedInput(session, layout, vector)

@@ -28,6 +28,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
     share_keys_plaintext_separate,
 )
 
+from pollen.protocol.identity import PARTITION_ID
 from pollen.protocol.records import METRICS, NUM_EXAMPLES
 from pollen.protocol.secagg import (
     COLLECT,
@@ -38,6 +39,7 @@ from pollen.protocol.secagg import (
     STAGES,
     UNMASK,
     Collect,
+    Layout,
     MaskedInput,
     PublicKeys,
     Refused,
@@ -55,6 +57,8 @@ from pollen.secagg import field as ring
 
 STATE = "secagg-session"  # context.state record holding the open session
 REQUIRED_KEY = "secure-aggregation"  # run-config key: when true, a plain train message is refused
+# the run keys that make a run simulate a network (pollen.strategies.network.NetworkModel.simulated)
+NETWORK_KEYS = ("client-dropout", "client-slow-fraction", "client-time-spread", "round-timeout")
 
 
 @dataclass
@@ -84,7 +88,8 @@ class Session:
             "modulus-bits": s.modulus_bits, "clipping-range": s.clipping_range, "levels": s.levels,
             "max-weight": s.max_weight, "kind": s.kind, "weighting": s.weighting, "dp-clip": s.clip_dp,
             "dp-noise-multiplier": s.noise_multiplier_dp, "dp-min-honest": s.min_honest_dp,
-            "node-id": self.node_id, "stage": self.stage, "sk1": self.sk1, "pk1": self.pk1, "sk2": self.sk2,
+            "dp-sampling": s.sampling_dp, "node-id": self.node_id, "stage": self.stage, "sk1": self.sk1,
+            "pk1": self.pk1, "sk2": self.sk2,
             "pk2": self.pk2, "seed": self.mask_seed, "neighbours": list(self.neighbours), "pk1s": list(self.pk1s),
             "pk2s": list(self.pk2s), "sources": list(self.sources),
             "sealing-owners": list(self.sealing_keys), "sealing-keys": list(self.sealing_keys.values()),
@@ -97,7 +102,7 @@ class Session:
         setup = Setup(str(r["session"]), int(r["threshold"]), int(r["num-shares"]), int(r["modulus-bits"]),
                       float(r["clipping-range"]), int(r["levels"]), int(r["max-weight"]), str(r["kind"]),
                       str(r["weighting"]), float(r["dp-clip"]), float(r["dp-noise-multiplier"]),
-                      int(r["dp-min-honest"]))
+                      int(r["dp-min-honest"]), float(r["dp-sampling"]))
 
         def ids(key: str) -> tuple[int, ...]:
             return tuple(int(x) for x in r[key])
@@ -199,21 +204,18 @@ def pairwise_sign(me: int, other: int) -> int:
     return 1 if me > other else -1
 
 
-def masked_input(session: Session, reply: RecordDict,
-                 privatize: Callable[[np.ndarray], np.ndarray] | None = None,
-                 broadcast: RecordDict | None = None) -> MaskedInput:
-    """``collect``, second half: the train reply as integer parts (under distributed DP: its contribution
-    vector, clipped, rounded and noised by ``privatize``) plus the self mask and pairwise masks."""
+def plain_contribution(session: Session, reply: RecordDict) -> tuple[Layout, np.ndarray]:
+    """``collect`` without distributed DP: the train reply as the integer parts it adds to the sum."""
     s = session.setup
-    if s.clip_dp > 0:
-        if privatize is None:
-            raise Refused("stage 'collect': the round asks for distributed DP and this node has no privatizer")
-        layout, floats = payloads.dp_vector(s.kind, reply, broadcast, s.clip_dp)
-        integers = privatize(floats)
-    else:
-        q = payloads.Quantization(s.clipping_range, s.levels, s.max_weight)
-        layout, parts = payloads.contribution(s.kind, s.weighting, reply, q)
-        integers = payloads.flatten(parts)
+    layout, parts = payloads.contribution(s.kind, s.weighting, reply,
+                                          payloads.Quantization(s.clipping_range, s.levels, s.max_weight))
+    return layout, payloads.flatten(parts)
+
+
+def masked_input(session: Session, layout: Layout, integers: np.ndarray) -> MaskedInput:
+    """``collect``, second half: the contribution's integers plus the self mask and one pairwise mask per
+    neighbour that sent this node its shares, in the ring."""
+    s = session.setup
     bits = s.modulus_bits
     vector = ring.to_ring(integers, bits)
     vector = ring.add(vector, crypto.mask(session.mask_seed, vector.size, bits), bits)
@@ -264,14 +266,33 @@ def _scalar_metrics(reply: RecordDict) -> MetricRecord:
     return MetricRecord({k: v for k, v in metrics.items() if k != NUM_EXAMPLES and isinstance(v, (int, float))})
 
 
-def _required(context: Context) -> bool:
-    value = context.run_config.get(REQUIRED_KEY, False)
+def _num_examples(reply: RecordDict) -> int:
+    metrics = reply.get(METRICS)
+    value = metrics.get(NUM_EXAMPLES) if isinstance(metrics, MetricRecord) else None
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _flag(context: Context, key: str) -> bool:
+    value = context.run_config.get(key, False)
     return value is True or (isinstance(value, str) and value.lower() == "true")
 
 
-# (context, setup, contribution size) -> (the function that clips, rounds and noises the contribution into
-# integer steps, the metrics to report): how a node takes part in distributed DP (dp-mode = distributed)
-PrivatizerFactory = Callable[[Context, Setup, int], tuple[Callable[[np.ndarray], np.ndarray], dict[str, float]]]
+def _required(context: Context) -> bool:
+    return _flag(context, REQUIRED_KEY)
+
+
+def _simulates_a_network(context: Context) -> bool:
+    """Whether this node's own run config sets a simulated network (docs/stragglers.md): only then does it let
+    its example count travel in clear for the simulated clock."""
+    return any(isinstance(context.run_config.get(k), (int, float)) and not isinstance(context.run_config.get(k), bool)
+               and float(context.run_config[k]) > 0 for k in NETWORK_KEYS)
+
+
+# (context, setup, contribution size) -> (sampled, the function that clips, rounds and noises the contribution into
+# integer steps, the metrics to report): how a node takes part in distributed DP (dp-mode = distributed); it draws
+# whether the node is sampled this round and appends the round's release to its ledger before answering
+PrivatizerFactory = Callable[[Context, Setup, int],
+                             tuple[bool, Callable[[np.ndarray], np.ndarray], dict[str, float]]]
 
 
 class SecAggMod:
@@ -300,6 +321,65 @@ class SecAggMod:
 secagg_mod = SecAggMod()  # ``ClientApp(mods=[secagg_mod])``: SecAgg+ without distributed DP
 
 
+def _train(msg: Message, context: Context, call_next, session: Session) -> Message:
+    """The app's own train handler, which sees neither the session's secrets nor the stage record."""
+    del context.state[STATE]
+    try:
+        return call_next(msg, context)
+    finally:
+        context.state[STATE] = session.to_record()
+
+
+def _collect(msg: Message, context: Context, call_next, session: Session, instruction: Collect,
+             privatizer: PrivatizerFactory | None) -> Message | tuple[MetricRecord, MaskedInput]:
+    """``collect``: train (unless distributed DP's draw says this node sits the round out), then the masked
+    contribution and the metrics that travel in clear; an error reply of the train handler is returned as is."""
+    setup = session.setup
+    del msg.content[SECAGG]  # the train handler sees exactly the strategy's instruction
+    broadcast = RecordDict(dict(msg.content.items()))
+    timed = instruction.timed and _simulates_a_network(context)
+    if setup.clip_dp <= 0:
+        reply = _train(msg, context, call_next, session)
+        if reply.has_error():
+            return reply
+        clear = _scalar_metrics(reply.content)
+        if timed:
+            clear[NUM_EXAMPLES] = _num_examples(reply.content)
+        return clear, masked_input(session, *plain_contribution(session, reply.content))
+    if privatizer is None:
+        raise Refused("stage 'collect': the round asks for distributed DP and this node has no privatizer")
+    layout = instruction.layout
+    if not layout:
+        raise Refused("stage 'collect': the round asks for distributed DP but states no contribution layout")
+    sampled, privatize, dp_metrics = privatizer(context, setup, payloads.length(layout))
+    floats = np.zeros(payloads.length(layout))
+    examples = 0
+    clear = MetricRecord({})
+    if sampled:
+        reply = _train(msg, context, call_next, session)
+        if reply.has_error():
+            return reply
+        mine, floats = payloads.dp_vector(setup.kind, reply.content, broadcast, setup.clip_dp)
+        if mine != layout:
+            raise Refused(f"stage 'collect': this node's contribution is laid out as {_layout_text(mine)}, the "
+                          f"round states {_layout_text(layout)}")
+        examples = _num_examples(reply.content)
+        if setup.sampling_dp >= 1:  # under sampling, what a sampled node's training reports would tell it apart
+            clear = _scalar_metrics(reply.content)
+    partition = context.node_config.get(PARTITION_ID)
+    if isinstance(partition, int) and not isinstance(partition, bool):
+        clear[PARTITION_ID] = partition
+    for key, value in dp_metrics.items():
+        clear[key] = value
+    if timed:
+        clear[NUM_EXAMPLES] = examples
+    return clear, masked_input(session, layout, privatize(floats))
+
+
+def _layout_text(layout: Layout) -> str:
+    return ", ".join(f"{p.name}{list(p.shape)}" for p in layout) or "nothing"
+
+
 def _stage(msg: Message, context: Context, call_next, privatizer: PrivatizerFactory | None) -> Message:
     instruction = decode_instruction(msg.content[SECAGG])
     out = RecordDict()
@@ -311,25 +391,10 @@ def _stage(msg: Message, context: Context, call_next, privatizer: PrivatizerFact
         out[SECAGG] = encode(sealed)
     elif isinstance(instruction, Collect):
         session = receive_shares(_session(context, COLLECT, instruction.session), instruction)
-        del msg.content[SECAGG]  # the train handler sees exactly the strategy's instruction
-        broadcast = RecordDict(dict(msg.content.items()))
-        del context.state[STATE]  # ... and none of the session's secrets
-        try:
-            reply = call_next(msg, context)
-        finally:
-            context.state[STATE] = session.to_record()
-        if reply.has_error():
-            return reply
-        privatize: Callable[[np.ndarray], np.ndarray] | None = None
-        dp_metrics: dict[str, float] = {}
-        if session.setup.clip_dp > 0 and privatizer is not None:
-            size = payloads.dp_vector(session.setup.kind, reply.content, broadcast, session.setup.clip_dp)[1].size
-            privatize, dp_metrics = privatizer(context, session.setup, size)
-        masked = masked_input(session, reply.content, privatize, broadcast)
-        clear = _scalar_metrics(reply.content)
-        for key, value in dp_metrics.items():
-            clear[key] = value
-        out[METRICS] = clear
+        collected = _collect(msg, context, call_next, session, instruction, privatizer)
+        if isinstance(collected, Message):
+            return collected
+        out[METRICS], masked = collected
         out[SECAGG], out[MASKED] = encode_masked(masked)
     else:
         session = _session(context, UNMASK, instruction.session)

@@ -34,7 +34,7 @@ from pollen.protocol.identity import PARTITION_ID
 from pollen.protocol.logits import encode_logit_reply
 from pollen.protocol.prototypes import encode_prototype_reply
 from pollen.protocol.records import ARRAYS, METRICS, reply_content
-from pollen.secagg.payloads import CLASS_WEIGHTS, LOGITS, PROTOTYPES, dp_aggregate, mean_of_sums
+from pollen.secagg.payloads import CLASS_WEIGHTS, LOGITS, PROTOTYPES, dp_aggregate, dp_layout, mean_of_sums
 from pollen.secagg.server import SecAggConfig, SecAggFailed, SecAggPlus, SecureSum
 
 DROPPED_CODE = 910  # error code of the replies standing in for nodes that dropped out of a secure round
@@ -63,9 +63,14 @@ class SecureGrid:
         by_node = {int(m.metadata.dst_node_id): m for m in train}
         server_round = _round_of(train[0])
         driver = SecAggPlus(dataclasses.replace(self.config, timeout=timeout))
+        cfg = self.config
         try:
+            try:  # distributed DP: the server states the contributions' layout before anyone trains
+                layout = dp_layout(cfg.kind, train[0].content, cfg.dp_shape) if cfg.clip_dp > 0 else None
+            except ValueError as err:
+                raise SecAggFailed(str(err)) from None
             result = driver.aggregate(self.grid, {n: m.content for n, m in by_node.items()},
-                                      server_round=server_round, vet=self._vet)
+                                      server_round=server_round, vet=self._vet, layout=layout)
         except SecAggFailed as err:
             return [Message(Error(code=DROPPED_CODE, reason=f"secure aggregation failed: {err}"), reply_to=m)
                     for m in train]
@@ -93,10 +98,10 @@ class SecureGrid:
         base = {k: a.numpy() for k, a in broadcast.items()} if isinstance(broadcast, ArrayRecord) else {}
         step = 2 * cfg.clipping_range / cfg.levels
         size = sum(p.size for p in result.layout)
-        m = len(result.survivors)
+        m = len(result.survivors)  # each added its noise share; each contributed its update with probability q
         noise_std = cfg.noise_multiplier_dp * (cfg.clip_dp / step + size ** 0.5 / 2) * step * (
             m / max(cfg.min_honest_dp, 1)) ** 0.5
-        return dp_aggregate(cfg.kind, result.sums, m, cfg.clip_dp, base, noise_std)
+        return dp_aggregate(cfg.kind, result.sums, cfg.sampling_dp * m, cfg.clip_dp, base, noise_std)
 
     def _vet(self, replies: dict[int, Message]) -> dict[int, str]:
         """Partition claims in clear, judged before unmasking (module docstring)."""

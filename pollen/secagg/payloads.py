@@ -178,18 +178,93 @@ def mean_of_sums(kind: str, sums: Mapping[str, np.ndarray]) -> dict[str, np.ndar
 
 # --- distributed DP (dp-mode = distributed): what one client contributes, and what the server makes of it ---
 #
-# | kind | the contribution vector (clipped as a whole to dp-clip by the client) | the server's aggregate |
+# | kind | the contribution (L2 norm <= dp-clip: by construction, else clipped) | the server's aggregate |
 # |---|---|---|
-# | weights | the update: each float array − the broadcast | broadcast + Σ / survivors |
-# | prototypes | ``s_c·p_c`` (C×d), ``s_c·B`` (C); s_c class share, p_c clipped to B = clip/√2 | Σ s_c·p_c / Σ s_c |
-# | logits | the logits (N0×C) | Σ / survivors |
+# | weights | the update: each float array − the broadcast | broadcast + Σ / (q·m) |
+# | prototypes | ``a_c·p_c`` (C×d), ``a_c·β`` (C): :func:`prototype_contribution` | :func:`prototype_estimate` |
+# | logits | the logits (N0×C) | Σ / (q·m) |
 #
-# Every client weighs the same (client-level DP); for prototypes the shares sum to 1 per client, so the
-# vector's norm is at most clip by construction (Σ s_c² (|p_c|² + B²) <= 2 B² = clip²).
+# Every client weighs the same (client-level DP). ``m`` is the number of clients in the sum and ``q`` the
+# probability that each contributed its update (``dp-sampling``; the others contributed zeros): ``q·m`` is the
+# expected number of updates in the sum, so the aggregate does not depend on who was sampled.
+
+PRESENCE_ERROR = 0.5  # a class's noisy prototype is used when its expected error is at most this share of its bound
+
+
+def prototype_split(clip: float, dim: int) -> tuple[float, float]:
+    """``(B, β)``: how a prototype contribution of L2 norm ``clip`` splits its budget between the d prototype
+    coordinates (each class's prototype clipped to ``B``) and the class's weight coordinate (``β`` per unit of
+    weight), ``B² + β² = clip²``.
+
+    Why this split: the server's estimate of a class prototype is ``U / (W / β)`` — numerator ``U = Σ a·p``
+    (d coordinates), denominator ``W = Σ a·β`` — both with noise of std σ per coordinate. To first order its
+    error is ``(n_U − g·n_W/β) / A`` (``A = Σ a``), of expected squared norm ``σ² (d + |g|²/β²) / A²`` ≤
+    ``σ² (d + B²/β²) / A²``. Relative to the prototype's scale B that is ``σ² (d/B² + 1/β²) / A²``, smallest
+    under ``B² + β² = clip²`` at ``B² = clip² √d / (√d + 1)``: then ``(√d + 1)² σ² / (clip² A²)``, against
+    ``2 (d + 1) σ² / (clip² A²)`` for an even split (1.57× the variance at d = 50)."""
+    root = math.sqrt(dim)
+    return clip * math.sqrt(root / (root + 1)), clip / math.sqrt(root + 1)
+
+
+def prototype_contribution(prototypes: np.ndarray, counts: np.ndarray, clip: float) -> tuple[np.ndarray, np.ndarray]:
+    """One client's prototype contribution under distributed DP: ``(a_c·p̃_c (C×d), a_c·β (C))``.
+
+    ``a_c = n_c / ‖n‖₂`` — the class counts normalized in L2, not L1: ``Σ a_c² = 1`` whatever the client holds,
+    so the vector's norm is at most ``clip`` (``Σ a_c² (|p̃_c|² + β²) ≤ B² + β²``), and a client with k classes
+    gives each ``1/√k`` instead of ``1/k`` of its weight (k times the signal variance under the same noise);
+    ``p̃_c`` is the class prototype clipped to ``B`` (:func:`prototype_split`). Classes it does not hold add 0."""
+    protos = np.asarray(prototypes, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.float64)
+    bound, beta = prototype_split(clip, protos.shape[1])
+    held = counts > 0
+    norm = float(np.linalg.norm(counts))
+    a = counts / norm if norm > 0 else np.zeros_like(counts)
+    rows = np.where(held[:, None], protos, 0.0)
+    lengths = np.linalg.norm(rows, axis=1)
+    clipped = rows * np.minimum(1.0, bound / np.maximum(lengths, 1e-300))[:, None]
+    return a[:, None] * clipped, a * beta
+
+
+def prototype_estimate(sums: np.ndarray, weights: np.ndarray, noise_std: float,
+                       clip: float) -> tuple[np.ndarray, np.ndarray]:
+    """Server side: ``(global prototypes C×d, present C)`` from the noisy sums of :func:`prototype_contribution`
+    (noise of std ``noise_std`` per coordinate). A class is present when its estimated weight ``Â = W/β`` is
+    positive and the expected error of its prototype, ``σ √(d + B²/β²) / Â`` (:func:`prototype_split`), is at
+    most ``PRESENCE_ERROR · B``: a prototype drowned in noise would pull the clients' embeddings towards a
+    random point; absent, the clients train without it (and the strategy keeps the class's last prototype)."""
+    sums = np.asarray(sums, dtype=np.float64)
+    dim = sums.shape[1]
+    bound, beta = prototype_split(clip, dim)
+    weight = np.asarray(weights, dtype=np.float64) / beta
+    error = noise_std * math.sqrt(dim + (bound / beta) ** 2)
+    present = (weight > 0) & (error <= PRESENCE_ERROR * bound * weight)
+    protos = np.zeros_like(sums)
+    protos[present] = sums[present] / weight[present, None]
+    return protos, present
 
 
 def _float_names(arrays: Mapping[str, np.ndarray]) -> list[str]:
     return sorted(k for k, a in arrays.items() if a.dtype.kind == "f")
+
+
+def dp_layout(kind: str, broadcast: RecordDict | None, shape: Sequence[int] = ()) -> Layout:
+    """The layout every client's contribution has under distributed DP (the table above), stated by the server
+    before anyone trains: weights from the broadcast model's float arrays; prototypes (``shape`` = C, d) and
+    logits (``shape`` = N0, C) from the strategy's sizes."""
+    if kind == "weights":
+        ref = broadcast.get(ARRAYS) if broadcast is not None else None
+        if not isinstance(ref, ArrayRecord) or len(ref) == 0:
+            raise ValueError("distributed DP on weights needs the broadcast model to form the update")
+        arrays = {k: a.numpy() for k, a in ref.items()}
+        return tuple(Part(name, tuple(int(d) for d in arrays[name].shape), NOISY) for name in _float_names(arrays))
+    dims = tuple(int(d) for d in shape)
+    if len(dims) != 2 or min(dims) < 1:
+        raise ValueError(f"distributed DP on {kind} needs the contribution's two sizes, got {tuple(shape)}")
+    if kind == "prototypes":
+        return Part(PROTOTYPES, dims, NOISY), Part(CLASS_SHARES, dims[:1], NOISY)
+    if kind == "logits":
+        return (Part(LOGITS, dims, NOISY),)
+    raise ValueError(f"distributed DP has no contribution of kind {kind!r}")
 
 
 def dp_vector(kind: str, content: RecordDict, broadcast: RecordDict | None,
@@ -207,14 +282,10 @@ def dp_vector(kind: str, content: RecordDict, broadcast: RecordDict | None,
             parts.append((name, arrays[name].astype(np.float64) - ref[name].numpy().astype(np.float64)))
     elif kind == "prototypes":
         arrays = _arrays(content)
-        protos, counts = arrays[PROTOTYPES].astype(np.float64), np.asarray(arrays[CLASS_COUNTS], dtype=np.float64)
-        total = counts.sum()
-        shares = counts / total if total > 0 else counts
-        bound = clip / math.sqrt(2)
-        norms = np.linalg.norm(np.where(counts[:, None] > 0, protos, 0.0), axis=1)
-        scaled = np.where((counts > 0)[:, None], protos * np.minimum(1.0, bound / np.maximum(norms, 1e-30))[:, None],
-                          0.0)
-        parts += [(PROTOTYPES, shares[:, None] * scaled), (CLASS_SHARES, shares * bound)]
+        if PROTOTYPES not in arrays or CLASS_COUNTS not in arrays:
+            raise ValueError(f"a prototype reply needs '{PROTOTYPES}' and '{CLASS_COUNTS}' under distributed DP")
+        protos, shares = prototype_contribution(arrays[PROTOTYPES], arrays[CLASS_COUNTS], clip)
+        parts += [(PROTOTYPES, protos), (CLASS_SHARES, shares)]
     elif kind == "logits":
         parts.append((LOGITS, _arrays(content)[LOGITS].astype(np.float64)))
     else:
@@ -223,22 +294,18 @@ def dp_vector(kind: str, content: RecordDict, broadcast: RecordDict | None,
     return layout, np.concatenate([v.ravel() for _, v in parts])
 
 
-def dp_aggregate(kind: str, sums: Mapping[str, np.ndarray], survivors: int, clip: float,
+def dp_aggregate(kind: str, sums: Mapping[str, np.ndarray], contributions: float, clip: float,
                  broadcast: Mapping[str, np.ndarray] | None = None, noise_std: float = 0.0) -> dict[str, np.ndarray]:
-    """Server side: the family's aggregate from the noisy sums of ``survivors`` clients (table above). For
-    prototypes a class counts as present when its summed share is above 3 stds of its noise (and 1/2)."""
-    if survivors < 1:
-        raise ValueError("no survivor in the noisy sum")
+    """Server side: the family's aggregate from the noisy sums (table above); ``contributions`` is ``q·m``, the
+    expected number of updates in the sum; ``noise_std`` the sum's noise per coordinate (value units)."""
+    if not contributions > 0:
+        raise ValueError("no contribution in the noisy sum")
     if kind == "weights":
         base = dict(broadcast or {})
-        return {**base, **{k: base[k] + v / survivors for k, v in sums.items()}}
+        return {**base, **{k: base[k] + v / contributions for k, v in sums.items()}}
     if kind == "prototypes":
-        bound = clip / math.sqrt(2)
-        weight = np.asarray(sums[CLASS_SHARES], dtype=np.float64) / bound
-        present = weight > max(0.5, 3 * noise_std / bound)
-        protos = np.zeros_like(sums[PROTOTYPES])
-        protos[present] = sums[PROTOTYPES][present] / weight[present, None]
+        protos, present = prototype_estimate(sums[PROTOTYPES], sums[CLASS_SHARES], noise_std, clip)
         return {PROTOTYPES: protos, CLASS_WEIGHTS: present.astype(np.int64)}
     if kind == "logits":
-        return {LOGITS: sums[LOGITS] / survivors}
+        return {LOGITS: sums[LOGITS] / contributions}
     raise ValueError(f"distributed DP has no aggregate of kind {kind!r}")

@@ -92,6 +92,8 @@ class SecAggConfig:
     clip_dp: float = 0.0  # > 0: distributed DP (pollen.privacy.distributed), the parameters every node checks
     noise_multiplier_dp: float = 0.0
     min_honest_dp: int = 0
+    sampling_dp: float = 1.0  # each node's probability of contributing its update (its own secret draw)
+    dp_shape: tuple[int, ...] = ()  # distributed DP on prototypes (C, d) or logits (N0, C): the contribution's sizes
 
     def __post_init__(self):
         if isinstance(self.neighbours, bool) or not isinstance(self.neighbours, int) or self.neighbours < 2:
@@ -103,6 +105,8 @@ class SecAggConfig:
         if self.kind not in payloads.KINDS or self.weighting not in payloads.WEIGHTINGS:
             raise ValueError(f"kind must be one of {payloads.KINDS} and weighting one of {payloads.WEIGHTINGS}, "
                              f"got {self.kind!r} / {self.weighting!r}")
+        if not 0 < self.sampling_dp <= 1:
+            raise ValueError(f"the distributed-DP sampling probability must be in (0, 1], got {self.sampling_dp!r}")
         self.quantization()
 
     def quantization(self) -> payloads.Quantization:
@@ -170,19 +174,23 @@ class SecAggPlus:
     # -- one round ------------------------------------------------------------------------------------
     def aggregate(self, grid: Grid, instructions: Mapping[int, RecordDict], *, server_round: int = 0,
                   layout: Layout | None = None,
-                  vet: Callable[[dict[int, Message]], dict[int, str]] | None = None) -> SecureSum:
+                  vet: Callable[[dict[int, Message]], dict[int, str]] | None = None, timed: bool = False) -> SecureSum:
         """Run the four stages for these nodes (node id -> its train instruction) and return the sum.
 
         ``layout`` is what every contribution must look like; ``None`` takes the one most survivors
-        declared (a contribution unlike it is refused). ``vet({node: reply})`` judges the masked-input replies
-        by what travels in clear (their metrics: partition claims, say) before anything is unmasked and
-        returns ``{node: reason}`` for those it refuses: their contributions leave the sum like dropouts'."""
+        declared (a contribution unlike it is refused). Under distributed DP it is required and stated to the
+        nodes with the instruction (a node not sampled contributes zeros of it). ``vet({node: reply})`` judges
+        the masked-input replies by what travels in clear (their metrics: partition claims, say) before anything
+        is unmasked and returns ``{node: reason}`` for those it refuses: their contributions leave the sum like
+        dropouts'. ``timed``: ask the nodes for their ``num-examples`` in clear (a simulated network's clock)."""
         cpu0 = time.process_time()
         self._grid, self._round = grid, server_round
         nodes = sorted(int(n) for n in instructions)
         cfg = self.config
         if len(nodes) < 2:
             raise SecAggFailed(f"secure aggregation needs at least 2 sampled nodes, got {len(nodes)}")
+        if cfg.clip_dp > 0 and not layout:
+            raise ValueError("distributed DP needs the contributions' layout stated before the round")
         degree, t = cfg.degree(len(nodes)), cfg.shares_needed(len(nodes))
         q = cfg.quantization()
         try:
@@ -196,7 +204,7 @@ class SecAggPlus:
         self._graph, self._t, self._session = graph, t, session
 
         setup = Setup(session, t, degree + 1, cfg.modulus_bits, cfg.clipping_range, cfg.levels, cfg.max_weight,
-                      cfg.kind, cfg.weighting, cfg.clip_dp, cfg.noise_multiplier_dp, cfg.min_honest_dp)
+                      cfg.kind, cfg.weighting, cfg.clip_dp, cfg.noise_multiplier_dp, cfg.min_honest_dp, cfg.sampling_dp)
         keys = self._stage(SETUP, {n: RecordDict({SECAGG: encode(setup)}) for n in nodes})
         pk: dict[int, PublicKeys] = {}
         seen: dict[bytes, int] = {}
@@ -243,7 +251,8 @@ class SecAggPlus:
             sources[node] = srcs
             cts = [sealed[s].ciphertexts[sealed[s].destinations.index(node)] for s in srcs]
             content = _copy(instructions[node])
-            content[SECAGG] = encode(Collect(session, tuple(srcs), tuple(cts)))
+            stated = layout if cfg.clip_dp > 0 and layout is not None else ()
+            content[SECAGG] = encode(Collect(session, tuple(srcs), tuple(cts), stated, timed))
             collect_msgs[node] = content
         masked_replies = self._stage(COLLECT, collect_msgs, keep=True)
         wanted = layout if layout is not None else _most_common_layout(masked_replies)

@@ -152,6 +152,7 @@ def run_inprocess(run_config: dict, num_nodes: int | None = None, *,
             rounds.append({"round": rnd, "fit": dict(rep.fit), "evaluate": dict(rep.evaluate),
                            "server-evaluate": dict(ev or {}),
                            "rejected": rep.rejected, "failures": len(rep.failures),
+                           "network": dict(rep.network), "secure-aggregation": dict(rep.secure),
                            "wall-time-s": time.perf_counter() - clock["t"]})
             if echo:
                 shown = f"acc {ev['accuracy']:.4f} " if ev and "accuracy" in ev else ""

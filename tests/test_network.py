@@ -200,9 +200,3 @@ def test_on_a_fleet_simulated_dropouts_are_refused_naming_the_keys(tmp_path):
     assert summary["status"] == "failed" and "client-dropout" in summary["failure-reason"]
 
 
-def test_secure_aggregation_with_a_simulated_network_is_refused_before_anything_starts():
-    from pollen.app.config import parse_run_config
-    from pollen.settings import ConfigError
-
-    with pytest.raises(ConfigError, match=r"secure-aggregation = true with \['client-dropout', 'round-timeout'\]"):
-        parse_run_config({"secure-aggregation": True, "client-dropout": 0.2, "round-timeout": 5.0})

@@ -415,3 +415,47 @@ def test_the_server_states_the_layout_and_a_client_refuses_a_dp_round_without_on
     bad["layout-dims"] = [10]
     with pytest.raises(Refused, match="do not agree"):
         decode_instruction(bad)
+
+
+# --- a simulated network on the secure round's stages (issue 44: stragglers under secure aggregation) --------
+
+def test_under_a_simulated_network_clients_vanish_at_secagg_stages_and_the_rounds_complete_by_its_rules(tmp_path):
+    """8 clients, client-dropout 0.25, one slow client of 4x and round-timeout 0.5 s, seed 1 (the draws, from
+    pollen.strategies.network and vanishing_stage): round 1 loses partition 5 at collect (its masks rebuilt)
+    and partition 2 at unmask (in the sum), partition 3 is late at collect; round 2 loses partition 1 at
+    share-keys, partition 4 at collect, partition 3 late. Both rounds complete with the others summed, the
+    missing are not failures, metrics.jsonl's network record names each with its stage, the secure record
+    the stage each left the sum at and the bytes of every stage; the results file carries the same."""
+    from pollen.app.results import RunRecorder
+    from pollen.strategies.replies import RoundReport
+
+    rounds = run_inprocess({"method": "fedavg", "num-server-rounds": 2, "seed": 1, "secure-aggregation": True,
+                            "client-dropout": 0.25, "client-slow-fraction": 0.125, "round-timeout": 0.5,
+                            "fraction-evaluate": 0.0}, 8, echo=False)
+    expected = {1: {"partition 5": ("dropped", "collect"), "partition 3": ("late", "collect")},
+                2: {"partition 1": ("dropped", "share-keys"), "partition 4": ("dropped", "collect"),
+                    "partition 3": ("late", "collect")}}
+    for r in rounds:
+        missing = {m["client"]: (m["why"], m["stage"]) for m in r["network"]["missing"]}
+        assert missing == expected[r["round"]]
+        assert r["failures"] == 0 and r["fit"]["accepted"] == 8 - len(missing)
+        late = next(m for m in r["network"]["missing"] if m["why"] == "late")
+        assert late["sim-time-s"] > 0.5 and r["network"]["sim-round-s"] == 0.5
+        secure = r["secure-aggregation"]
+        assert secure["summed"] == 8 - len(missing) and secure["threshold"] == 5
+        assert secure["dropped"] == {client: stage for client, (_, stage) in missing.items()}
+        assert set(secure["stages"]) == {"setup", "share-keys", "collect", "unmask"}
+        assert all(s["bytes-up"] > 0 for s in secure["stages"].values())  # setup's instruction: numbers only
+        assert secure["stages"]["collect"]["bytes-down"] > secure["stages"]["share-keys"]["bytes-down"] > 0
+    assert rounds[0]["network"]["vanished-in-sum"] == {"partition 2": "unmask"}
+    assert rounds[1]["network"]["sim-clock-s"] == 1.0
+
+    recorder = RunRecorder(tmp_path, {}, 2, echo=False)
+    report = RoundReport(1, network=rounds[0]["network"], secure=rounds[0]["secure-aggregation"])
+    recorder.record_report(report)
+    import json
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    written = json.loads(line)
+    assert written["secure-aggregation"]["stages"]["collect"]["bytes-up"] == \
+        rounds[0]["secure-aggregation"]["stages"]["collect"]["bytes-up"]
+    assert written["network"]["missing"][0]["stage"] in ("collect", "share-keys")

@@ -23,7 +23,7 @@ from pollen.privacy.config import PrivacyConfig, cross_sample_refusal
 from pollen.protocol.identity import parse_partition_pins
 from pollen.settings import DEFAULTS, ConfigError, NodeConfig, RunConfig, read_run_config, with_class_names
 from pollen.settings import parse_node_config as _read_node_config
-from pollen.settings.common import NetworkKeys, PrivacyKeys, SecureAggregationKeys
+from pollen.settings.common import PrivacyKeys, SecureAggregationKeys
 from pollen.settings.keys import declared_keys
 
 __all__ = ["DEFAULTS", "ConfigError", "NodeConfig", "RunConfig", "check_privacy", "check_private_evaluation",
@@ -210,11 +210,6 @@ def check_secure_aggregation(cfg: RunConfig) -> None:
     if cfg.dp_mode == "payload":
         raise ConfigError("secure-aggregation = true with dp-mode = 'payload': that noise is sized for a server "
                           "that reads each release; under secure aggregation use dp-mode = 'sample', or none")
-    network = sorted(k for k in declared_keys(NetworkKeys) if given[k] != DEFAULTS[k])
-    if network:  # the SecAgg+ stages must see a missing client as a dropout, not the finished sum
-        raise ConfigError(f"secure-aggregation = true with {network}: the simulated network and round-timeout "
-                          "act on a round's one training exchange, but SecAgg+ runs four stages and has summed a "
-                          "late client before its reply could be withheld; not supported yet (docs/stragglers.md)")
 
 
 def _refuse_cross_sample_models(cfg: RunConfig) -> None:

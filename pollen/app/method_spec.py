@@ -146,7 +146,8 @@ def strategy_options(cfg: RunConfig) -> dict[str, Any]:
             "min_available_nodes": cfg.min_available_clients, "num_rounds": cfg.num_server_rounds,
             "min_evaluate_nodes": 1 if cfg.fraction_evaluate > 0 else 0, "seed": cfg.seed,
             "max_empty_rounds": cfg.max_empty_rounds, "min_train_nodes": cfg.min_train_clients,
-            "network": NetworkModel.of(cfg),  # dropouts, slow clients, a round deadline (docs/stragglers.md)
+            # dropouts, slow clients, a round deadline (docs/stragglers.md); under secure aggregation on its stages
+            "network": None if cfg.secure_aggregation else NetworkModel.of(cfg),
             "identify_nodes": cfg.sample_by_partition,  # Pollen's ClientApp answers QUERY
             "aggregation": cfg.aggregation, "trim_fraction": cfg.trim_fraction, "outlier_factor": cfg.outlier_factor,
             "bounds": PayloadBounds(cfg.max_update_norm, cfg.max_logit_abs, cfg.max_grad_norm,

@@ -228,6 +228,8 @@ class RunRecorder:
         rec["failures"] += len(report.failures)
         if report.network:  # the simulated network's round: its clock, who was missing and why
             rec["network"] = report.network
+        if report.secure:  # a secure round's stages: bytes each way, who dropped out at which stage
+            rec["secure-aggregation"] = report.secure
         if report.failures:
             rec.setdefault("failure-reasons", []).extend(
                 {"stage": f["stage"], "client": f["client"], "code": f["code"], "reason": f["reason"]}

@@ -12,6 +12,13 @@ weights), so the round's client metrics are unweighted means. Under distributed 
 config) the aggregate is made from the survivors' noisy contributions
 (:func:`~pollen.secagg.payloads.dp_aggregate`).
 
+A simulated network (``network``: :class:`StageNetwork`, which Pollen's app makes from its run keys) acts
+on each stage below the driver: a client it drops is not sent the stages from the one it vanishes at, and
+a masked-input reply it holds back (late on its clock) never reaches the driver, so SecAgg+'s own rules
+for missing clients apply — a client gone before sharing its keys is simply not in the sum, one gone
+after has its masks rebuilt from its neighbours' shares, down to the threshold. ``on_round(round,
+summary)`` receives each round's record (:meth:`SecureSum.summary`: stage bytes, who dropped at which stage).
+
 Before anything is unmasked the grid vets the clear part of every masked reply: a node that claims
 another partition than it did before, or a partition another node of the round also claims, is
 refused, and its contribution leaves the sum as a dropout's. A node that dropped out (or was refused)
@@ -23,8 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
@@ -33,18 +40,53 @@ from flwr.serverapp import Grid
 from pollen.protocol.identity import PARTITION_ID
 from pollen.protocol.logits import encode_logit_reply
 from pollen.protocol.prototypes import encode_prototype_reply
-from pollen.protocol.records import ARRAYS, METRICS, reply_content
+from pollen.protocol.records import ARRAYS, METRICS, NUM_EXAMPLES, reply_content
+from pollen.protocol.secagg import SECAGG, STAGE
 from pollen.secagg.payloads import CLASS_WEIGHTS, LOGITS, PROTOTYPES, dp_aggregate, dp_layout, mean_of_sums
 from pollen.secagg.server import SecAggConfig, SecAggFailed, SecAggPlus, SecureSum
 
 DROPPED_CODE = 910  # error code of the replies standing in for nodes that dropped out of a secure round
 
 
+class StageNetwork(Protocol):
+    """A network that acts on each SecAgg+ stage of a round (module docstring)."""
+
+    timed: bool  # whether the masked-input replies must carry num-examples in clear (a simulated clock)
+
+    def begin(self, server_round: int, grid: Grid, nodes: Sequence[int]) -> None: ...
+
+    def outgoing(self, stage: str, messages: list[Message]) -> list[Message]: ...
+
+    def incoming(self, stage: str, replies: list[Message]) -> list[Message]: ...
+
+    def end(self, server_round: int, train: Sequence[Message], result: SecureSum | None) -> set[int]:
+        """Close the round; the nodes missing by the network's rules (they get no reply: not failures)."""
+        ...
+
+
+class _StageGrid:
+    """The grid the driver sends its stages through: the network's rules on the way out and back."""
+
+    def __init__(self, grid: Grid, network: StageNetwork):
+        self.grid, self.network = grid, network
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        messages = list(messages)
+        stage = str(messages[0].content[SECAGG][STAGE]) if messages and SECAGG in messages[0].content else ""
+        out = self.network.outgoing(stage, messages)
+        replies = list(self.grid.send_and_receive(out, timeout=timeout)) if out else []
+        return self.network.incoming(stage, replies)
+
+
 class SecureGrid:
     """A ``Grid`` (module docstring); every other Grid method is the wrapped grid's."""
 
-    def __init__(self, grid: Grid, config: SecAggConfig):
-        self.grid, self.config = grid, config
+    def __init__(self, grid: Grid, config: SecAggConfig, *, network: StageNetwork | None = None,
+                 on_round: Callable[[int, SecureSum], None] | None = None):
+        self.grid, self.config, self.network, self.on_round = grid, config, network, on_round
         self.claims: dict[int, int] = {}  # node -> the partition it first claimed in a secure round
         self.last: SecureSum | None = None  # the last round's sum, for reports and tests
 
@@ -64,20 +106,34 @@ class SecureGrid:
         server_round = _round_of(train[0])
         driver = SecAggPlus(dataclasses.replace(self.config, timeout=timeout))
         cfg = self.config
+        grid: Any = self.grid
+        if self.network is not None:
+            self.network.begin(server_round, self.grid, sorted(by_node))
+            grid = _StageGrid(self.grid, self.network)
         try:
             try:  # distributed DP: the server states the contributions' layout before anyone trains
                 layout = dp_layout(cfg.kind, train[0].content, cfg.dp_shape) if cfg.clip_dp > 0 else None
             except ValueError as err:
                 raise SecAggFailed(str(err)) from None
-            result = driver.aggregate(self.grid, {n: m.content for n, m in by_node.items()},
-                                      server_round=server_round, vet=self._vet, layout=layout)
+            result = driver.aggregate(grid, {n: m.content for n, m in by_node.items()}, server_round=server_round,
+                                      vet=self._vet, layout=layout,
+                                      timed=self.network is not None and self.network.timed)
         except SecAggFailed as err:
+            partial = getattr(driver, "result", None)
+            gone = self.network.end(server_round, train, partial) if self.network is not None else set()
+            if self.on_round is not None and partial is not None:
+                self.on_round(server_round, partial)
             return [Message(Error(code=DROPPED_CODE, reason=f"secure aggregation failed: {err}"), reply_to=m)
-                    for m in train]
+                    for m in train if int(m.metadata.dst_node_id) not in gone]
         self.last = result
+        gone = self.network.end(server_round, train, result) if self.network is not None else set()
+        if self.on_round is not None:
+            self.on_round(server_round, result)
         aggregate = self._aggregate(result, train[0])
         out = []
         for node, msg in by_node.items():
+            if node in gone and node not in result.replies:  # missing by the network's rules: no reply
+                continue
             if node in result.replies:
                 content = self._reply(aggregate, msg, result.replies[node].content.get(METRICS))
                 out.append(Message(content, reply_to=msg))
@@ -123,7 +179,7 @@ class SecureGrid:
         return out
 
     def _reply(self, aggregate: dict[str, np.ndarray], msg: Message, metrics: Any) -> RecordDict:
-        clear = {k: v for k, v in (metrics or {}).items()}
+        clear = {k: v for k, v in (metrics or {}).items() if k != NUM_EXAMPLES}  # the clock's count stays here
         kind = self.config.kind
         if kind == "prototypes":
             weights = aggregate[CLASS_WEIGHTS]

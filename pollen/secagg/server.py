@@ -138,7 +138,19 @@ class SecureSum:
     bytes_down: int = 0
     bytes_up: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    stage_bytes: dict[str, list[int]] = field(default_factory=dict)  # stage -> [bytes down, bytes up]
     server_cpu_s: float = 0.0
+    threshold: int = 0  # t: shares needed to rebuild a secret in each neighbourhood
+
+    def summary(self, label: Callable[[int], str] = str) -> dict[str, Any]:
+        """The round as a results file records it: per stage the nodes asked and answering, bytes each way
+        and seconds; who was summed; who dropped out at which stage (``label``: how a node is named)."""
+        stages = {stage: {"bytes-down": down, "bytes-up": up, "seconds": round(self.stage_seconds.get(stage, 0.0), 4)}
+                  for stage, (down, up) in self.stage_bytes.items()}
+        return {"stages": stages, "sampled": len(self.sampled), "summed": len(self.survivors),
+                "threshold": self.threshold,
+                "dropped": {label(n): stage for n, stage in sorted(self.dropped.items())},
+                "refused": [{**r, "node": label(r["node"])} for r in self.refused]}
 
 
 def neighbour_graph(nodes: list[int], degree: int) -> dict[int, tuple[int, ...]]:
@@ -198,7 +210,7 @@ class SecAggPlus:
                                 f"{len(nodes)} nodes of max weight {cfg.max_weight:,}")
         except ValueError as err:
             raise SecAggFailed(str(err)) from None
-        self.result = result = SecureSum({}, (), nodes, [], {})
+        self.result = result = SecureSum({}, (), nodes, [], {}, threshold=t)
         session = secrets.token_hex(16)
         graph = neighbour_graph(nodes, degree)
         self._graph, self._t, self._session = graph, t, session
@@ -326,7 +338,9 @@ class SecAggPlus:
         result, cfg = self.result, self.config
         messages = [Message(content=c, dst_node_id=n, message_type=MessageType.TRAIN, group_id=str(self._round))
                     for n, c in contents.items()]
-        result.bytes_down += sum(_content_bytes(c) for c in contents.values())
+        down = sum(_content_bytes(c) for c in contents.values())
+        result.bytes_down += down
+        up = 0
         replies = self._grid.send_and_receive(messages, timeout=cfg.timeout)
         out: dict[int, Any] = {}
         self._kept: dict[int, Message] = {}
@@ -342,7 +356,7 @@ class SecAggPlus:
             if reply.has_error():
                 result.failures.append({"node": node, "stage": stage, "reason": reply.error.reason})
                 continue
-            result.bytes_up += _content_bytes(reply.content)
+            up += _content_bytes(reply.content)
             try:
                 out[node] = decode_reply(reply.content, stage, self._session, modulus_bits=cfg.modulus_bits)
             except Refused as err:
@@ -354,7 +368,9 @@ class SecAggPlus:
             for node in contents:
                 if node not in out:
                     result.dropped.setdefault(node, stage)
+        result.bytes_up += up
         result.stage_seconds[stage] = time.perf_counter() - started
+        result.stage_bytes[stage] = [down, up]
         return out
 
     def _refuse(self, node: int, stage: str, reason: str) -> None:

@@ -85,6 +85,7 @@ class RoundReport:
     # {measure: {"replies", "median", "max-ratio"}}: how the round's accepted train replies spread
     # (pollen.strategies.spread); a reply above outlier-factor × the median is in ``rejected``
     spread: dict[str, dict] = field(default_factory=dict)
+    secure: dict[str, Any] = field(default_factory=dict)  # a secure round's stages (pollen.secagg.server.SecureSum)
     fit: dict[str, Any] = field(default_factory=dict)
     evaluate: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)

@@ -102,7 +102,8 @@ def utility_rows() -> tuple[list[list[str]], list[dict]]:
         readable = "sum only" if secure else (f"TV {tv:.3f} (prior {floor:.3f})" if tv is not None else "—")
         eps = privacy.get("dp-epsilon-max")
         rows.append([r["arm"], "yes" if secure else "no", f"{100 * ev.get('accuracy-client-mean', float('nan')):.2f}",
-                     f"{100 * ev.get('proto-accuracy-client-mean', float('nan')):.2f}",
+                     f"{100 * ev['proto-accuracy-client-mean']:.2f}" if "proto-accuracy-client-mean" in ev
+                     else "no class kept",
                      f"{eps:.3g}" if isinstance(eps, (int, float)) else "—", readable, str(r["seed"]),
                      f"{r['wall-s']:.0f}"])
         out.append({"arm": r["arm"], "secure": secure, "seed": r["seed"], "evaluate": ev, "epsilon": eps})

@@ -393,7 +393,7 @@ def test_a_whole_run_under_poisson_sampling_reports_the_epsilon_an_independent_a
     z, q = 0.8, 0.5
     rounds = run_inprocess({"method": "fedproto", "num-server-rounds": 2, "seed": 0, "secure-aggregation": True,
                             "dp-mode": "distributed", "dp-min-honest": 2, "dp-noise-multiplier": z,
-                            "fraction-fit": q}, 4, echo=False)
+                            "fraction-fit": q, "fraction-evaluate": 0.0}, 4, echo=False)
     for r in rounds:
         assert r["fit"]["accepted"] == 4 and r["failures"] == 0 and r["fit"]["dp-sampling"] == q
         assert r["fit"]["dp-epsilon"] == pytest.approx(_independent_epsilon(z, q, r["round"], 1e-5), rel=1e-9)

@@ -87,3 +87,39 @@ def test_steps_and_rate():
     assert steps_and_rate(10, 32, 1) == (1, 1.0)
     with pytest.raises(ValueError, match="record"):
         steps_and_rate(0, 32, 1)
+
+
+# -- no dataset statistic in a per-sample loss -------------------------------------------------------------
+def test_dp_sgd_refuses_a_loss_built_from_a_statistic_of_the_dataset():
+    x, y = data()
+    model = tiny()
+    with pytest.raises(ValueError, match=r"statistic of the dataset \(neg: the client's own classes"):
+        dp_sgd(model, x, y, loss=ce, epochs=1, batch_size=5, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+               clip=1.0, noise_multiplier=1.0, device=torch.device("cpu"),
+               statistics=("neg: the client's own classes, read off its training labels",))
+
+
+def test_bd_fedproto_negatives_name_the_dataset_statistic_only_when_read_off_the_labels():
+    """BD-FedProto's contrastive negatives are the classes a client does not hold: fixed by the task's
+    plan (shot splits, Dirichlet: every class) they are public; read off a user-data client's labels they
+    are a statistic of its dataset, which train_terms hands to DP-SGD (which refuses it)."""
+    from pollen.methods.prototypes import ContrastiveNegatives, PrototypeTargets
+
+    glob = PrototypeTargets(torch.zeros(4, 3), torch.tensor([True, True, True, False]), 1.0)
+    planned = ContrastiveNegatives(glob, (0, 1), "hinge", 0.5, 1.0)
+    read = ContrastiveNegatives(glob, (0, 1), "hinge", 0.5, 1.0, classes_from_data=True)
+    assert planned.data_statistics == () and read.data_statistics == (
+        "the client's own classes, read off its training labels",)
+
+
+def test_sample_mode_bd_fedproto_on_user_data_is_refused_before_start(tmp_path):
+    from pollen.app.config import ConfigError, parse_run_config
+    from tests.test_user_data import DIGITS, write_image_folder
+
+    write_image_folder(tmp_path, "mnist", DIGITS, {"train": 8, "test": 2})
+    rc = {"method": "bd-fedproto", "task": "image-folder", "data-dir": str(tmp_path), "model": "cnn_mnist",
+          "dp-mode": "sample", "dp-noise-multiplier": 1.0, "fraction-evaluate": 0.0}
+    with pytest.raises(ConfigError, match="read off the client's labels.*proto-cpa = false.*dp-mode = 'payload'"):
+        parse_run_config(rc)
+    assert parse_run_config({**rc, "proto-cpa": False}).dp_mode == "sample"
+    assert parse_run_config({**rc, "method": "fedproto"}).dp_mode == "sample"  # no negatives: nothing read

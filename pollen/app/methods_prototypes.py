@@ -54,6 +54,13 @@ def validate_proto(cfg: RunConfig) -> None:
         raise ConfigError("run config key 'proto-local-protos' = 'training' releases training-time features, but "
                           f"dp-mode = {cfg.dp_mode!r} clips the embeddings of a pass after training: set "
                           "proto-local-protos = 'post-pass'")
+    if (cfg.dp_mode == "sample" and cfg.method == "bd-fedproto" and settings(cfg).cpa
+            and get_task(cfg.task).resolve is not None):
+        raise ConfigError(f"dp-mode = 'sample' with bd-fedproto on task {cfg.task!r}: its contrastive negatives "
+                          "(proto-cpa) are the classes a client does not hold, which on user data are read off the "
+                          "client's labels, a statistic of the whole dataset that DP-SGD keeps out of every "
+                          "per-sample loss. Set proto-cpa = false, use dp-mode = 'payload', or a task whose plan "
+                          "fixes each client's classes")
     pretrained = settings(cfg).pretrained
     name = choose_model(cfg, get_task(cfg.task)).name
     if pretrained.strip() and name not in PRETRAINED_MODELS:

@@ -92,6 +92,9 @@ class ClientData:
     fmt: ImageFormat | None = None
     # Other test sets the client evaluates on (e.g. other domains), name -> (x, y).
     extra_tests: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Whether ``classes`` was read off the training labels (user data) rather than fixed by the task's
+    # plan: a statistic of the dataset, which DP-SGD keeps out of every per-sample loss.
+    classes_from_data: bool = False
 
     @property
     def num_train(self) -> int:

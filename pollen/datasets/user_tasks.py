@@ -187,7 +187,7 @@ def _build(name: str) -> Callable[[TaskOptions, int, int], ClientData]:
         held = tuple(int(c) for c in np.unique(x_train.labels.numpy()))
         return ClientData(x_train=to_model_input(x_train.images, fmt), y_train=x_train.labels.clone(),
                           x_test=to_model_input(x_test.images, fmt), y_test=x_test.labels.clone(),
-                          num_classes=spec.num_classes, classes=held, fmt=fmt)
+                          num_classes=spec.num_classes, classes=held, fmt=fmt, classes_from_data=True)
     return build
 
 

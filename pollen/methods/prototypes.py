@@ -102,11 +102,14 @@ class ContrastiveNegatives(LossTerm):
 
     name = "neg"
 
-    def __init__(self, glob: PrototypeTargets, own_classes: Sequence[int], form: str, tau: float, weight: float):
+    def __init__(self, glob: PrototypeTargets, own_classes: Sequence[int], form: str, tau: float, weight: float,
+                 classes_from_data: bool = False):
         if form not in NEGATIVE_FORMS:
             raise ValueError(f"negative form must be one of {NEGATIVE_FORMS}, got {form!r}")
         self.glob, self.form, self.tau, self.weight = glob, form, tau, weight
         self.negatives = negative_mask(glob.present, own_classes)
+        if classes_from_data:  # the negatives are then a statistic of the whole dataset
+            self.data_statistics = ("the client's own classes, read off its training labels",)
 
     def value(self, batch: Batch) -> torch.Tensor:
         g = self.glob
@@ -124,6 +127,7 @@ class RoundInputs:
     glob: PrototypeTargets | None  # None in round 1
     lam: float  # λ this round (λ_D under DA)
     own_classes: Sequence[int]
+    own_classes_from_data: bool = False  # read off the labels (user data), not fixed by the task's plan
 
 
 def fedproto_terms(r: RoundInputs) -> list[LossTerm]:
@@ -137,7 +141,7 @@ def bd_fedproto_terms(r: RoundInputs) -> list[LossTerm]:
     terms = fedproto_terms(r)
     if r.glob is not None and r.settings.cpa:
         terms.append(ContrastiveNegatives(r.glob, r.own_classes, r.settings.negative, r.settings.tau,
-                                          weight=r.lam * r.settings.beta))
+                                          weight=r.lam * r.settings.beta, classes_from_data=r.own_classes_from_data))
     return terms
 
 
@@ -242,7 +246,8 @@ class PrototypeRound:
         glob = self.targets(received, model)
         lam, da_state = self.lambda_for_round(server_round, glob)
         data, training = self.data, self.training
-        terms = self.method.terms(RoundInputs(self.settings, training, glob, lam, data.classes))
+        terms = self.method.terms(RoundInputs(self.settings, training, glob, lam, data.classes,
+                                              data.classes_from_data))
         for term in terms:
             term.start(model)
         observers = []

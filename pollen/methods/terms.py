@@ -39,6 +39,9 @@ class LossTerm(ABC):
 
     name = "term"
     weight = 1.0
+    # What the term reads off the client's whole dataset (e.g. the classes its labels hold). DP-SGD
+    # refuses any: a per-sample loss may depend on its own sample and public inputs only.
+    data_statistics: tuple[str, ...] = ()
 
     def start(self, model: torch.nn.Module) -> None:
         """Called once per round, before training; most terms need nothing."""
@@ -141,5 +144,6 @@ def train_terms(model: Any, x: torch.Tensor, y: torch.Tensor, terms: Sequence[Lo
 
     release = dp_sgd(model, x, y, loss=scalar_objective(terms), epochs=training.epochs,
                      batch_size=training.batch_size, optimizer=training.sgd(model), clip=sample.config.clip,
-                     noise_multiplier=sample.noise_multiplier, device=device)
+                     noise_multiplier=sample.noise_multiplier, device=device,
+                     statistics=tuple(f"{t.name}: {s}" for t in terms for s in t.data_statistics))
     return [], release

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -69,12 +69,18 @@ class _Loss(torch.nn.Module):
 
 def dp_sgd(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, loss: SampleLoss, epochs: int,
            batch_size: int, optimizer: Optimizer, clip: float, noise_multiplier: float,
-           device: torch.device, generator: torch.Generator | None = None) -> Release:
+           device: torch.device, generator: torch.Generator | None = None,
+           statistics: Sequence[str] = ()) -> Release:
     """Train ``model`` in place with DP-SGD; returns the :class:`Release` to compose in the ledger.
 
     ``loss(model, xb, yb)`` is the mean loss of a batch (called here on batches of one sample).
-    ``generator`` (tests only) replaces the secure source of the sampling and the noise.
+    ``generator`` (tests only) replaces the secure source of the sampling and the noise. ``statistics``
+    names what ``loss`` reads off the whole dataset: any is refused, since removing one record could then
+    change every sample's gradient, which the per-sample clip does not bound.
     """
+    if statistics:
+        raise ValueError(f"DP-SGD refuses a per-sample loss built from a statistic of the dataset "
+                         f"({'; '.join(statistics)}): removing one record could change every gradient of a step")
     if not (math.isfinite(clip) and clip > 0 and math.isfinite(noise_multiplier) and noise_multiplier > 0):
         raise ValueError(f"DP-SGD needs clip > 0 and noise multiplier > 0, got {clip} and {noise_multiplier}")
     refuse_cross_sample_layers(model, type(model).__name__)

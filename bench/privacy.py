@@ -118,9 +118,11 @@ def base_config(family: str) -> tuple[dict[str, Any], int]:
 
 
 def setting(family: str, arm_keys: dict[str, Any]) -> dict[str, Any]:
-    """What a result file must have been run with (a changed base refuses the old files)."""
+    """What a result file must have been run with (a changed base refuses the old files). ``dp-evaluate =
+    unprotected`` is left out: it is what every private run did before the key existed."""
     config, nodes = base_config(family)
-    return {"run-config": {**config, **arm_keys}, "num-supernodes": nodes}
+    keys = {k: v for k, v in arm_keys.items() if k not in MEASURED}
+    return {"run-config": {**config, **keys}, "num-supernodes": nodes}
 
 
 def _commit() -> str:
@@ -195,7 +197,46 @@ def _fit_mean(key: str):
 
 
 def _eps(r: dict) -> float | None:
-    return r["privacy"].get("dp-epsilon-max")
+    """The run's final ε as recorded, whatever its unit (payload prototypes: per row given the model)."""
+    p = r["privacy"]
+    return p.get("dp-epsilon-max") if p.get("dp-epsilon-max") is not None else p.get("dp-epsilon-row-given-model-max")
+
+
+def _terms(r: dict) -> tuple[str, str]:
+    """(dp-unit, dp-neighbour) of a run's ε: recorded since the runs name them; before, by family and mode,
+    as Pollen accounted them then (a client's dataset under add/remove)."""
+    p = r["privacy"]
+    if "dp-unit" in p:
+        return p["dp-unit"], p["dp-neighbour"]
+    mode = r["setting"]["run-config"].get("dp-mode", "off")
+    if mode == "off":
+        return "—", "—"
+    if r["family"] == "fedproto":
+        return ("row-given-model" if mode == "payload" else "record"), "add-remove"
+    return "client", "add-remove"
+
+
+def _client_replace_one(r: dict) -> float | None:
+    """A client-level run's ε under replace-one. Recorded by runs that name their neighbour; for runs made
+    before, recomputed from the recorded plan: σ (given, or calibrated for the target under add/remove as
+    then) and the number of releases n whose add/remove ε is the recorded one (checked to 1e-6), then the
+    same releases under replace-one (the Gaussian of σ/2)."""
+    from pollen.privacy.accounting import Release, calibrate_noise_multiplier, composed_epsilon
+
+    unit, neighbour = _terms(r)
+    if unit != "client":
+        return None
+    if neighbour == "replace-one":
+        return r["privacy"].get("dp-epsilon-max")
+    rc, recorded = r["setting"]["run-config"], r["privacy"]["dp-epsilon-max"]
+    delta, rounds = float(rc.get("dp-delta", 1e-5)), int(rc["num-server-rounds"])
+    sigma = float(rc.get("dp-noise-multiplier") or 0.0) or calibrate_noise_multiplier(
+        float(rc["dp-target-epsilon"]), delta, rounds)
+    for n in range(1, rounds + 1):
+        if math.isclose(composed_epsilon([Release(sigma, 1.0, n, "client", "add-remove")], delta), recorded,
+                        rel_tol=1e-6):
+            return composed_epsilon([Release(sigma, 1.0, n, "client", "replace-one")], delta)
+    return None
 
 
 def _group(records: list[dict], family: str) -> dict[str, list[dict]]:
@@ -233,10 +274,14 @@ def markdown(records: list[dict]) -> str:
              "Written by `python -m bench.privacy` from `bench/results/privacy/*.json` (one file per run). Every run "
              "is a `flwr run` with `leak-audit = true`; `dp-clip` 1.0, `dp-delta` 1e-5. Figures are mean ± s.d. over "
              "the seeds listed (one seed: the value). *ε spent*: `summary.json`'s `privacy.dp-epsilon-max`, the "
-             "worst-off client's ε after the last round. Leak figures are per release (each round's mean over "
-             "clients, averaged over the rounds), with the score of a server that ignores the release (*floor*); "
-             "a release leaks what it gains over its floor (TV below it, F1 above it). What each figure means: "
-             "[docs/privacy.md](../../docs/privacy.md#measured-leakage).", ""]
+             "worst-off client's ε after the last round, stated for its *unit / neighbour* (docs/privacy.md: `record` "
+             "and `client` figures are guarantees; `row-given-model` is one embedding row given a model trained "
+             "without DP, no record- or client-level guarantee). *ε replace-one*: a client's dataset replaced by "
+             "any other, for runs made before Pollen recorded it recomputed from the run's σ and releases (their "
+             "add/remove ε, the figure then recorded, reproduced to 1e-6). Leak figures are per release (each "
+             "round's mean over clients, averaged over the rounds), with the score of a server that ignores the "
+             "release (*floor*); a release leaks what it gains over its floor (TV below it, F1 above it). What "
+             "each figure means: [docs/privacy.md](../../docs/privacy.md#measured-leakage).", ""]
     fp = _group(records, "fedproto")
     if fp:
         cfg, nodes = base_config("fedproto")
@@ -248,7 +293,9 @@ def markdown(records: list[dict]) -> str:
         rows = []
         for arm, group in fp.items():
             mode, _, eps = arm.partition("-eps")
-            rows.append([mode if mode != "off" else "off (no DP)", eps or "∞", _cell(group, _eps),
+            unit, neighbour = _terms(group[0])
+            rows.append([mode if mode != "off" else "off (no DP)", eps or "∞", f"{unit} / {neighbour}",
+                         _cell(group, _eps),
                          _cell(group, _pct("accuracy-client-mean"), scale=100),
                          _cell(group, _pct("proto-accuracy-client-mean"), scale=100),
                          _cell(group, _fit_mean("leak-hist-tv-client-mean"), 3),
@@ -256,8 +303,8 @@ def markdown(records: list[dict]) -> str:
                          _cell(group, _fit_mean("leak-presence-f1-client-mean"), 3),
                          _cell(group, _fit_mean("leak-presence-f1-floor-client-mean"), 3),
                          _cell(group, lambda r: r["wall-s"], 0), _seeds(group)])
-        lines += table(["dp-mode", "target ε", "ε spent", "local acc. %", "proto acc. %", "histogram TV",
-                        "TV floor", "presence F1", "F1 floor", "wall s", "seeds"], rows)
+        lines += table(["dp-mode", "target ε", "unit / neighbour", "ε spent", "local acc. %", "proto acc. %",
+                        "histogram TV", "TV floor", "presence F1", "F1 floor", "wall s", "seeds"], rows)
         lines += ["", *_off_check(records)]
     gl = _group(records, "glfc")
     if gl:
@@ -269,7 +316,9 @@ def markdown(records: list[dict]) -> str:
                   "figures are the server's, averaged over the rounds that carried gradient sets.", ""]
         rows = []
         for arm, group in gl.items():
-            rows.append([arm.removeprefix("sigma"), _cell(group, _eps),
+            unit, neighbour = _terms(group[0])
+            rows.append([arm.removeprefix("sigma"), f"{unit} / {neighbour}", _cell(group, _eps),
+                         _cell(group, _client_replace_one),
                          _cell(group, lambda r: r["evaluate"].get("aia"), 3),
                          _cell(group, lambda r: r["evaluate"].get("forgetting"), 3),
                          _cell(group, _fit_mean("leak-psnr"), 1), _cell(group, _fit_mean("leak-psnr-floor"), 1),
@@ -277,7 +326,8 @@ def markdown(records: list[dict]) -> str:
                          _cell(group, _fit_mean("leak-label-acc"), 3),
                          _cell(group, _fit_mean("leak-label-acc-floor"), 3),
                          _cell(group, lambda r: r["wall-s"], 0), _seeds(group)])
-        lines += table(["σ", "ε spent", "AIA", "forgetting", "proxy PSNR dB", "PSNR floor", "SSIM", "SSIM floor",
+        lines += table(["σ", "unit / neighbour", "ε spent", "ε replace-one", "AIA", "forgetting", "proxy PSNR dB",
+                        "PSNR floor", "SSIM", "SSIM floor",
                         "label acc.", "label floor", "wall s", "seeds"], rows)
         lines += [""]
     fc = _group(records, "fccl")
@@ -287,13 +337,16 @@ def markdown(records: list[dict]) -> str:
                   "row clipped to 1, noise σ·√N0 (N0 = 1,000 public samples).", ""]
         rows = []
         for arm, group in fc.items():
-            rows.append([arm.removeprefix("payload-eps") if arm != "off" else "∞ (off)", _cell(group, _eps),
+            unit, neighbour = _terms(group[0])
+            rows.append([arm.removeprefix("payload-eps") if arm != "off" else "∞ (off)", f"{unit} / {neighbour}",
+                         _cell(group, _eps), _cell(group, _client_replace_one),
                          _cell(group, _pct("inter-accuracy-client-mean"), scale=100),
                          _cell(group, _pct("intra-accuracy-client-mean"), scale=100),
                          _cell(group, _fit_mean("leak-softmax-tv-client-mean"), 3),
                          _cell(group, _fit_mean("leak-softmax-tv-floor-client-mean"), 3),
                          _cell(group, lambda r: r["wall-s"], 0), _seeds(group)])
-        lines += table(["target ε", "ε spent", "inter AVG %", "intra AVG %", "softmax TV", "TV floor", "wall s",
+        lines += table(["target ε", "unit / neighbour", "ε spent", "ε replace-one", "inter AVG %", "intra AVG %",
+                        "softmax TV", "TV floor", "wall s",
                         "seeds"], rows)
         lines += [""]
     missing = [f"{f} {a}" for f in FAMILIES for a, _ in arms(f) if not _group(records, f).get(a)]

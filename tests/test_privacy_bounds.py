@@ -373,7 +373,7 @@ def test_a_declared_count_noise_is_capped_by_what_the_server_computes():
     declaring 100 × its noise is refused. The cap is loose where subsampling amplifies much: measured
     2.9 × the honest std at n = 10, 11.5 × at n = 1,000 (q = 0.016)."""
     config = PrivacyConfig("sample", 1.0, 0.0, 4.0, 1e-5, 0.0)
-    bounds = dp_bounds(config, 20, epochs=2, batch_size=16)
+    bounds = dp_bounds(config, 20, sgd_epochs=2, sgd_batch=16)
     for n in (10, 17, 100, 1000):
         privacy = SamplePrivacy(config, 20, fresh_ledger(), "partition 0", num_records=n, batch_size=16, epochs=2,
                                 prototypes=True)
@@ -443,7 +443,7 @@ def _honest_sample_prototypes(rng):
     n = int(rng.choice([12, 300]))
     sigma = _sample_sigma(n)
     r = release_prototypes(rng.normal(0, 2.0, size=(n, 8)), rng.integers(0, 4, size=n), 4, 1.0, sigma, rng)
-    return dp_bounds(SAMPLE_TARGET, 20, epochs=1, batch_size=10).check_prototypes(r.sums, r.counts, r.count_std, 1000)
+    return dp_bounds(SAMPLE_TARGET, 20, sgd_epochs=1, sgd_batch=10).check_prototypes(r.sums, r.counts, r.count_std, 1000)
 
 
 @pytest.mark.parametrize("check", [_honest_weights, _honest_logits, _honest_glfc, _honest_prototypes,

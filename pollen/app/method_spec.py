@@ -134,7 +134,7 @@ def _dp_bounds(cfg: RunConfig) -> DpBounds | None:
     if not config.private:
         return None
     return dp_bounds(config, cfg.num_server_rounds, unit=release_unit(METHODS[cfg.method].family, config.mode),
-                     epochs=cfg.local_epochs, batch_size=cfg.batch_size)
+                     sgd_epochs=cfg.local_epochs, sgd_batch=cfg.batch_size)
 
 
 def strategy_options(cfg: RunConfig) -> dict[str, Any]:

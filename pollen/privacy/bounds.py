@@ -112,8 +112,8 @@ class DpBounds:
     target_epsilon: float = 0.0
     delta: float = 0.0
     rounds: int = 0
-    epochs: int = 0
-    batch_size: int = 0
+    sgd_epochs: int = 0
+    sgd_batch: int = 0
     full_per_round: int = 1
 
     @property
@@ -245,14 +245,14 @@ class DpBounds:
         steps, i.e. with n.
         n itself is bounded by the released counts: their sum is n plus N(0, C·std²), so n ≤ Σ counts +
         std·√C·√(2·ln(1/failure)), and n ≤ ``max_count``. 1 % on top for the accountants' precision."""
-        if not self.sigma_is_floor or self.rounds < 1 or self.epochs < 1 or self.batch_size < 1:
+        if not self.sigma_is_floor or self.rounds < 1 or self.sgd_epochs < 1 or self.sgd_batch < 1:
             return None
         from pollen.privacy.accounting import calibrate_noise_multiplier
 
         c = np.asarray(counts, dtype=np.float64)
         n_max = float(c.sum()) + count_std * math.sqrt(c.size) * math.sqrt(2.0 * math.log(1.0 / failure))
         n_max = max(1, min(int(max_count), math.ceil(n_max) if math.isfinite(n_max) else int(max_count)))
-        steps = self.epochs * math.ceil(n_max / self.batch_size)
+        steps = self.sgd_epochs * math.ceil(n_max / self.sgd_batch)
         try:  # T Gaussians at σ compose into one at σ/√T: one calibration serves every n
             one = calibrate_noise_multiplier(self.target_epsilon, self.delta, 1)
         except ValueError:
@@ -275,7 +275,7 @@ class DpBounds:
             cap = self.count_std_cap(counts, count_std, max_count, failure)
             if cap is not None and count_std > cap:
                 return (f"'count-noise-std' {count_std:.6g} is above {cap:.6g}, the most a client's σ·√2 can be for "
-                        f"the records its counts show ({self.epochs} epoch(s) in batches of {self.batch_size} a "
+                        f"the records its counts show ({self.sgd_epochs} epoch(s) in batches of {self.sgd_batch} a "
                         f"round, {self.source})")
             std = float(count_std)
         elif not abs(count_std - std) <= 1e-6 * std:
@@ -316,7 +316,7 @@ class DpBounds:
 
 
 def dp_bounds(config: PrivacyConfig, planned_releases: int, failure: float = FALSE_REFUSAL,
-              unit: str = "record", epochs: int = 0, batch_size: int = 0) -> DpBounds | None:
+              unit: str = "record", sgd_epochs: int = 0, sgd_batch: int = 0) -> DpBounds | None:
     """The run's DP keys as screening bounds (``None`` with ``dp-mode = off`` or ``distributed``, whose
     server reads only noisy sums). σ is the clients' own: given, or
     :meth:`~pollen.privacy.config.PrivacyConfig.payload_noise_multiplier` for
@@ -324,8 +324,8 @@ def dp_bounds(config: PrivacyConfig, planned_releases: int, failure: float = FAL
     for its DP-SGD steps, which depend on its record count; composing more releases only raises ε, so
     the σ of the prototype releases alone is a floor every client's σ is at or above. ``unit``: what the
     releases protect (:func:`~pollen.privacy.config.release_unit`; a target ε is met under its neighbour
-    relation). ``epochs`` and ``batch_size`` (DP-SGD's, ``sample``) let the server cap the count noise a
-    client declares (:meth:`DpBounds.count_std_cap`)."""
+    relation). ``sgd_epochs`` and ``sgd_batch`` (DP-SGD's epochs and batch size, ``sample``) let the server
+    cap the count noise a client declares (:meth:`DpBounds.count_std_cap`)."""
     if not config.private or config.mode == "distributed":  # distributed: the server reads only noisy sums
         return None
     sigma = config.payload_noise_multiplier(planned_releases, unit)
@@ -338,4 +338,4 @@ def dp_bounds(config: PrivacyConfig, planned_releases: int, failure: float = FAL
     source = f"dp-mode {config.mode}, dp-clip {config.clip:g}, σ {'>= ' if floor else ''}{sigma:.6g} from {how}"
     return DpBounds(config.mode, float(config.clip), float(sigma), source, failure, floor,
                     target_epsilon=config.target_epsilon, delta=config.delta, rounds=planned_releases,
-                    epochs=epochs, batch_size=batch_size, full_per_round=1 + config.evaluations)
+                    sgd_epochs=sgd_epochs, sgd_batch=sgd_batch, full_per_round=1 + config.evaluations)

@@ -408,3 +408,18 @@ def test_glfc_release_clips_the_update_and_each_gradient_set_and_sizes_noise_for
     assert noise.std() == pytest.approx(2.0 * 0.5 * np.sqrt(5), rel=0.05)  # 2,040 draws: ~1.6% s.e.
     with pytest.raises(ValueError, match="3 gradient sets, but the noise is sized for at most 2"):
         release_glfc(reply, broadcast, sets + sets[:1], 2, 0.5, 2.0, rng)
+
+
+def test_every_release_is_checked_against_the_rdp_bound_and_a_pld_figure_above_it_fails_loudly(tmp_path, monkeypatch):
+    """The budget compares the PLD ε of every release with dp-accounting's RDP bound of the same
+    releases (always looser); an accountant that reported more than the bound would be wrong, and the
+    client then releases nothing (the ledger is not appended)."""
+    from pollen.privacy import accounting
+    from pollen.privacy.budget import AccountingError
+
+    budget = Budget(LedgerFile.in_folder(tmp_path), DELTA, 0.0, "partition 0")
+    assert budget.spend(Release(2.0, 0.1, 50))["dp-epsilon"] < budget.ledger.epsilon_rdp()
+    monkeypatch.setattr(accounting, "composed_epsilon", lambda releases, delta, neighbour=None: 1e3)
+    with pytest.raises(AccountingError, match="above the RDP bound"):
+        budget.spend(Release(2.0, 0.1, 50))
+    assert LedgerFile.in_folder(tmp_path).releases() == [Release(2.0, 0.1, 50)]

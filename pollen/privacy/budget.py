@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from pollen.privacy.accounting import Ledger, Release
+from pollen.privacy.accounting import Ledger, Release, rdp_epsilon
 from pollen.privacy.ledger import LedgerFile
 
 EPSILON, DELTA = "dp-epsilon", "dp-delta"  # reply metrics, every private round
@@ -30,6 +30,11 @@ class BudgetExhausted(RuntimeError):
     """The client's next release would exceed ``dp-max-epsilon``: it stops releasing."""
 
 
+class AccountingError(RuntimeError):
+    """The PLD accountant's ε is above the RDP bound of the same releases: one of them is wrong, and
+    nothing is released on either figure."""
+
+
 class Budget:
     """The ledger of one client, read from its file; ``max_epsilon`` > 0 caps it (0: no cap)."""
 
@@ -40,6 +45,12 @@ class Budget:
     def check(self, *releases: Release) -> float:
         """ε after ``releases``; raises :class:`BudgetExhausted` (saying so) when it would pass the cap."""
         after = self.ledger.epsilon_after(*releases)
+        # the independent, looser RDP bound, at every release: a PLD figure above it fails loudly
+        bound = rdp_epsilon([*self.ledger.releases, *releases], self.ledger.delta)
+        if bound is not None and after > bound * (1 + 1e-6):
+            raise AccountingError(f"{self.who}: the PLD accountant's epsilon {after!r} is above the RDP bound "
+                                  f"{bound!r} of the same {self.ledger.count + sum(r.count for r in releases)} "
+                                  f"release(s) (delta {self.ledger.delta:g}): nothing is released")
         if self.max_epsilon > 0 and after > self.max_epsilon:
             raise BudgetExhausted(
                 f"{self.who} stops releasing: after {self.ledger.count} release(s) at epsilon "

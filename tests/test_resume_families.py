@@ -116,7 +116,7 @@ class Launch:
     def __init__(self, args: list[str], watcher: TreeWatcher, ray_tmp: Path):
         self.lines: list[str] = []
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "pollen.cli", "run", "--ray-cpus", str(RAY_CPUS), *args,
+        self.proc = subprocess.Popen([sys.executable, "-m", "pollen.launch.cli", "run", "--ray-cpus", str(RAY_CPUS), *args,
                                       "--timeout",
                                       str(LAUNCH_TIMEOUT)], cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,

@@ -499,7 +499,7 @@ def test_cli_timeout_stops_the_fleet(tmp_path):
     pids = _pids_in(proc.stdout)
     assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-3000:]
     # mid-run ("the fleet run did not finish within 30s") or, on a loaded machine, still bringing nodes up
-    assert re.search(r"\): run \S+: timeout: ", proc.stdout), proc.stdout[-3000:]
+    assert re.search(r"\): run \S+( \(Flower run \d+\))?: timeout: ", proc.stdout), proc.stdout[-3000:]
     assert pids and not groups_alive(pids)
 
 

@@ -9,6 +9,7 @@ every line the launcher printed, without terminal control characters, appended t
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 import time
@@ -18,6 +19,14 @@ from typing import IO, Any
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 RUN_LOG = "run.log"
 SHOWN_LEVELS = ("WARNING", "ERROR", "CRITICAL")
+
+
+def add_console_options(parser: argparse.ArgumentParser) -> None:
+    """``--quiet`` and ``--verbose``, as every launcher that streams a run's log offers them."""
+    parser.add_argument("--quiet", action="store_true", help="do not stream the run's log")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show every line of the run's log (Flower's own too) instead of one per round, Pollen's "
+                             "lines and the warnings; run.log in the run folder keeps them all either way")
 
 
 def on_console(line: str, verbose: bool = False) -> bool:

@@ -33,7 +33,7 @@ from pollen.launch.compose import (
     is_flower_app,
     preset_node_count,
 )
-from pollen.launch.console import RUN_LOG, RunLog
+from pollen.launch.console import RUN_LOG, RunLog, add_console_options
 from pollen.launch.errors import (
     EXIT_COMPLETED,
     EXIT_NOT_COMPLETED,
@@ -159,10 +159,7 @@ def build_parser(catalog: bool = False) -> argparse.ArgumentParser:
                              "paths, device, torch-threads; no --out-dir: it stays in RUN_DIR)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="seconds before the run is stopped (exit 124; it can be resumed)")
-    parser.add_argument("--quiet", action="store_true", help="do not stream the run's log")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show every line of the run's log (Flower's own too) instead of one per round, Pollen's "
-                             "lines and the warnings; run.log in the run folder keeps them all either way")
+    add_console_options(parser)
     return parser
 
 

@@ -50,7 +50,7 @@ from typing import Any
 from pollen.app.checkpoints import CheckpointError, atomic_write
 from pollen.app.config import ConfigError
 from pollen.launch.compose import default_app_dir
-from pollen.launch.console import RUN_LOG, RunLog
+from pollen.launch.console import RUN_LOG, RunLog, add_console_options
 from pollen.launch.errors import (
     EXIT_NOT_COMPLETED,
     EXIT_SUPERLINK_DIED,
@@ -188,10 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "temporary folder)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the work folder after a completed run (it is always kept after a failure)")
-    parser.add_argument("--quiet", action="store_true", help="do not stream the run's log")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show every line of the run's log (Flower's own too) instead of one per round, Pollen's "
-                             "lines and the warnings; run.log in the run folder keeps them all either way")
+    add_console_options(parser)
     return parser
 
 

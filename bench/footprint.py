@@ -23,12 +23,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
 
 from bench.kit import RESULTS, ROOT, default_data_root, read_json, table, write_atomic, write_json
-from pollen.launch.processes import proc_cmdline, proc_environ, proc_memory, proc_table
+from bench.tree import MarkedTree
+from pollen.launch.processes import proc_cmdline, proc_memory
 
 MARK = "POLLEN_FOOTPRINT_MARK"
 ROLES = ("ClientApp actor", "flwr-simulation", "flower-superlink", "flower-supernode", "flwr-clientapp",
@@ -49,47 +48,24 @@ def role(pid: int) -> str:
     return "Ray and the rest"
 
 
-class Peaks:
+class Peaks(MarkedTree):
     """The peak PSS of every process whose environment carries this sampler's mark, by PID, with its role."""
 
     def __init__(self) -> None:
-        self.token = uuid.uuid4().hex
+        super().__init__(MARK, role, ROLES[-1])
         self.peak: dict[int, int] = {}
-        self.roles: dict[int, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def env(self) -> dict[str, str]:
-        return {**os.environ, MARK: self.token}
-
-    def __enter__(self) -> Peaks:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        needle = f"{MARK}={self.token}".encode()
-        while not self._stop.is_set():
-            for pid in proc_table() or {}:
-                if pid not in self.roles and needle not in (proc_environ(pid) or b""):
-                    continue
-                memory = proc_memory(pid)
-                if memory is None:
-                    continue
-                now = role(pid)
-                if pid not in self.roles or now != "Ray and the rest":  # a worker becomes an actor
-                    self.roles[pid] = now
+    def sample(self, pids: list[int]) -> None:
+        for pid in pids:
+            memory = proc_memory(pid)
+            if memory is not None:
                 self.peak[pid] = max(self.peak.get(pid, 0), memory)
-            self._stop.wait(0.25)
 
     def by_role(self) -> dict[str, dict[str, float]]:
         """Per role: processes seen, the largest one's peak and the sum of their peaks (MB)."""
         out = {}
         for name in ROLES:
-            peaks = [self.peak[pid] for pid, r in self.roles.items() if r == name]
+            peaks = [self.peak[pid] for pid, r in self.roles.items() if r == name and pid in self.peak]
             if peaks:
                 out[name] = {"processes": len(peaks), "largest-mb": round(max(peaks) / 2**20, 1),
                              "sum-mb": round(sum(peaks) / 2**20, 1)}

@@ -25,13 +25,12 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from pathlib import Path
 
 from bench.kit import RESULTS, ROOT, pyplot, read_metrics, run_folders, save_figure, write_atomic, write_json
-from pollen.launch.processes import proc_cmdline, proc_environ, proc_memory, proc_stat, proc_table
+from bench.tree import MarkedTree
+from pollen.launch.processes import proc_cmdline, proc_memory, proc_stat
 
 ROLES = ("ClientApp actors", "ServerApp + simulation engine", "SuperLink", "Ray and the rest")
 
@@ -50,68 +49,33 @@ def _role(pid: int) -> str:
     return ROLES[3]
 
 
-class TreeMemory:
+class TreeMemory(MarkedTree):
     """Peak of the summed PSS of every process whose environment carries ``POLLEN_SCALE_MARK=<token>``,
     and a CPU-time trace of each of them by role: the busiest ClientApp actor's CPU-seconds within a
     round is the client work that round's wall cannot go below; the other roles say where the rest of
     the machine's time went."""
 
+    interval_s = 0.0  # the CPU trace below paces the scans
+
     def __init__(self) -> None:
-        self.token = uuid.uuid4().hex
+        super().__init__("POLLEN_SCALE_MARK", _role, ROLES[3])
         self.peak_bytes = 0
         self.peak_processes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._members: set[int] = set()
-        self._checked: dict[int, bytes] = {}  # pid -> the command line it was checked with
-        self.roles: dict[int, str] = {}
         self.cpu_trace: list[tuple[float, dict[int, float]]] = []  # (monotonic time, pid -> CPU s)
 
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "POLLEN_SCALE_MARK": self.token}
-
-    def __enter__(self) -> TreeMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        needle = f"POLLEN_SCALE_MARK={self.token}".encode()
-        while not self._stop.is_set():
-            total, count = 0, 0
-            for pid in proc_table() or {}:
-                if pid not in self._members:
-                    # checked again whenever its command line changes: a child forked by
-                    # flower-superexec shows the environment it execs flwr-simulation with only then
-                    command = proc_cmdline(pid)
-                    if command is None or self._checked.get(pid) == command:
-                        continue
-                    self._checked[pid] = command
-                    if needle not in (proc_environ(pid) or b""):
-                        continue
-                    self._members.add(pid)
-                memory = proc_memory(pid)
-                if memory is None:  # gone meanwhile
-                    continue
-                total += memory
-                count += 1
-                role = _role(pid)  # an idle Ray worker can become an actor; an exiting
-                if pid not in self.roles or role != ROLES[3]:  # process's command line reads empty
-                    self.roles[pid] = role
-            if total > self.peak_bytes:
-                self.peak_bytes, self.peak_processes = total, count
-            for _ in range(4):  # CPU times four times per scan: rounds last seconds
-                cpu: dict[int, float] = {}
-                for pid in list(self.roles):
-                    stat = proc_stat(pid)
-                    if stat is not None:
-                        cpu[pid] = stat.own_cpu_s
-                self.cpu_trace.append((time.monotonic(), cpu))
-                if self._stop.wait(0.125):
-                    return
+    def sample(self, pids: list[int]) -> None:
+        memories = [m for m in map(proc_memory, pids) if m is not None]  # None: gone meanwhile
+        if sum(memories) > self.peak_bytes:
+            self.peak_bytes, self.peak_processes = sum(memories), len(memories)
+        for _ in range(4):  # CPU times four times per scan: rounds last seconds
+            cpu: dict[int, float] = {}
+            for pid in list(self.roles):
+                stat = proc_stat(pid)
+                if stat is not None:
+                    cpu[pid] = stat.own_cpu_s
+            self.cpu_trace.append((time.monotonic(), cpu))
+            if self.wait(0.125):
+                return
 
     def _deltas(self, start: float, end: float) -> dict[int, float] | None:
         before = [c for t, c in self.cpu_trace if t <= start]

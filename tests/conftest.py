@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,19 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+# The console script `make install` puts beside python: what a user types.
+POLLEN_SCRIPT = Path(sys.executable).parent / "pollen"
+
+
+def pollen_command(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``pollen *args`` as a user runs it (no ``POLLEN_OUT_DIR`` from the test environment); skips the
+    test where the console script is not installed."""
+    if not POLLEN_SCRIPT.exists():
+        pytest.skip("the `pollen` console script is not installed (make install)")
+    env = {k: v for k, v in os.environ.items() if k != "POLLEN_OUT_DIR"}
+    return subprocess.run([str(POLLEN_SCRIPT), *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout)
 
 # The e2e launches give Ray one CPU, so one ClientApp actor runs their (tiny) clients one after another:
 # a second actor's start (a Ray worker importing torch, Pollen and the data: ~3.5 CPU-s, measured) costs

@@ -12,16 +12,11 @@ import pytest
 
 from pollen.app.results import RunRecorder, write_stopped_summary
 from pollen.launch.runs import RunLock
-from tests.conftest import PROJECT_ROOT
+from tests.conftest import POLLEN_SCRIPT, PROJECT_ROOT
+from tests.conftest import pollen_command as pollen
 
-POLLEN = Path(sys.executable).parent / "pollen"
-pytestmark = pytest.mark.skipif(not POLLEN.exists(), reason="the `pollen` console script is not installed "
-                                                               "(make install)")
-
-
-def pollen(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "POLLEN_OUT_DIR"}
-    return subprocess.run([str(POLLEN), *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+pytestmark = pytest.mark.skipif(not POLLEN_SCRIPT.exists(), reason="the `pollen` console script is not "
+                                                                     "installed (make install)")
 
 
 def test_help_lists_every_subcommand_and_no_command_is_a_usage_error():

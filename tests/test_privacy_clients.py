@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import dp_accounting
 import numpy as np
@@ -29,6 +25,7 @@ from pollen.privacy import calibrate_noise_multiplier
 from pollen.protocol import prototypes as proto_protocol
 from pollen.strategies import NoTrainingError
 from pollen.testing import InProcessGrid, clientapp_node, set_task_identity
+from tests.conftest import pollen_command
 from tests.numerics import REFERENCE, on_this_platform
 
 torch.set_num_threads(1)
@@ -377,14 +374,10 @@ def clientapp_partition_labels(rc: dict, partition: int) -> np.ndarray:
 
 def test_pollen_run_refuses_a_batchnorm_model_in_sample_mode_before_start(tmp_path):
     """As a user meets it: `pollen run` exits 2 naming the layer and the fix; no run folder appears."""
-    pollen = Path(sys.executable).parent / "pollen"
-    if not pollen.exists():
-        pytest.skip("the `pollen` console script is not installed (make install)")
     out = tmp_path / "runs"
-    env = {k: v for k, v in os.environ.items() if k != "POLLEN_OUT_DIR"}
-    done = subprocess.run([str(pollen), "run", "--out-dir", str(out), "--run-config",
-                           "method='fedavg' avg-weighting='uniform' dp-mode='sample' dp-noise-multiplier=1.0 "
-                           "model='resnet10'"], capture_output=True, text=True, env=env, timeout=300)
+    done = pollen_command("run", "--out-dir", str(out), "--run-config",
+                          "method='fedavg' avg-weighting='uniform' dp-mode='sample' dp-noise-multiplier=1.0 "
+                          "model='resnet10'")
     assert done.returncode == 2, done.stderr[-2000:]
     assert "model 'resnet10' has layer 'bn1' (BatchNorm2d)" in done.stderr
     assert "replaced by GroupNorm), or dp-mode = 'payload'" in done.stderr and "cnn_mnist, lenet" in done.stderr

@@ -7,9 +7,6 @@ of the data under DP."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import dp_accounting
@@ -24,6 +21,7 @@ from pollen.app.server_app import main as server_main
 from pollen.privacy import Ledger, LedgerFile
 from pollen.privacy.evaluation import release_evaluation
 from pollen.testing import InProcessGrid, clientapp_node
+from tests.conftest import pollen_command
 
 UCI = {"task": "uci-dirichlet", "max-train-samples": 48, "batch-size": 8}
 PAYLOAD = {"method": "fedproto", **UCI, "dp-mode": "payload", "dp-noise-multiplier": 2.0, "dp-clip": 1.0}
@@ -55,14 +53,9 @@ def test_dp_evaluate_is_refused_where_nothing_is_evaluated_on_clients():
 
 def test_pollen_run_refuses_a_private_run_with_default_evaluation_before_start(tmp_path):
     """As a user meets it: `pollen run` exits 2 with the choices; no run folder appears."""
-    pollen = Path(sys.executable).parent / "pollen"
-    if not pollen.exists():
-        pytest.skip("the `pollen` console script is not installed (make install)")
     out = tmp_path / "runs"
-    env = {k: v for k, v in os.environ.items() if k != "POLLEN_OUT_DIR"}
-    done = subprocess.run([str(pollen), "run", "--out-dir", str(out), "--run-config",
-                           "method='fedproto' dp-mode='payload' dp-target-epsilon=8.0"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = pollen_command("run", "--out-dir", str(out), "--run-config",
+                          "method='fedproto' dp-mode='payload' dp-target-epsilon=8.0")
     assert done.returncode == 2, done.stderr[-2000:]
     assert all(choice in done.stderr for choice in CHOICES), done.stderr[-2000:]
     assert not out.exists()

@@ -217,14 +217,14 @@ def masked_input(session: Session, layout: Layout, integers: np.ndarray) -> Mask
     neighbour that sent this node its shares, in the ring."""
     s = session.setup
     bits = s.modulus_bits
-    vector = ring.to_ring(integers, bits)
-    vector = ring.add(vector, crypto.mask(session.mask_seed, vector.size, bits), bits)
+    vector = np.array(integers, dtype=np.int64).view(np.uint64)  # two's complement; cut to the ring at the end
+    masker = crypto.Masker(vector.size)
+    masker.add(vector, session.mask_seed)
     sk1 = crypto.load_private(session.sk1)
     for other in session.sources:
         pk1 = session.pk1s[session.neighbours.index(other)]
-        pairwise = crypto.mask(crypto.mask_key(crypto.agree(sk1, pk1)), vector.size, bits)
-        vector = (ring.add if pairwise_sign(session.node_id, other) > 0 else ring.sub)(vector, pairwise, bits)
-    return MaskedInput(s.session, layout, vector.astype(ring.wire_dtype(bits)))
+        masker.add(vector, crypto.mask_key(crypto.agree(sk1, pk1)), pairwise_sign(session.node_id, other))
+    return MaskedInput(s.session, layout, ring.reduce(vector, bits).astype(ring.wire_dtype(bits), copy=False))
 
 
 def reveal(session: Session, instruction: Unmask) -> Shares:

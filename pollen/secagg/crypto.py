@@ -109,12 +109,35 @@ def mask_key(agreed: bytes) -> bytes:
     return base64.urlsafe_b64decode(agreed)
 
 
-def mask(seed: bytes, length: int, bits: int) -> np.ndarray:
-    """``length`` uniform elements of ``Z_{2^bits}`` (uint64) from a 32-byte seed: the AES-256-CTR
-    keystream of the seed, read as little-endian 64-bit words cut to ``bits`` bits. A seed is used for
-    one vector only (keys and seeds are fresh every round), so the zero nonce is never reused."""
+def _keystream(seed: bytes, zeros: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The AES-256-CTR keystream of ``seed`` over ``zeros`` (its length in bytes), written into ``out``
+    (15 bytes longer, as ``update_into`` wants), read as little-endian 64-bit words. A seed is used for one
+    vector only (keys and seeds are fresh every round), so the zero nonce is never reused."""
     if len(seed) != SEED_BYTES:
         raise ValueError(f"a mask seed is {SEED_BYTES} bytes, got {len(seed)}")
-    stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update(bytes(8 * length))
-    words = np.frombuffer(stream, dtype="<u8").astype(np.uint64, copy=False)
-    return words & np.uint64((1 << bits) - 1) if bits < 64 else words.copy()
+    Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update_into(zeros, out)
+    return out[:zeros.size].view("<u8")
+
+
+def mask(seed: bytes, length: int, bits: int) -> np.ndarray:
+    """``length`` uniform elements of ``Z_{2^bits}`` (uint64) from a 32-byte seed: the AES-256-CTR
+    keystream of the seed, read as little-endian 64-bit words cut to ``bits`` bits."""
+    words = _keystream(seed, np.zeros(8 * length, np.uint8), np.empty(8 * length + 15, np.uint8))
+    return words & np.uint64((1 << bits) - 1) if bits < 64 else words.astype(np.uint64)
+
+
+class Masker:
+    """Adds masks to (and takes them off) vectors of one length in place, in ``Z_{2^64}``: a vector's masks
+    cost one AES pass and one addition each. One keystream buffer serves every mask: a fresh 8-byte-per-
+    element buffer per mask costs several times the AES itself (page faults). uint64 arithmetic wraps
+    modulo 2^64, a multiple of every ring's modulus, so the caller cuts the result to its ring once
+    (:func:`pollen.secagg.field.reduce`) and gets what :func:`mask` and ring additions would give."""
+
+    def __init__(self, length: int):
+        self._zeros = np.zeros(8 * length, np.uint8)
+        self._out = np.empty(8 * length + 15, np.uint8)
+
+    def add(self, vector: np.ndarray, seed: bytes, sign: int = 1) -> None:
+        """``vector += sign · mask(seed)`` (uint64, in place); ``sign`` is +1 or -1."""
+        words = _keystream(seed, self._zeros, self._out)
+        (np.add if sign > 0 else np.subtract)(vector, words, out=vector)

@@ -48,6 +48,13 @@ def sub(a: np.ndarray, b: np.ndarray, bits: int) -> np.ndarray:
     return (a - b) & _low(bits)
 
 
+def reduce(values: np.ndarray, bits: int) -> np.ndarray:
+    """uint64 values cut to the ring in place (after additions that wrapped modulo 2^64); returns them."""
+    if bits < 64:
+        np.bitwise_and(values, _low(bits), out=values)
+    return values
+
+
 def signed(ring: np.ndarray, bits: int) -> np.ndarray:
     """Ring elements read as the integers in ``[-2^(b-1), 2^(b-1))`` they stand for (int64)."""
     values = np.asarray(ring, dtype=np.uint64).view(np.int64).copy()
@@ -65,10 +72,12 @@ def quantize(values: np.ndarray, clipping_range: float, levels: int) -> np.ndarr
     """Floats clipped to ``[-c, c]`` and rounded to the nearest step (int64, ``|q| <= levels / 2``).
 
     Non-finite values are refused: a NaN has no place in a sum nobody can inspect."""
-    x = np.asarray(values, dtype=np.float64)
+    x = np.array(values, dtype=np.float64)  # one copy, then every pass in place
     if not np.isfinite(x).all():
         raise ValueError("a value to aggregate securely is NaN or infinite")
-    return np.rint(np.clip(x, -clipping_range, clipping_range) / step(clipping_range, levels)).astype(np.int64)
+    np.clip(x, -clipping_range, clipping_range, out=x)
+    np.divide(x, step(clipping_range, levels), out=x)
+    return np.rint(x, out=x).astype(np.int64)
 
 
 def dequantize(integers: np.ndarray, clipping_range: float, levels: int) -> np.ndarray:

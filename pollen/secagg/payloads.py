@@ -99,8 +99,9 @@ def contribution(kind: str, weighting: str, content: RecordDict,
             w = _num_examples(content)
             _check_weight(w, q, f"'{NUM_EXAMPLES}'")
         for name in sorted(arrays):
-            role, ints = _quantized(name, arrays[name], q)
-            parts.append((name, role, ints * w))
+            role, ints = _quantized(name, arrays[name], q)  # a fresh array: weighted in place
+            ints *= w
+            parts.append((name, role, ints))
         if kind == "weights":
             parts.append((WEIGHT_PART, WEIGHT, np.array(w, dtype=np.int64)))
     elif kind == "prototypes":

@@ -307,24 +307,24 @@ class SecAggPlus:
             for owner, share in zip(reply.owners, reply.shares):
                 (seed_shares[owner] if owner in survivors else key_shares[owner]).append((node, share))
 
-        total = ring.to_ring(np.zeros(payloads.length(wanted), dtype=np.int64), cfg.modulus_bits)
+        # in Z_{2^64} in place (a multiple of the ring's modulus), cut to the ring once at the end
+        total = np.zeros(payloads.length(wanted), dtype=np.uint64)
         for node in sorted(survivors):
-            total = ring.add(total, masked[node].vector.astype(np.uint64), cfg.modulus_bits)
+            np.add(total, masked[node].vector, out=total)
+        masker = crypto.Masker(total.size)
         for node in sorted(survivors):
             seed = self._rebuild(node, seed_shares[node], "mask seed", lambda s, n=node: (
                 len(s) == crypto.SEED_BYTES and crypto.commitment(s) == sealed[n].commitment))
-            total = ring.sub(total, crypto.mask(seed, total.size, cfg.modulus_bits), cfg.modulus_bits)
+            masker.add(total, seed, -1)
         for node in sorted(dropped):
             sk1 = crypto.load_private(self._rebuild(node, key_shares[node], "mask key", lambda s, n=node: (
                 len(s) == crypto.PRIVATE_KEY_BYTES and crypto.public_of(s) == pk[n].pk1)))
             for other in sources[node]:
                 if other not in survivors:
                     continue
-                pairwise = crypto.mask(crypto.mask_key(crypto.agree(sk1, pk[other].pk1)), total.size, cfg.modulus_bits)
                 # the survivor added sign(other, node) · mask; take it away
-                undo = ring.sub if pairwise_sign(other, node) > 0 else ring.add
-                total = undo(total, pairwise, cfg.modulus_bits)
-        result.sums = payloads.unflatten(wanted, ring.signed(total, cfg.modulus_bits), q)
+                masker.add(total, crypto.mask_key(crypto.agree(sk1, pk[other].pk1)), -pairwise_sign(other, node))
+        result.sums = payloads.unflatten(wanted, ring.signed(ring.reduce(total, cfg.modulus_bits), cfg.modulus_bits), q)
         result.survivors = sorted(survivors)
         result.server_cpu_s = time.process_time() - cpu0
         LOGGER.info("secure aggregation round %d: %d of %d nodes summed (%d dropped, %d refused), t = %d of %d",

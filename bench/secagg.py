@@ -264,8 +264,12 @@ def run_cell(arm: str, n: int, size: int, dropout: float, seed: int, graph: str 
 
 
 def machine() -> dict[str, Any]:
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
     return {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
-            "load-1min": os.getloadavg()[0]}
+            "load-1min": os.getloadavg()[0], "commit": commit or None}
 
 
 def warm_up() -> None:

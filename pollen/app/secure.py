@@ -5,10 +5,13 @@ weighting the strategy's, the largest weight the strategy's ``max_examples``.
 
 A simulated network (``client-dropout``, slow clients, ``round-timeout``; docs/stragglers.md) acts on the
 secure round's stages (:class:`SecureNetwork`), not on the strategy's one training exchange: by the time
-that exchange sees a reply, the client is in the sum."""
+that exchange sees a reply, the client is in the sum. On a fleet nothing is simulated and ``round-timeout``
+is the wall-clock wait of **each** SecAgg+ stage (:func:`secure_grid`): a node that has not answered a stage
+by then drops out at that stage, late, and SecAgg+'s dropout rules decide the round."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +27,7 @@ from pollen.secagg import SecAggConfig
 from pollen.secagg.grid import SecureGrid
 from pollen.secagg.server import SecureSum
 from pollen.settings import RunConfig
-from pollen.strategies.exchange import is_deployment
+from pollen.strategies.exchange import FLEET_FAULTS, is_deployment
 from pollen.strategies.network import NetworkModel, close_round, slow_partitions
 
 _VANISH = 4  # the draw of the stage a dropped client vanishes at (pollen.strategies.network uses 1-3)
@@ -50,14 +53,16 @@ class SecureNetwork:
     * the round's record is the strategy's ``network`` report (``metrics.jsonl``: simulated round and clock,
       who is missing, why and at which stage); a missing client is not a failure.
 
-    Simulation only (refused on a fleet, where each stage waits the strategy's reply timeout); the clock
-    restarts on a resumed run; ``min-train-clients`` does not hold back a secure round's survivors."""
+    The clock is the strategy's (``sim_clock_s``, in its checkpoint: a resumed run's clock goes on). On a
+    fleet (a deployment grid) nothing is simulated — dropouts and speeds are refused — and each stage waits
+    ``round-timeout`` of wall time (:func:`secure_grid`); a node that has not answered a stage by then is
+    missing, ``late`` at that stage (not a failure), as a plain round's late replies are."""
 
-    timed = True
+    timed = True  # False on a fleet: no simulated clock, so no example count travels in clear
 
     def __init__(self, model: NetworkModel, strategy: Any):
         self.model, self.strategy = model, strategy
-        self.clock = 0.0
+        self.fleet = False
         self._slow: frozenset[int] | None = None
         self._round = 0
         self._vanish: dict[int, str] = {}
@@ -69,10 +74,14 @@ class SecureNetwork:
         return pid if pid is not None else node
 
     def begin(self, server_round: int, grid: Grid, nodes: Sequence[int]) -> None:
-        if is_deployment(grid):
-            raise ValueError("a simulated network and round-timeout apply to secure aggregation in simulation only: "
-                             "on a fleet each SecAgg+ stage waits the strategy's reply timeout (set them to 0)")
+        self.fleet = is_deployment(grid)
+        self.timed = not self.fleet
+        if self.fleet and self.model.faults:
+            raise ValueError(FLEET_FAULTS)
         self.strategy.identify(server_round, grid, [n for n in nodes if n not in self.strategy.partition_of])
+        if self.fleet:
+            self._round, self._arrivals, self._late, self._vanish = server_round, {}, {}, {}
+            return
         if self._slow is None:
             everyone = sorted(int(n) for n in grid.get_node_ids())
             self._slow = slow_partitions([self._key(n) for n in everyone], self.model.slow_fraction, self.model.seed)
@@ -86,7 +95,7 @@ class SecureNetwork:
                 or STAGES.index(self._vanish[int(m.metadata.dst_node_id)]) > at]
 
     def incoming(self, stage: str, replies: list[Message]) -> list[Message]:
-        if stage != COLLECT:
+        if self.fleet or stage != COLLECT:
             return replies
         kept = []
         for reply in replies:
@@ -107,6 +116,8 @@ class SecureNetwork:
         return kept
 
     def end(self, server_round: int, train: Sequence[Message], result: SecureSum | None) -> set[int]:
+        if self.fleet:
+            return self._end_on_fleet(server_round, train, result)
         strategy = self.strategy
         summed = set(result.replies) if result is not None else set()
         missing = []
@@ -125,11 +136,11 @@ class SecureNetwork:
             elif node in self._arrivals:
                 arrivals[label] = self._arrivals[node]
         timing = close_round(arrivals, self.model.wait_s(), 1)
-        self.clock += timing.round_s
+        strategy.sim_clock_s += timing.round_s
         gone = {e["node"] for e in missing}
         strategy.replies.outbox = [m for m in strategy.replies.outbox if int(m.metadata.dst_node_id) not in gone]
         strategy.report(server_round).network = {
-            "sim-round-s": round(timing.round_s, 6), "sim-clock-s": round(self.clock, 6),
+            "sim-round-s": round(timing.round_s, 6), "sim-clock-s": round(strategy.sim_clock_s, 6),
             "deadline-s": self.model.deadline or None, "arrived": len(timing.arrived),
             "missing": missing, "vanished-in-sum": {strategy.label(n): s for n, s in sorted(self._vanish.items())
                                                     if n in summed}}
@@ -138,6 +149,27 @@ class SecureNetwork:
                         server_round, len(missing), len(train),
                         ", ".join(f"{e['client']} {e['why']} at {e['stage']}" for e in missing[:8]), timing.round_s)
         return gone
+
+
+    def _end_on_fleet(self, server_round: int, train: Sequence[Message], result: SecureSum | None) -> set[int]:
+        """A fleet's round: who did not answer a stage within ``round-timeout`` is missing, late at that stage."""
+        strategy = self.strategy
+        silent: dict[int, str] = {}
+        if result is not None:
+            answered_badly = {(e["node"], e["stage"]) for e in result.failures + result.refused}
+            silent = {n: stage for n, stage in result.dropped.items() if (n, stage) not in answered_badly}
+        nodes = sorted((int(m.metadata.dst_node_id) for m in train), key=strategy.book.order)
+        missing = [{"client": strategy.label(n), "node": n, "why": "late", "stage": silent[n], "late-by-s": None,
+                    "sim-time-s": None} for n in nodes if n in silent]
+        strategy.replies.outbox = [m for m in strategy.replies.outbox if int(m.metadata.dst_node_id) not in silent]
+        strategy.report(server_round).network = {
+            "sim-round-s": None, "sim-clock-s": None, "deadline-s": self.model.deadline or None,
+            "arrived": len(result.replies) if result is not None else 0, "missing": missing}
+        if missing:
+            LOGGER.info("secure aggregation round %d: %d of %d sampled client(s) did not answer a stage within "
+                        "round-timeout = %gs (%s)", server_round, len(missing), len(train), self.model.deadline,
+                        ", ".join(f"{e['client']} at {e['stage']}" for e in missing[:8]))
+        return set(silent)
 
 
 def dp_shape(strategy: Any) -> tuple[int, ...]:
@@ -160,7 +192,7 @@ def secagg_config(cfg: RunConfig, strategy: Any) -> SecAggConfig:
     return SecAggConfig(neighbours=cfg.secagg_neighbours, threshold=cfg.secagg_threshold,
                         clipping_range=cfg.secagg_clipping_range, levels=cfg.secagg_quantization,
                         modulus_bits=cfg.secagg_modulus_bits, max_weight=int(strategy.max_examples),
-                        kind=strategy.family, weighting=weighting, **dp)
+                        kind=strategy.family, weighting=weighting, min_contributions=cfg.min_train_clients, **dp)
 
 
 def secure_grid(grid: Grid, cfg: RunConfig, strategy: Any) -> Grid:
@@ -170,10 +202,15 @@ def secure_grid(grid: Grid, cfg: RunConfig, strategy: Any) -> Grid:
     if not cfg.secure_aggregation:
         return grid
     model = NetworkModel.of(cfg)
+    fleet = is_deployment(grid)
+    if fleet and model.faults:
+        raise ValueError(FLEET_FAULTS)
     network = SecureNetwork(model, strategy) if model.simulated else None
+    config = secagg_config(cfg, strategy)
+    if fleet and model.deadline > 0:  # each stage waits round-timeout of wall time, not the strategy's timeout
+        config = dataclasses.replace(config, timeout=model.deadline)
 
     def record(server_round: int, result: SecureSum) -> None:
         strategy.report(server_round).secure = result.summary(strategy.label)
 
-    return SecureGrid(grid, secagg_config(cfg, strategy), network=network,  # type: ignore[return-value]
-                      on_round=record)
+    return SecureGrid(grid, config, network=network, on_round=record)  # type: ignore[return-value]

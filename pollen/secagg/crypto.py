@@ -115,7 +115,7 @@ def _keystream(seed: bytes, zeros: np.ndarray, out: np.ndarray) -> np.ndarray:
     vector only (keys and seeds are fresh every round), so the zero nonce is never reused."""
     if len(seed) != SEED_BYTES:
         raise ValueError(f"a mask seed is {SEED_BYTES} bytes, got {len(seed)}")
-    Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update_into(zeros, out)
+    Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update_into(zeros.data, out.data)
     return out[:zeros.size].view("<u8")
 
 

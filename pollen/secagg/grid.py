@@ -2,7 +2,8 @@
 
 ``strategy.start(grid=SecureGrid(grid, SecAggConfig(kind=...)), ...)``: evaluate and query messages pass
 through; a round's train messages go out as one SecAgg+ round (:class:`~pollen.secagg.server.SecAggPlus`,
-each message's content the ``collect`` stage's instruction), and what comes back is, for every node
+each message's content the ``collect`` stage's instruction; each stage waits the config's ``timeout``, a
+fleet's ``round-timeout``, else the strategy's reply timeout), and what comes back is, for every node
 whose contribution is in the sum, a reply in the family's own wire format that carries **the
 aggregate** — the secure mean of the family (:func:`~pollen.secagg.payloads.mean_of_sums`) — with that
 node's clear metrics. The strategy then screens and averages as always, and its mean of identical
@@ -37,6 +38,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
+from pollen.log import LOGGER
 from pollen.protocol.identity import PARTITION_ID
 from pollen.protocol.logits import encode_logit_reply
 from pollen.protocol.prototypes import encode_prototype_reply
@@ -104,7 +106,9 @@ class SecureGrid:
     def _secure_round(self, train: list[Message], timeout: float | None) -> list[Message]:
         by_node = {int(m.metadata.dst_node_id): m for m in train}
         server_round = _round_of(train[0])
-        driver = SecAggPlus(dataclasses.replace(self.config, timeout=timeout))
+        # each stage waits the config's own timeout (a fleet's round-timeout), else the strategy's
+        stage_wait = self.config.timeout if self.config.timeout is not None else timeout
+        driver = SecAggPlus(dataclasses.replace(self.config, timeout=stage_wait))
         cfg = self.config
         grid: Any = self.grid
         if self.network is not None:
@@ -119,6 +123,7 @@ class SecureGrid:
                                       vet=self._vet, layout=layout,
                                       timed=self.network is not None and self.network.timed)
         except SecAggFailed as err:
+            LOGGER.warning("round %d not aggregated: %s", server_round, err)
             partial = getattr(driver, "result", None)
             gone = self.network.end(server_round, train, partial) if self.network is not None else set()
             if self.on_round is not None and partial is not None:

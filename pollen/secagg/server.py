@@ -77,7 +77,10 @@ class SecAggConfig:
     modulus_bits: the ring is integers modulo 2^modulus_bits (8..64).
     max_weight: the largest weight (num-examples, a class count) a node may contribute.
     kind / weighting: what a reply contributes (:mod:`pollen.secagg.payloads`).
-    timeout: seconds each stage waits for replies (None: until every node answered or failed).
+    timeout: seconds each stage waits for replies (None: until every node answered or failed); a node that
+        has not answered by then drops out at that stage.
+    min_contributions: the fewest contributions a round may sum (a run's ``min-train-clients``): a round left
+        with fewer nodes at any stage fails there, so nobody trains for a sum that will not be read.
     """
 
     neighbours: int = SecureAggregationKeys.secagg_neighbours
@@ -89,6 +92,7 @@ class SecAggConfig:
     kind: str = "weights"
     weighting: str = payloads.SAMPLES
     timeout: float | None = None
+    min_contributions: int = 1  # fewer nodes left at any stage: the round fails (nothing of it is unmasked)
     clip_dp: float = 0.0  # > 0: distributed DP (pollen.privacy.distributed), the parameters every node checks
     noise_multiplier_dp: float = 0.0
     min_honest_dp: int = 0
@@ -105,6 +109,9 @@ class SecAggConfig:
         if self.kind not in payloads.KINDS or self.weighting not in payloads.WEIGHTINGS:
             raise ValueError(f"kind must be one of {payloads.KINDS} and weighting one of {payloads.WEIGHTINGS}, "
                              f"got {self.kind!r} / {self.weighting!r}")
+        if isinstance(self.min_contributions, bool) or not isinstance(self.min_contributions, int) \
+                or self.min_contributions < 1:
+            raise ValueError(f"min_contributions must be a whole number >= 1, got {self.min_contributions!r}")
         if not 0 < self.sampling_dp <= 1:
             raise ValueError(f"the distributed-DP sampling probability must be in (0, 1], got {self.sampling_dp!r}")
         self.quantization()
@@ -381,7 +388,13 @@ class SecAggPlus:
             self.result.dropped.setdefault(node, stage)
 
     def _check(self, stage: str, owners: set[int], holders: set[int]) -> None:
-        """Every owner whose secrets may be needed keeps at least t live holders, or the round fails."""
+        """At least ``min_contributions`` nodes are left and every owner whose secrets may be needed keeps at
+        least t live holders, or the round fails."""
+        if len(holders) < self.config.min_contributions:
+            raise SecAggFailed(
+                f"secure aggregation round {self._round} failed after stage {stage!r}: {len(holders)} of "
+                f"{len(self.result.sampled)} nodes left, fewer than the {self.config.min_contributions} contributions "
+                "a round needs (min-train-clients): nothing is aggregated")
         for node in sorted(owners):
             live = [n for n in self._graph[node] if n in holders]
             if len(live) < self._t:

@@ -135,6 +135,9 @@ class PollenStrategy(Strategy):
                                  min_available_nodes=min_available_nodes, identify_nodes=identify_nodes)
         # the simulated network (dropouts, slow clients, a round deadline), applied to training exchanges
         self.network = NetworkExchange(network, min_train_nodes) if network is not None and network.simulated else None
+        # simulated seconds since round 1: advanced by the simulated network, whichever exchange runs it (the
+        # strategy's, or secure aggregation's stages: pollen.app.secure), and kept in the checkpoint
+        self.sim_clock_s = 0.0
 
     @classmethod
     def supported_options(cls) -> list[str]:
@@ -273,16 +276,15 @@ class PollenStrategy(Strategy):
         """
         version, internal, gauss = self.rng.getstate()
         values: dict[str, Any] = {"rng": [version, list(internal), gauss], "empty-rounds": self.replies.empty_rounds}
-        if self.network is not None:
-            values["sim-clock-s"] = self.network.clock
+        if self.network is not None or self.sim_clock_s:
+            values["sim-clock-s"] = self.sim_clock_s
         return {}, values
 
     def restore(self, arrays: dict[str, np.ndarray], values: dict[str, Any]) -> None:
         version, internal, gauss = values["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.replies.empty_rounds = int(values["empty-rounds"])
-        if self.network is not None:
-            self.network.clock = float(values.get("sim-clock-s", 0.0))
+        self.sim_clock_s = float(values.get("sim-clock-s", 0.0))
 
     # ------------------------------------------------------------------ the round loop
     def exchange(self, server_round: int, stage: str, messages: Iterable[Message], grid: Grid,

@@ -44,6 +44,7 @@ class PollenStrategy(Protocol):
     def partition_of(self) -> dict[int, int]: ...
 
     book: Any  # pollen.strategies.partitions.PartitionBook: order(node) sorts by partition
+    sim_clock_s: float  # the simulated clock, which the exchange advances
     replies: Any  # pollen.strategies.replies.ReplyScreen: outbox, the messages replies map back to
 
     def identify(self, server_round: int, grid: Grid, node_ids: Iterable[int]) -> None: ...
@@ -53,6 +54,10 @@ class PollenStrategy(Protocol):
     def report(self, server_round: int) -> Any: ...
 
 DEPLOYMENT_GRIDS = ("HttpGrid", "GrpcGrid")  # a SuperLink's grid: real nodes, real time
+
+
+FLEET_FAULTS = ("client-dropout, client-slow-fraction and client-time-spread simulate a network and apply in "
+                "simulation only; a fleet has its own: set them to 0 (round-timeout is the wall-clock deadline there)")
 
 
 def is_deployment(grid: Grid) -> bool:
@@ -70,13 +75,12 @@ def _examples(msg: Message) -> int:
 class NetworkExchange:
     """The simulated network of one run, applied to each round's training messages (module docstring).
 
-    ``clock``: simulated seconds since round 1; kept in the strategy's checkpoint, so a resumed run's clock
-    goes on where it stopped."""
+    The clock is the strategy's ``sim_clock_s`` (simulated seconds since round 1, in its checkpoint: a resumed
+    run's clock goes on where it stopped)."""
 
     def __init__(self, model: NetworkModel, min_arrived: int = 1):
         self.model = model
         self.min_arrived = int(min_arrived)
-        self.clock = 0.0
         self._slow: frozenset[int] | None = None
         self._dropped: dict[int, list[dict[str, Any]]] = {}
 
@@ -100,9 +104,7 @@ class NetworkExchange:
         """The messages that go out: those of clients that drop out of this round are withheld and recorded."""
         messages = list(messages)
         if is_deployment(grid) and self.model.faults:
-            raise ValueError("client-dropout, client-slow-fraction and client-time-spread simulate a network "
-                             "and apply in simulation only; a fleet has its own: set them to 0 (round-timeout "
-                             "is the wall-clock deadline there)")
+            raise ValueError(FLEET_FAULTS)
         nodes = [int(m.metadata.dst_node_id) for m in messages]  # partitions name the missing (one query each)
         strategy.identify(server_round, grid, [n for n in nodes if n not in strategy.partition_of])
         if is_deployment(grid):
@@ -167,10 +169,10 @@ class NetworkExchange:
                             "sim-time-s": None if deployment or at is None else round(at, 6)})
         self._forget(strategy, [m for m in sent if int(m.metadata.dst_node_id) in {e["node"] for e in missing}])
         round_s = 0.0 if deployment else timing.round_s
-        self.clock += round_s
+        strategy.sim_clock_s += round_s
         strategy.report(server_round).network = {
             "sim-round-s": None if deployment else round(round_s, 6),
-            "sim-clock-s": None if deployment else round(self.clock, 6),
+            "sim-clock-s": None if deployment else round(strategy.sim_clock_s, 6),
             "deadline-s": self.model.deadline or None,
             "arrived": 0 if timing.below_minimum else len(timing.arrived),
             "missing": sorted(missing, key=lambda e: strategy.book.order(e["node"]))}

@@ -61,7 +61,23 @@ def cost_rows(runs: list[dict]) -> tuple[list[list[str]], list[dict]]:
     return rows, summary
 
 
+def ratio_rows(summary: list[dict]) -> list[list[str]]:
+    """Pollen / Flower CPU of each cell over its seeds (each seed's arms ran back to back): min, median, max."""
+    import statistics
+
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for e in summary:
+        if "pollen/flower-cpu" in e:
+            groups[(e["graph"], e["n"], e["size"], e["dropout"])].append(e["pollen/flower-cpu"])
+    return [[graph, str(n), f"{size:.0e}", f"{int(100 * dropout)} %", str(len(r)), f"{min(r):.2f}",
+             f"{statistics.median(r):.2f}", f"{max(r):.2f}"]
+            for (graph, n, size, dropout), r in sorted(groups.items(), key=lambda kv: (kv[0][0] != "sparse",
+                                                                                        kv[0][2], kv[0][1], kv[0][3]))]
+
+
 def _plot(summary: list[dict], path: Path) -> None:
+    import statistics
+
     from bench.kit import pyplot
 
     plt = pyplot()
@@ -71,9 +87,12 @@ def _plot(summary: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.6), squeeze=False)
     for ax, size in zip(axes[0], sizes):
         for arm, style in zip(ARMS, ("k:", "C0-", "C1--")):
-            pts = sorted((e["n"], e[arm]["server-cpu-s"] + e["n"] * e[arm]["client-cpu-s"]) for e in summary
-                         if e["graph"] == "sparse" and e["dropout"] == 0 and e["size"] == size
-                         and arm in e and "error" not in e[arm])
+            by_n: dict[int, list[float]] = defaultdict(list)  # the median over seeds
+            for e in summary:
+                if e["graph"] == "sparse" and e["dropout"] == 0 and e["size"] == size and arm in e \
+                        and "error" not in e[arm]:
+                    by_n[e["n"]].append(e[arm]["server-cpu-s"] + e["n"] * e[arm]["client-cpu-s"])
+            pts = sorted((n, statistics.median(v)) for n, v in by_n.items())
             if pts:
                 ax.plot(*zip(*pts), style, marker="o", label=arm)
         ax.set_xscale("log"), ax.set_yscale("log")
@@ -155,6 +174,8 @@ def write_report() -> None:
              f"{runs[0]['machine']['cpus']} cores: wall times are inflated by other work; CPU times are the "
              "comparison." if loads else "No cell has run yet.", ""]
     lines += table(header, rows)
+    lines += ["", "Pollen / Flower CPU over the seeds of each cell (the arms of one seed ran back to back):", ""]
+    lines += table(["graph", "N", "floats", "dropout", "seeds", "min", "median", "max"], ratio_rows(summary))
     urows, usummary = utility_rows()
     lines += ["", "# Privacy and utility: FedProto, MNIST 3-way shots, 20 clients, 100 rounds", "",
               "The privacy study's setting (`bench/privacy.py`, seed 0; its arms `off`, `payload-*`, `sample-*` are "

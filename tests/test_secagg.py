@@ -232,6 +232,26 @@ def test_flowers_mask_generator_is_not_used_because_its_seed_is_32_bits():
     assert crypto.mask(a, 10_000, 2).max() == 3
 
 
+@pytest.mark.parametrize("bits", [20, 32, 64])
+def test_masks_added_in_place_are_the_ring_sums_of_the_masks(bits):
+    """crypto.Masker (one reused keystream buffer, additions in Z_2^64, the ring cut once) gives what
+    mask() and the ring's own additions give, and taking each mask off again leaves the vector."""
+    rng = np.random.default_rng(bits)
+    seeds = [rng.bytes(32) for _ in range(4)]
+    signs = [1, -1, 1, -1]
+    start = ring.to_ring(rng.integers(-(1 << 19), 1 << 19, 1001), bits)
+    expected = start.copy()
+    for seed, sign in zip(seeds, signs):
+        expected = (ring.add if sign > 0 else ring.sub)(expected, crypto.mask(seed, start.size, bits), bits)
+    vector, masker = start.copy(), crypto.Masker(start.size)
+    for seed, sign in zip(seeds, signs):
+        masker.add(vector, seed, sign)
+    assert np.array_equal(ring.reduce(vector.copy(), bits), expected)
+    for seed, sign in zip(seeds, signs):
+        masker.add(vector, seed, -sign)
+    assert np.array_equal(ring.reduce(vector, bits), start)
+
+
 def test_shares_below_the_threshold_reveal_nothing():
     """Perfect secrecy of t-of-n Shamir: t − 1 shares fit every secret equally well. (1) Completed by
     each possible value of one more share, they rebuild 2^8 distinct secrets — one per completion, so every

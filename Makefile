@@ -36,16 +36,22 @@ run: $(STAMP)
 		$(if $(RAY_CPUS),--ray-cpus $(RAY_CPUS)) --run-config "out-dir='$(OUT_DIR)' $(RUN_CONFIG)"
 
 # The full suite (what CI runs), in two passes: the tests that launch nothing, one pytest-xdist worker
-# per core (they share only the read-only datasets); then the `e2e` tests, E2E_WORKERS test files side by
-# side (each launch has its own free ports, private FLWR_HOME and private Ray). Two is the default: one
-# at a time leaves the cores idle while a launch waits (process start-ups, polls, SuperNodes), and the
-# whole e2e pass with two workers passed on a machine loaded to 6-13 by a study running beside it
-# (80 passed, 6 skipped). E2E_WORKERS=1 runs them one at a time. Coverage, when asked for, adds up
-# over both passes; each pass lists its slowest tests, so CI's log says where the time goes.
+# per core (they share only the read-only datasets); then the `e2e` tests, E2E_WORKERS at a time, test by
+# test (each launch has its own free ports, private FLWR_HOME and private Ray). `--dist worksteal`: an idle
+# worker takes queued tests from a busy one, so the pass ends with its slowest test, not with a whole file
+# (test_fleet.py and test_documented_commands.py hold ~950 s each; file by file, one worker carried each).
+# Each worker starts with a contiguous share of the collection and gives away the end of its queue, so a
+# module's tests mostly stay together; a module-scoped launch (test_cluster.py's loopback cluster, the
+# hostile external run) starts once per worker that runs its tests. Two workers: an e2e test waits about
+# half its time (process start-ups, Flower's 3 s SuperNode poll, heartbeats; a 2-node 1-round fleet: 48 s
+# wall, 25 CPU-s), so E2E_WORKERS=3 fills a machine with spare CPU, but on one loaded to 30-46 by other
+# work it failed 2 tests (a GLFC fleet's SuperLink answered 'database is locked' and lost two nodes).
+# E2E_WORKERS=1 runs them one at a time. Coverage, when asked for, adds up over both passes; each pass
+# lists its slowest tests, so CI's log says where the time goes.
 E2E_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e" -n auto --durations=15 $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m e2e $(if $(filter-out 1,$(E2E_WORKERS)),-n $(E2E_WORKERS) --dist loadfile) --durations=25 \
+	$(PY) -m pytest -q -m e2e $(if $(filter-out 1,$(E2E_WORKERS)),-n $(E2E_WORKERS) --dist worksteal) --durations=25 \
 		$(if $(findstring --cov,$(PYTEST_ARGS)),--cov-append) $(PYTEST_ARGS)
 
 # Everything but the `e2e` tests (no SuperLink, SuperNode, `flwr run` or Ray launches), one worker

@@ -21,7 +21,8 @@ Utility (``python -m bench.secagg utility``): the privacy study's FedProto setti
 MNIST 3-way shots, 20 clients, 100 rounds, seed-paired) with ``secure-aggregation = true`` and
 ``dp-mode = distributed`` at client-level replace-one ε ∈ {8, 4, 2} (``dp-min-honest`` = half the
 clients), one file per run under ``bench/results/secagg/utility/``; its no-DP and local-DP arms are the
-privacy study's committed runs (same base config and seed).
+privacy study's committed runs (same base config and seed). The 100-client FedProto runs and FedAvg's gap
+against clients per round are ``bench/secagg_utility.py`` (``python -m bench.secagg_utility``, in-process).
 
 ``python -m bench.secagg report`` writes ``bench/results/secagg.{md,json,png}`` from the files there.
 """

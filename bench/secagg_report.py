@@ -12,6 +12,7 @@ from typing import Any
 
 from bench.kit import RESULTS, save_figure, table, write_atomic, write_json
 from bench.secagg import DP_CLIP
+from bench.secagg_utility import utility_lines, utility_summary
 
 COST_DIR = RESULTS / "secagg" / "cost"
 UTILITY_DIR = RESULTS / "secagg" / "utility"
@@ -110,7 +111,7 @@ def _last(curve) -> float | None:
 def utility_rows() -> tuple[list[list[str]], list[dict]]:
     """FedProto under secure aggregation and distributed DP, beside the privacy study's arms of the same
     setting and seed (no DP, local DP ``payload`` / ``sample``)."""
-    ours = _load(UTILITY_DIR)
+    ours = [r for r in _load(UTILITY_DIR) if "clients" not in r]  # the 100+-client runs: bench/secagg_utility.py
     theirs = [r for r in _load(RESULTS / "privacy") if r.get("family") == "fedproto"]
     rows, out = [], []
     for r in sorted(theirs, key=lambda r: r["arm"]) + ours:
@@ -198,8 +199,9 @@ def write_report() -> None:
               "the prototype encoding changes the order of magnitude: the noise per round is z·dp-clip·√2 "
               "whatever N is, the signal grows as q·N.", ""]
     lines += table(["ε", "rounds", "q", "z", "clients N needed", "updates per round q·N"], presence_rows())
+    lines += utility_lines()
     write_atomic(RESULTS / "secagg.md", "\n".join(lines) + "\n")
-    write_json(RESULTS / "secagg.json", {"cost": summary, "utility": usummary})
+    write_json(RESULTS / "secagg.json", {"cost": summary, "utility": usummary, "utility-100": utility_summary()})
     _plot(summary, RESULTS / "secagg.png")
 
 

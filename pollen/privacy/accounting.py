@@ -123,7 +123,7 @@ def _relation(neighbour: str):
     return NeighboringRelation.REPLACE_ONE if neighbour == "replace-one" else NeighboringRelation.ADD_OR_REMOVE_ONE
 
 
-def _neighbour_of(releases: list[Release], neighbour: str | None) -> str:
+def _neighbour_of(releases: Iterable[Release], neighbour: str | None) -> str:
     if neighbour is not None:
         return neighbour
     kinds = {r.neighbour for r in releases}
@@ -159,10 +159,16 @@ def composed_epsilon(releases: Iterable[Release], delta: float, neighbour: str |
     """ε at ``delta`` of all ``releases`` composed (0 for none), under ``neighbour`` (default: the
     releases' own): exact for Gaussians on all the data, by the PLD accountant once any release is
     subsampled."""
+    return _composed_epsilon(tuple(releases), delta, neighbour)
+
+
+@functools.lru_cache(maxsize=256)
+def _composed_epsilon(releases: tuple[Release, ...], delta: float, neighbour: str | None) -> float:
+    """Cached per process: a pure function of its (hashable) releases, and the clients of one simulation
+    compose the same releases every round (one PLD per round instead of one per client; a PLD takes ~1 s)."""
     from dp_accounting import GaussianDpEvent, gaussian_mechanism
     from dp_accounting.pld import pld_privacy_accountant
 
-    releases = list(releases)
     relation = _neighbour_of(releases, neighbour)
     sigma = _full_gaussian_sigma(releases)
     sampled = _same_mechanisms_together(r for r in releases if r.sampling_probability < 1.0)

@@ -1,0 +1,292 @@
+"""Secure aggregation study, utility part: what secure aggregation and distributed DP cost in accuracy, at the
+population sizes where client-level noise can average out.
+
+Two settings, each run in one process on the in-process grid (``pollen.testing.run_inprocess``: every node a
+real ClientApp with its own state, the strategy's own ``start``, the secure round's full SecAgg+ protocol; no
+Ray, no network), one file per finished run under ``bench/results/secagg/utility/`` (a stopped study resumes):
+
+* ``fedproto100-<arm>``: FedProto, MNIST 3-way shots (the privacy study's setting: batch 4, lr 0.01), **100
+  clients**, every client every round, ``FEDPROTO_ROUNDS`` rounds. Arms: ``off`` (no secure aggregation, no
+  DP, the label-histogram audit on), ``secagg`` (secure aggregation, no DP), ``distributed-eps{8,4,2}``
+  (client-level replace-one ε over the run, dp-clip 4, dp-min-honest = half the clients).
+* ``fedavg-n<N>-<arm>``: FedAvg, MNIST Dirichlet (α 0.5), N clients of which each draws itself with
+  q = ``FEDAVG_Q`` per round (m = q·N expected updates per round), ``FEDAVG_ROUNDS`` rounds, uniform client
+  weights (distributed DP does not release sample counts; both arms use them). Arms: ``off`` and
+  ``distributed-eps<ε>`` (dp-clip ``FEDAVG_CLIP``, dp-min-honest = N/2). The gap is measured against m.
+
+Accuracy is the clients' mean accuracy on their own test data at the last evaluation, read as the
+experimenter's measurement (``dp-evaluate = unprotected``, outside ε). Shorter than the privacy study (which
+ran 100 rounds at 20 clients): the machine's CPU allowed these sizes; each record keeps its setting.
+
+``python -m bench.secagg_utility --cells fedproto100-off ...`` runs cells (default: the priority list
+``CELLS``); ``python -m bench.secagg report`` renders them with :func:`utility_lines`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from bench.kit import RESULTS, RunFiles, default_data_root, run_study, table
+
+UTILITY_DIR = RESULTS / "secagg" / "utility"
+FILES = RunFiles(UTILITY_DIR)
+DELTA = 1e-5
+
+FEDPROTO_CLIENTS, FEDPROTO_ROUNDS, FEDPROTO_CLIP = 100, 10, 4.0
+FEDPROTO_BASE = {"method": "fedproto", "task": "mnist-shot", "batch-size": 4, "lr": 0.01,
+                 "num-server-rounds": FEDPROTO_ROUNDS, "proto-evaluate-every": 5}
+
+FEDAVG_Q, FEDAVG_ROUNDS, FEDAVG_CLIP = 0.1, 10, 1.0
+FEDAVG_BASE = {"method": "fedavg", "task": "mnist-dirichlet", "num-server-rounds": FEDAVG_ROUNDS,
+               "fraction-fit": FEDAVG_Q, "avg-weighting": "uniform", "fraction-evaluate": 1.0}
+SECURE = {"secure-aggregation": True, "secagg-threshold": 0.6}
+
+# the order the study runs them (priority first): the done-when pair, FedAvg's gap against m, then the rest
+CELLS = ("fedproto100-off", "fedproto100-distributed-eps8",
+         "fedavg-n100-off", "fedavg-n100-distributed-eps8", "fedavg-n500-off", "fedavg-n500-distributed-eps8",
+         "fedavg-n250-off", "fedavg-n250-distributed-eps8",
+         "fedproto100-secagg", "fedproto100-distributed-eps2", "fedproto100-distributed-eps4",
+         "fedavg-n1000-off", "fedavg-n1000-distributed-eps8")
+
+
+def _distributed(eps: float, clip: float, honest: int) -> dict[str, Any]:
+    return {**SECURE, "dp-mode": "distributed", "dp-target-epsilon": eps, "dp-clip": clip, "dp-min-honest": honest,
+            "dp-evaluate": "unprotected"}  # accuracy is the study's measurement, outside ε
+
+
+def parse_cell(cell: str) -> tuple[str, int, str]:
+    """``(family, clients, arm)`` of a cell name."""
+    prefix = f"fedproto{FEDPROTO_CLIENTS}-"
+    if cell.startswith(prefix):
+        return "fedproto", FEDPROTO_CLIENTS, cell.removeprefix(prefix)
+    head, _, arm = cell.removeprefix("fedavg-n").partition("-")
+    if cell.startswith("fedavg-n") and head.isdigit() and arm:
+        return "fedavg", int(head), arm
+    raise ValueError(f"unknown cell {cell!r}")
+
+
+def arm_keys(family: str, clients: int, arm: str) -> dict[str, Any]:
+    if arm == "off":
+        return {"leak-audit": True} if family == "fedproto" else {}
+    if arm == "secagg":
+        return dict(SECURE)
+    if arm.startswith("distributed-eps"):
+        clip = FEDPROTO_CLIP if family == "fedproto" else FEDAVG_CLIP
+        return _distributed(float(arm.removeprefix("distributed-eps")), clip, clients // 2)
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def setting(cell: str) -> dict[str, Any]:
+    """What a cell's file must have been run with (a changed base refuses the old file)."""
+    family, clients, arm = parse_cell(cell)
+    base = FEDPROTO_BASE if family == "fedproto" else FEDAVG_BASE
+    return {"run-config": {**base, **arm_keys(family, clients, arm)}, "num-supernodes": clients,
+            "runner": "in-process"}
+
+
+def _final(rounds: list[dict], key: str) -> tuple[int | None, dict]:
+    """The last round whose evaluation has ``key``, and that evaluation."""
+    for r in reversed(rounds):
+        if key in r["evaluate"]:
+            return r["round"], r["evaluate"]
+    return None, {}
+
+
+def run_cell(cell: str, seed: int, data_root: str) -> dict[str, Any]:
+    from pollen.testing import run_inprocess
+
+    family, clients, arm = parse_cell(cell)
+    config = setting(cell)
+    run_config = {**config["run-config"], "seed": seed, "data-root": data_root}
+    load, wall, cpu = os.getloadavg()[0], time.monotonic(), time.process_time()
+    rounds = run_inprocess(run_config, clients, echo=False)
+    wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    at, evaluate = _final(rounds, "accuracy-client-mean")
+    last = rounds[-1]
+    return {"family": family, "clients": clients, "arm": arm, "seed": seed, "setting": config,
+            "wall-s": round(wall, 1), "cpu-s": round(cpu, 1), "load-1min-at-start": round(load, 2),
+            "rounds": len(rounds), "evaluated-at": at, "evaluate": evaluate, "fit": last["fit"],
+            "failures-total": sum(r["failures"] for r in rounds),
+            "rejected-total": sum(len(r["rejected"]) if isinstance(r["rejected"], (list, dict)) else int(r["rejected"])
+                                  for r in rounds),
+            "secure-aggregation": {k: v for k, v in last["secure-aggregation"].items() if k != "stages"},
+            "curves": {"round": [r["round"] for r in rounds],
+                       "accuracy-client-mean": [r["evaluate"].get("accuracy-client-mean") for r in rounds],
+                       "dp-epsilon": [r["fit"].get("dp-epsilon") for r in rounds],
+                       "classes-present": [r["fit"].get("classes-present") for r in rounds],
+                       "leak-hist-tv": [r["fit"].get("leak-hist-tv-client-mean") for r in rounds]}}
+
+
+def utility_main(cells: list[str], seeds: list[int], data_root: str | None = None) -> int:
+    root = data_root or default_data_root()
+    cells = cells or list(CELLS)
+    for cell in cells:
+        parse_cell(cell)  # refuse a misspelt cell before anything runs
+
+    def said(rec: dict) -> str:
+        ev = rec["evaluate"]
+        acc = 100 * ev.get("accuracy-client-mean", float("nan"))
+        return f"accuracy {acc:.2f} %, ε {rec['fit'].get('dp-epsilon')}, wall {rec['wall-s']:.0f} s"
+
+    return run_study("secagg-utility", FILES, [(c, s) for s in seeds for c in cells], setting,
+                     lambda cell, seed: run_cell(cell, seed, root), said=said)
+
+
+# ---------------------------------------------------------------------------------------------
+# the report's utility sections
+
+def noise_multiplier(eps: float, q: float, rounds: int) -> float:
+    from pollen.privacy.distributed import calibrate
+
+    return calibrate(eps, DELTA, q, rounds)
+
+
+def mean_noise_ratio(z: float, m: float, dim: int, honest_share: float = 0.5) -> float:
+    """The expected L2 norm of the noise on the mean update, in units of dp-clip: the sum carries noise of std
+    z·Δ·sqrt(N/h) per coordinate (every one of the N clients adds its share z·Δ/√h; h = N/2 gives z·Δ·√2),
+    the mean divides by m = q·N, and a d-vector's norm is √d times that (Δ ≈ dp-clip in steps: the rounding
+    term is 1e-5 of it at the study's grid)."""
+    return z * math.sqrt(1.0 / honest_share) * math.sqrt(dim) / m
+
+
+def _load() -> list[dict]:
+    return [r for r in FILES.load() if "clients" in r]
+
+
+def _acc(r: dict | None) -> float | None:
+    return None if r is None else r["evaluate"].get("accuracy-client-mean")
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.2f}"
+
+
+def _runs_by(runs: list[dict]) -> dict[tuple[str, int, str, int], dict]:
+    return {(r["family"], r["clients"], r["arm"], r["seed"]): r for r in runs}
+
+
+def fedproto_rows(runs: list[dict]) -> list[list[str]]:
+    by = _runs_by(runs)
+    rows = []
+    for r in sorted((r for r in runs if r["family"] == "fedproto"), key=lambda r: (r["seed"], r["arm"] != "off",
+                                                                                r["arm"])):
+        base = by.get(("fedproto", r["clients"], "off", r["seed"]))
+        gap = None if base is None or _acc(r) is None else 100 * (_acc(r) - _acc(base))
+        ev, secure = r["evaluate"], r["arm"] != "off"
+        tv = [v for v in r["curves"]["leak-hist-tv"] if v is not None]
+        floor = r["fit"].get("leak-hist-tv-floor-client-mean")
+        readable = (f"sum of {r['clients']} only" if secure else
+                    f"TV {tv[-1]:.3f} (prior {floor:.3f})" if tv and floor is not None else "—")
+        present = [v for v in r["curves"]["classes-present"] if v is not None]
+        eps = r["fit"].get("dp-epsilon")
+        rows.append([r["arm"], "yes" if secure else "no", _pct(_acc(r)), "" if gap is None else f"{gap:+.2f}",
+                     _pct(ev.get("proto-accuracy-client-mean")) if "proto-accuracy-client-mean" in ev
+                     else "no class kept", str(max(present)) if present else "—",
+                     f"{eps:.3g}" if isinstance(eps, (int, float)) else "—", readable, str(r["seed"]),
+                     f"{r['wall-s']:.0f}"])
+    return rows
+
+
+def fedavg_rows(runs: list[dict], dim: int) -> list[list[str]]:
+    by = _runs_by(runs)
+    rows = []
+    for r in sorted((r for r in runs if r["family"] == "fedavg" and r["arm"] != "off"),
+                    key=lambda r: (r["arm"], r["clients"], r["seed"])):
+        base = by.get(("fedavg", r["clients"], "off", r["seed"]))
+        eps = float(r["arm"].removeprefix("distributed-eps"))
+        m = FEDAVG_Q * r["clients"]
+        z = noise_multiplier(eps, FEDAVG_Q, FEDAVG_ROUNDS)
+        ratio = mean_noise_ratio(z, m, dim)
+        gap = None if base is None or _acc(r) is None else 100 * (_acc(r) - _acc(base))
+        rows.append([str(r["clients"]), f"{m:g}", f"{eps:g}", f"{z:.3f}", f"{ratio:.2f}",
+                     _pct(_acc(base)), _pct(_acc(r)), "not run" if gap is None else f"{gap:+.2f}",
+                     f"{r['fit'].get('dp-epsilon', float('nan')):.3g}", str(r["seed"]),
+                     f"{r['wall-s']:.0f}" + ("" if base is None else f" / {base['wall-s']:.0f}")])
+    for r in sorted((r for r in runs if r["family"] == "fedavg" and r["arm"] == "off"),
+                    key=lambda r: (r["clients"], r["seed"])):
+        if not any(k[0] == "fedavg" and k[1] == r["clients"] and k[2] != "off" and k[3] == r["seed"] for k in by):
+            rows.append([str(r["clients"]), f"{FEDAVG_Q * r['clients']:g}", "—", "—", "—", _pct(_acc(r)), "not run",
+                         "", "", str(r["seed"]), f"{r['wall-s']:.0f}"])
+    return rows
+
+
+def model_dim() -> int:
+    """The float coordinates of FedAvg's model in this setting (the length of a client's contribution); built
+    from the method's initial model, no data read."""
+    from pollen.app.config import validated_run_config
+    from pollen.app.registry import METHODS
+
+    arrays = METHODS["fedavg"].initial_arrays(validated_run_config(FEDAVG_BASE))
+    return int(sum(a.numpy().size for a in arrays.values() if a.numpy().dtype.kind == "f"))
+
+
+def useful_rows(dim: int) -> list[list[str]]:
+    """Computed: the clients per round m at which the noise on FedAvg's mean update is a given share of
+    dp-clip, by ε (this setting's rounds and q)."""
+    rows = []
+    for eps in (8.0, 4.0, 2.0):
+        z = noise_multiplier(eps, FEDAVG_Q, FEDAVG_ROUNDS)
+        need = [mean_noise_ratio(z, 1.0, dim) / target for target in (1.0, 0.3, 0.1)]
+        rows.append([f"{eps:g}", f"{z:.3f}"] + [f"{m:,.0f} (N = {m / FEDAVG_Q:,.0f})" for m in need])
+    return rows
+
+
+def utility_lines() -> list[str]:
+    """The report's sections on the 100-client FedProto runs and FedAvg's gap against clients per round."""
+    runs = _load()
+    if not runs:
+        return ["", "No 100-client utility run yet (`python -m bench.secagg utility`)."]
+    dim = model_dim()
+    lines = ["", "# Privacy and utility at 100+ clients (in-process runs, seed-paired)", "",
+             "`python -m bench.secagg utility` (`bench/secagg_utility.py`; its docstring says what runs): each run in "
+             "one process on the in-process grid, the full SecAgg+ protocol every round, one file per run under "
+             "`bench/results/secagg/utility/`. Accuracy: the clients' mean accuracy on their own test data at the "
+             "last evaluation; gap: the arm minus the no-DP arm of the same population and seed (points). Wall "
+             "times are on a 2-core machine shared with other work.", "",
+             f"## FedProto, MNIST 3-way shots, {FEDPROTO_CLIENTS} clients, {FEDPROTO_ROUNDS} rounds, every client "
+             "every round", "",
+             f"Batch 4, lr 0.01 (the privacy study's setting, {FEDPROTO_ROUNDS} rounds instead of 100). Distributed "
+             f"arms: client-level replace-one ε over the run, dp-clip {FEDPROTO_CLIP:g}, dp-min-honest "
+             f"{FEDPROTO_CLIENTS // 2}. *Classes kept*: the most global prototypes that passed the presence rule in "
+             "one round (10 = all). *One client's histogram*: without secure aggregation the audit's total variation "
+             "from the truth of the server's best guess from one client's reply (the prior guess in brackets); with "
+             "it the server holds only the sum of all clients' contributions.", ""]
+    lines += table(["arm", "secure aggregation", "local acc. %", "gap (points)", "proto acc. %", "classes kept",
+                    "ε spent", "one client's histogram", "seed", "wall s"], fedproto_rows(runs))
+    lines += ["", "## FedAvg, MNIST Dirichlet (α 0.5): the gap against clients per round", "",
+              f"Each of N clients draws itself with q = {FEDAVG_Q:g} per round (m = q·N expected updates), "
+              f"{FEDAVG_ROUNDS} rounds, cnn_mnist ({dim:,} floats), uniform client weights in both "
+              f"arms, dp-clip {FEDAVG_CLIP:g}, dp-min-honest N/2. z: the noise multiplier ε calibrates to at q and "
+              "these rounds (δ 1e-5). *Noise / clip*: the expected L2 norm of the noise on the mean update in units "
+              "of dp-clip, √2·z·√d / m — the arithmetic the measured gap is set against (every client adds its "
+              "share, so the sum's noise does not grow with N while the signal grows as m). Wall: DP arm / no-DP arm.",
+              ""]
+    lines += table(["N", "m = q·N", "ε", "z", "noise / clip on the mean", "no-DP acc. %", "DP acc. %", "gap (points)",
+                    "ε spent", "seed", "wall s"], fedavg_rows(runs, dim))
+    lines += ["", "Computed, not measured: the clients per round m (and population N = m/q) at which the noise "
+              "on the mean update falls to 1, 0.3 and 0.1 × dp-clip in this setting:", ""]
+    lines += table(["ε", "z", "noise = 1 × clip", "noise = 0.3 × clip", "noise = 0.1 × clip"], useful_rows(dim))
+    return lines
+
+
+def utility_summary() -> list[dict[str, Any]]:
+    return [{k: r[k] for k in ("family", "clients", "arm", "seed", "evaluate", "wall-s", "rounds")}
+            | {"epsilon": r["fit"].get("dp-epsilon")} for r in _load()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cells", nargs="*", default=[], help=f"default: {' '.join(CELLS)}")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--data-root", default=default_data_root())
+    args = parser.parse_args(argv)
+    return utility_main(args.cells, args.seeds, args.data_root)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -35,11 +35,11 @@ UTILITY_DIR = RESULTS / "secagg" / "utility"
 FILES = RunFiles(UTILITY_DIR)
 DELTA = 1e-5
 
-FEDPROTO_CLIENTS, FEDPROTO_ROUNDS, FEDPROTO_CLIP = 100, 10, 4.0
+FEDPROTO_CLIENTS, FEDPROTO_ROUNDS, FEDPROTO_CLIP = 100, 3, 4.0
 FEDPROTO_BASE = {"method": "fedproto", "task": "mnist-shot", "batch-size": 4, "lr": 0.01,
-                 "num-server-rounds": FEDPROTO_ROUNDS, "proto-evaluate-every": 5}
+                 "num-server-rounds": FEDPROTO_ROUNDS, "proto-evaluate-every": FEDPROTO_ROUNDS}
 
-FEDAVG_Q, FEDAVG_ROUNDS, FEDAVG_CLIP = 0.1, 10, 1.0
+FEDAVG_Q, FEDAVG_ROUNDS, FEDAVG_CLIP = 0.1, 5, 1.0
 FEDAVG_BASE = {"method": "fedavg", "task": "mnist-dirichlet", "num-server-rounds": FEDAVG_ROUNDS,
                "fraction-fit": FEDAVG_Q, "avg-weighting": "uniform", "fraction-evaluate": 1.0}
 SECURE = {"secure-aggregation": True, "secagg-threshold": 0.6}

@@ -12,7 +12,7 @@ from typing import Any
 
 from bench.kit import RESULTS, save_figure, table, write_atomic, write_json
 from bench.secagg import DP_CLIP
-from bench.secagg_utility import utility_lines, utility_summary
+from bench.secagg_utility import noise_multiplier, utility_lines, utility_summary
 
 COST_DIR = RESULTS / "secagg" / "cost"
 UTILITY_DIR = RESULTS / "secagg" / "utility"
@@ -141,7 +141,6 @@ def presence_rows() -> list[list[str]]:
     q · N · 3/10 · a (``pollen.secagg.payloads.prototype_estimate``)."""
     import math
 
-    from pollen.privacy.distributed import calibrate
     from pollen.secagg.payloads import PRESENCE_ERROR, prototype_split
 
     bound, beta = prototype_split(DP_CLIP, PROTO_DIM)
@@ -149,7 +148,7 @@ def presence_rows() -> list[list[str]]:
     for eps in (8.0, 4.0, 2.0):
         for rounds in (100, 10):
             for q in (1.0, 0.1):
-                z = calibrate(eps, 1e-5, q, rounds)
+                z = noise_multiplier(eps, q, rounds)  # calibrate's z, kept once computed
                 sigma = z * DP_CLIP * math.sqrt(2)  # sqrt(m / h) = sqrt(2); the rounding term is 1e-5 of dp-clip
                 weight = sigma * math.sqrt(PROTO_DIM + (bound / beta) ** 2) / (PRESENCE_ERROR * bound)
                 clients = weight / (q * CLASSES_HELD / CLASSES / math.sqrt(CLASSES_HELD))

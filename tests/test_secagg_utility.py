@@ -65,3 +65,21 @@ def test_the_accountant_composes_the_same_releases_once_per_process():
     assert (info.hits, info.misses) == (1, 1) and again == first
     accounting._composed_epsilon.cache_clear()
     assert composed_epsilon(iter(releases), 1e-5) == first  # recomputed from an iterator: the same figure
+
+
+def test_the_kept_noise_multipliers_are_what_calibration_gives():
+    """The reports read z from ``bench/results/secagg/noise-multipliers.json``: each unsampled figure, and the
+    FedAvg study's sampled one at ε = 8, recomputed by the calibration a run uses."""
+    from bench.kit import read_json
+    from pollen.privacy.distributed import calibrate
+
+    kept = read_json(u.NOISE_FILE, {})
+    assert kept, "no kept noise multiplier: run python -m bench.secagg report"
+    checked = 0
+    for key, z in kept.items():
+        fields = dict(part.split("=") for part in key.split())
+        eps, delta, q, rounds = float(fields["eps"]), float(fields["delta"]), float(fields["q"]), int(fields["rounds"])
+        if q == 1.0 or (eps, q, rounds) == (8.0, u.FEDAVG_Q, u.FEDAVG_ROUNDS):
+            assert calibrate(eps, delta, q, rounds) == pytest.approx(z, rel=1e-12), key
+            checked += 1
+    assert checked >= 2

@@ -189,7 +189,7 @@ def fedproto_rows(runs: list[dict]) -> list[list[str]]:
     for r in sorted((r for r in runs if r["family"] == "fedproto"), key=lambda r: (r["seed"], r["arm"] != "off",
                                                                                 r["arm"])):
         base = by.get(("fedproto", r["clients"], "off", r["seed"]))
-        gap = None if base is None or _acc(r) is None else 100 * (_acc(r) - _acc(base))
+        gap = None if base is None or base is r or _acc(r) is None else 100 * (_acc(r) - _acc(base))
         ev, secure = r["evaluate"], r["arm"] != "off"
         tv = [v for v in r["curves"]["leak-hist-tv"] if v is not None]
         floor = r["fit"].get("leak-hist-tv-floor-client-mean")

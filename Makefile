@@ -45,7 +45,8 @@ run: $(STAMP)
 # hostile external run) starts once per worker that runs its tests. Two workers: an e2e test waits about
 # half its time (process start-ups, Flower's 3 s SuperNode poll, heartbeats; a 2-node 1-round fleet: 48 s
 # wall, 25 CPU-s), so E2E_WORKERS=3 fills a machine with spare CPU, but on one loaded to 30-46 by other
-# work it failed 2 tests (a GLFC fleet's SuperLink answered 'database is locked' and lost two nodes).
+# work it failed 2 of 91 in 4,727 s (a GLFC fleet's SuperLink answered 'database is locked' and lost two
+# nodes; bench.gpu's 1-step throughput rounded to 0.0 images/s).
 # E2E_WORKERS=1 runs them one at a time. Coverage, when asked for, adds up over both passes; each pass
 # lists its slowest tests, so CI's log says where the time goes.
 E2E_WORKERS ?= 2

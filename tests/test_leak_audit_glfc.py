@@ -16,11 +16,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 
 from pollen.app.client_app import app as client_app
 from pollen.app.config import ConfigError, parse_run_config
-from pollen.app.methods_glfc import initial_arrays
+from pollen.app.methods_glfc import _test_set, initial_arrays
 from pollen.app.server_app import main as server_main
 from pollen.datasets.spec import UCI_FORMAT
 from pollen.methods.glfc import build_lenet
-from pollen.privacy.leakage import reconstruction_audit
+from pollen.privacy.leakage import class_mean_images, reconstruction_audit
 from pollen.protocol import glfc as protocol
 from pollen.protocol.records import array_record
 from pollen.testing import InProcessGrid, clientapp_node, set_task_identity
@@ -159,13 +159,18 @@ def test_a_run_reports_the_proxys_reconstructions_against_the_true_samples_and_o
         for g in grads:
             (match,) = [(x, y) for gs, x, y in behind if all(np.array_equal(a, b) for a, b in zip(gs, g))]
             truth.append(match)
+        labels = np.array([y for _, y in truth])
+        task = record["round"] - 1  # one round per task: the samples are of that task's 5 classes
+        assert set(labels) <= set(range(5 * task, 5 * task + 5))
+        test_x, test_y = _test_set(parse_run_config(RC))(5 * (task + 1))  # the server's test set, seen classes
+        means = class_mean_images(_unit(test_x.numpy()), test_y.numpy(), 10)
         expected = reconstruction_audit(_unit(np.stack([x for x, _ in truth])), _unit(rec.images[:, -1].numpy()),
-                                        np.array([y for _, y in truth]), rec.labels.numpy(), num_classes=10)
+                                        labels, rec.labels.numpy(), means, candidate_labels=5)
         fit = record["fit"]
         assert fit["proxy-gradients"] == len(grads) >= 2
         assert {k: fit[k] for k in LEAK_KEYS} == pytest.approx(expected, rel=1e-9)
-        assert fit["leak-label-acc-floor"] == pytest.approx(0.1) and fit["leak-label-acc"] == 1.0
-        assert fit["leak-psnr"] > 0 and -1 <= fit["leak-ssim"] <= 1
+        assert fit["leak-label-acc-floor"] == pytest.approx(1 / 5) and fit["leak-label-acc"] == 1.0
+        assert fit["leak-psnr"] > 0 and -1 <= fit["leak-ssim"] <= 1 and fit["leak-psnr-floor"] > 0
 
 
 def _audit(n: int, image=None, label=2, **extra) -> ArrayRecord:
@@ -216,7 +221,7 @@ def test_malformed_audit_records_are_refused_with_a_reason():
     assert "'y0'" in reasons[9] and "dtype float64" in reasons[9]
     # the accepted reply: a zero image (mid-grey-ish after unnormalising) behind a class-2 gradient
     assert metrics["proxy-gradients"] == 1 and metrics["leak-label-acc"] == 1.0
-    assert metrics["leak-label-acc-floor"] == pytest.approx(1 / 20)
+    assert metrics["leak-label-acc-floor"] == pytest.approx(1 / 2)  # the task's 2 classes, not the LeNet's 20
 
 
 def test_without_leak_audit_a_sample_record_is_refused_and_methods_without_a_proxy_refuse_the_key():

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from pollen.privacy.leakage import (
+    class_mean_images,
     histogram_leak,
     presence_f1,
     presence_leak,
@@ -98,12 +99,39 @@ def test_ssim_equals_an_independent_gaussian_filter_implementation(shape):
 def test_reconstruction_audit_against_hand_values():
     rng = np.random.default_rng(3)
     truth = rng.uniform(0.0, 0.8, size=(3, 1, 12, 12))
-    audit = reconstruction_audit(truth, truth + 0.1, np.array([4, 7, 1]), np.array([4, 7, 2]), num_classes=10)
+    means = rng.uniform(0.0, 1.0, size=(10, 1, 12, 12))
+    labels = np.array([4, 7, 1])
+    audit = reconstruction_audit(truth, truth + 0.1, labels, np.array([4, 7, 2]), means, candidate_labels=5)
     assert audit["leak-psnr"] == pytest.approx(20.0) and audit["leak-label-acc"] == pytest.approx(2 / 3)
-    assert audit["leak-label-acc-floor"] == 0.1
-    floor = np.mean([10 * np.log10(1 / np.mean((t - 0.5) ** 2)) for t in truth])  # the mid-grey guess
-    assert audit["leak-psnr-floor"] == pytest.approx(floor)
+    assert audit["leak-label-acc-floor"] == pytest.approx(1 / 5)  # a guess among the task's 5 classes
+    # the floor: each sample against its own class's mean image
+    floor = np.mean([10 * np.log10(1 / np.mean((t - means[c]) ** 2)) for t, c in zip(truth, labels)])
+    assert audit["leak-psnr-floor"] == pytest.approx(floor, rel=1e-12)
+    assert audit["leak-ssim-floor"] == pytest.approx(np.mean([ssim(t, means[c]) for t, c in zip(truth, labels)]))
     assert audit["leak-ssim"] == pytest.approx(np.mean([ssim(t, t + 0.1) for t in truth]))
-    assert audit["leak-ssim-floor"] < 0.05 < audit["leak-ssim"] < 1
+    # a reconstruction that is its class mean scores exactly the floor
+    same = reconstruction_audit(truth, means[labels], labels, labels, means, 5)
+    assert same["leak-psnr"] == same["leak-psnr-floor"] and same["leak-ssim"] == same["leak-ssim-floor"]
     with pytest.raises(ValueError, match="B labels"):
-        reconstruction_audit(truth, truth, np.array([1, 2]), np.array([1, 2, 3]), 10)
+        reconstruction_audit(truth, truth, np.array([1, 2]), np.array([1, 2, 3]), means, 5)
+    with pytest.raises(ValueError, match="class_means"):
+        reconstruction_audit(truth, truth, np.array([1, 2, 10]), np.array([1, 2, 3]), means, 5)
+    with pytest.raises(ValueError, match="candidate_labels"):
+        reconstruction_audit(truth, truth, labels, labels, means, 0)
+
+
+def test_class_mean_images_by_hand_and_the_class_mean_is_the_best_fixed_guess():
+    x = np.array([np.full((1, 2, 2), v) for v in (0.0, 0.2, 1.0, 0.6)])
+    means = class_mean_images(x, np.array([0, 0, 2, 2]), 4)
+    np.testing.assert_allclose(means[:, 0, 0, 0], [0.1, 0.45, 0.8, 0.45])  # classes 1 and 3: the overall mean
+    # within a class the mean image minimises the mean squared error of a fixed guess, so no other fixed
+    # image beats the floor's PSNR on average (checked against perturbed guesses)
+    rng = np.random.default_rng(0)
+    images = rng.uniform(0, 1, size=(200, 1, 12, 12))
+    m = class_mean_images(images, np.zeros(200, int), 1)[0]
+    best = np.mean([np.mean((a - m) ** 2) for a in images])
+    for _ in range(20):
+        other = np.clip(m + rng.normal(0, 0.05, m.shape), 0, 1)
+        assert np.mean([np.mean((a - other) ** 2) for a in images]) > best
+    with pytest.raises(ValueError, match="labels must lie"):
+        class_mean_images(x, np.array([0, 0, 2, 4]), 4)

@@ -124,19 +124,45 @@ def ssim(a: np.ndarray, b: np.ndarray) -> float:
     return float(s.mean())
 
 
+def class_mean_images(images: np.ndarray, labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """The mean image of each class (C×image); a class without an image gets the mean of all images.
+
+    What a server that holds labelled images of the task (its test set) can always output for a class
+    without looking at any release: the PSNR/SSIM floor of a reconstruction."""
+    x = np.asarray(images, dtype=np.float64)
+    y = np.asarray(labels).astype(np.int64).ravel()
+    if x.ndim < 3 or len(x) != len(y) or len(x) == 0 or not np.isfinite(x).all():
+        raise ValueError(f"need N >= 1 finite images and N labels, got {x.shape} and {np.shape(labels)}")
+    if y.min() < 0 or y.max() >= num_classes:
+        raise ValueError(f"labels must lie in [0, {num_classes - 1}], got [{y.min()}, {y.max()}]")
+    overall = x.mean(axis=0)
+    return np.stack([x[y == c].mean(axis=0) if (y == c).any() else overall for c in range(num_classes)])
+
+
 def reconstruction_audit(true_images: np.ndarray, reconstructions: np.ndarray, true_labels: np.ndarray,
-                         inferred_labels: np.ndarray, num_classes: int) -> dict[str, float]:
+                         inferred_labels: np.ndarray, class_means: np.ndarray,
+                         candidate_labels: int) -> dict[str, float]:
     """The ``leak-*`` metrics of gradient inversion (GLFC's proxy), images B×H×W or B×C×H×W in [0, 1]:
     mean PSNR and SSIM of each reconstruction against its true image, and the share of labels inferred
-    right. Floors: the mid-grey image (0.5 everywhere, a guess that ignores the gradient) and 1/C."""
+    right. Floors, what the server has without the gradients: the mean image of the sample's own class
+    (``class_means[label]``, :func:`class_mean_images`; crediting the server with the label makes the
+    floor higher than any label-free guess) and 1 / ``candidate_labels`` (the server knows the
+    current task's K classes, so a label guess is one of K, not of every class)."""
     x, r = _images(true_images, reconstructions)
-    if x.ndim < 3 or len(x) != len(np.asarray(true_labels)) or len(x) != len(np.asarray(inferred_labels)):
+    labels = np.asarray(true_labels).astype(np.int64).ravel()
+    if x.ndim < 3 or len(x) != len(labels) or len(x) != len(np.asarray(inferred_labels)):
         raise ValueError(f"need B images and B labels of each kind, got {x.shape}, {np.shape(true_labels)}, "
                          f"{np.shape(inferred_labels)}")
-    grey = np.full_like(x[0], 0.5)
+    means = np.asarray(class_means, dtype=np.float64)
+    if means.shape[1:] != x.shape[1:] or labels.min() < 0 or labels.max() >= len(means):
+        raise ValueError(f"class_means must be C×{x.shape[1:]} with every true label below C, got {means.shape} "
+                         f"and labels up to {labels.max()}")
+    if int(candidate_labels) != candidate_labels or candidate_labels < 1:
+        raise ValueError(f"candidate_labels must be an integer >= 1, got {candidate_labels!r}")
+    floor = means[labels]
     return {"leak-psnr": float(np.mean([psnr(a, b) for a, b in zip(x, r)])),
-            "leak-psnr-floor": float(np.mean([psnr(a, grey) for a in x])),
+            "leak-psnr-floor": float(np.mean([psnr(a, m) for a, m in zip(x, floor)])),
             "leak-ssim": float(np.mean([ssim(a, b) for a, b in zip(x, r)])),
-            "leak-ssim-floor": float(np.mean([ssim(a, grey) for a in x])),
-            "leak-label-acc": float(np.mean(np.asarray(true_labels) == np.asarray(inferred_labels))),
-            "leak-label-acc-floor": 1.0 / num_classes}
+            "leak-ssim-floor": float(np.mean([ssim(a, m) for a, m in zip(x, floor)])),
+            "leak-label-acc": float(np.mean(labels == np.asarray(inferred_labels).ravel())),
+            "leak-label-acc-floor": 1.0 / int(candidate_labels)}

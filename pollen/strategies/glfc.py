@@ -166,9 +166,9 @@ class IncrementalFedAvg(PollenStrategy):
             raise ValueError(f"old_model must be proxy, previous-task or none, got {old_model!r}")
         if old_model == "proxy" and lenet is None:
             raise ValueError("old_model = 'proxy' needs the shared LeNet")
-        if leak_audit and (old_model != "proxy" or image_mean is None or image_std is None):
-            raise ValueError("leak_audit scores the proxy's reconstructions: it needs old_model = 'proxy' and "
-                             "the images' image_mean and image_std")
+        if leak_audit and (old_model != "proxy" or image_mean is None or image_std is None or test_data is None):
+            raise ValueError("leak_audit scores the proxy's reconstructions: it needs old_model = 'proxy', "
+                             "the images' image_mean and image_std, and test_data (its class means are the floor)")
         if int(clients_per_round) != clients_per_round or clients_per_round < 1:
             raise ValueError(f"clients_per_round must be an integer >= 1, got {clients_per_round}")
         super().__init__(query_timeout=query_timeout, **kwargs)
@@ -545,13 +545,16 @@ class IncrementalFedAvg(PollenStrategy):
     def leak_metrics(self, reconstructions: np.ndarray, inferred: np.ndarray,
                      truth: Sequence[tuple[np.ndarray, int]]) -> dict[str, float]:
         """``leak-audit``: the proxy's final reconstructions and inferred labels against the true samples
-        (pairs in the same order), both in [0, 1] (:func:`pollen.privacy.leakage.reconstruction_audit`)."""
-        from pollen.privacy.leakage import reconstruction_audit
+        (pairs in the same order), both in [0, 1] (:func:`pollen.privacy.leakage.reconstruction_audit`).
+        Floors: the class-mean images of the server's own test set and 1/K, K the task's classes."""
+        from pollen.privacy.leakage import class_mean_images, reconstruction_audit
 
-        assert self.audit is not None
+        assert self.audit is not None and self.test_data is not None
+        x, y = self.test_data(self.schedule.seen_classes(self.task))
+        means = class_mean_images(self.to_unit_range(np.asarray(x)), np.asarray(y), self.audit.num_labels)
         return reconstruction_audit(self.to_unit_range(np.stack([x for x, _ in truth])),
                                     self.to_unit_range(reconstructions), np.array([y for _, y in truth]),
-                                    np.asarray(inferred), self.audit.num_labels)
+                                    np.asarray(inferred), means, self.schedule.classes_per_task)
 
     def _proxy_round(self, server_round: int, pool: list[list[np.ndarray]],
                      truth: Sequence[tuple[np.ndarray, int]] = ()) -> dict[str, Any]:

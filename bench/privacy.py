@@ -342,11 +342,11 @@ def markdown(records: list[dict]) -> str:
                          _cell(group, _eps), _cell(group, _client_replace_one),
                          _cell(group, _pct("inter-accuracy-client-mean"), scale=100),
                          _cell(group, _pct("intra-accuracy-client-mean"), scale=100),
-                         _cell(group, _fit_mean("leak-softmax-tv-client-mean"), 3),
-                         _cell(group, _fit_mean("leak-softmax-tv-floor-client-mean"), 3),
+                         _cell(group, _fit_mean("leak-record-label-acc-client-mean"), 3),
+                         _cell(group, _fit_mean("leak-record-label-acc-floor-client-mean"), 3),
                          _cell(group, lambda r: r["wall-s"], 0), _seeds(group)])
         lines += table(["target ε", "unit / neighbour", "ε spent", "ε replace-one", "inter AVG %", "intra AVG %",
-                        "softmax TV", "TV floor", "wall s",
+                        "record labels", "labels floor", "wall s",
                         "seeds"], rows)
         lines += [""]
     missing = [f"{f} {a}" for f in FAMILIES for a, _ in arms(f) if not _group(records, f).get(a)]

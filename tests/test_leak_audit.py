@@ -17,7 +17,7 @@ from pollen.app.registry import METHODS
 from pollen.app.server_app import main as server_main
 from pollen.datasets.spec import TaskOptions
 from pollen.datasets.tasks import build_client_data
-from pollen.privacy.leakage import prototype_audit, softmax_histogram_leak
+from pollen.privacy.leakage import logit_audit, prototype_audit
 from pollen.testing import InProcessGrid, clientapp_node
 from tests.test_privacy_clients import PAYLOAD, REPLY_BEFORE_DP, TINY_FCCL, UCI, digest, train_message
 
@@ -69,7 +69,7 @@ def test_payload_prototypes_audit_the_noisy_counts_they_release():
     assert 0 < metrics["leak-hist-tv"] and "dp-epsilon" in metrics
 
 
-def test_logits_audit_the_mean_softmax_of_the_released_logits(data_root, tmp_path):
+def test_logits_audit_the_labels_a_surrogate_of_the_released_logits_gives_the_clients_records(data_root, tmp_path):
     rc = {**TINY_FCCL, "method": "fedmd", "data-root": data_root, "leak-audit": True}
     reply = clientapp_node(client_app, rc, 1, 4, state_dir=str(tmp_path))(train_message(1))
     assert not reply.has_error(), reply.error
@@ -78,11 +78,11 @@ def test_logits_audit_the_mean_softmax_of_the_released_logits(data_root, tmp_pat
     from pollen.clients.logits import LogitClient
     from tests.conftest import make_context
 
-    labels = LogitClient(parse_run_config(rc), NodeConfig(1, 4), make_context(rc, 1, 4)).data.y_train.numpy()
-    truth = np.bincount(labels, minlength=logits.shape[1])
-    tv, floor = softmax_histogram_leak(logits, truth)
-    assert (metrics["leak-softmax-tv"], metrics["leak-softmax-tv-floor"]) == pytest.approx((tv, floor))
-    assert floor == pytest.approx(uniform_tv(truth))
+    client = LogitClient(parse_run_config(rc), NodeConfig(1, 4), make_context(rc, 1, 4))
+    labels = client.data.y_train.numpy()
+    expected = logit_audit(client.public.inputs.numpy(), logits, client.data.x_train.numpy(), labels)
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected)
+    assert metrics["leak-record-label-acc-floor"] == pytest.approx(np.bincount(labels).max() / len(labels))
     off = clientapp_node(client_app, {**rc, "leak-audit": False}, 1, 4, state_dir=str(tmp_path / "off"))(
         train_message(1))
     assert not [k for k in off.content["metrics"] if k.startswith("leak-")]

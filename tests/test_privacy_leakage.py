@@ -10,8 +10,9 @@ from pollen.privacy.leakage import (
     presence_leak,
     psnr,
     reconstruction_audit,
-    softmax_histogram_leak,
+    record_label_leak,
     ssim,
+    surrogate_labels,
     total_variation,
 )
 from pollen.privacy.mechanisms import release_prototypes
@@ -25,13 +26,8 @@ def test_hand_worked_values():
     assert histogram_leak([6, 2, 0, 0], [6, 2, 0, 0]) == (0.0, pytest.approx(0.5))
     assert presence_f1([5, 0, 3, 0], [True, True, False, False]) == pytest.approx(0.5)
     assert presence_leak([5, 0, 3, 0], [9.0, -1.0, 4.0, 0.5], threshold=2.0) == (1.0, pytest.approx(2 * 2 / 6))
-    logits = np.log(np.array([[0.5, 0.5, 0.0 + 1e-12], [1.0 - 2e-12, 1e-12, 1e-12]]))
-    tv, floor = softmax_histogram_leak(logits, [3, 1, 0])
-    assert tv == pytest.approx(0.0, abs=1e-9) and floor == pytest.approx(5 / 12)
     with pytest.raises(ValueError, match="differ in length"):
         total_variation([1, 2], [1, 2, 3])
-    with pytest.raises(ValueError, match="N0×3"):
-        softmax_histogram_leak(np.zeros((4, 2)), [1, 1, 1])
 
 
 @pytest.mark.parametrize(("sigma", "leaks"), [(0.05, True), (500.0, False)])
@@ -135,3 +131,36 @@ def test_class_mean_images_by_hand_and_the_class_mean_is_the_best_fixed_guess():
         assert np.mean([np.mean((a - other) ** 2) for a in images]) > best
     with pytest.raises(ValueError, match="labels must lie"):
         class_mean_images(x, np.array([0, 0, 2, 4]), 4)
+
+
+def test_the_surrogate_is_ridge_regression_in_its_kernel_form():
+    """Fewer input dimensions than public rows: the kernel form equals the primal ridge solution
+    (X0ᵀX0 + λI)⁻¹X0ᵀ(Z − mean Z), solved independently, in its scores' argmax."""
+    rng = np.random.default_rng(5)
+    x0, z, x = rng.normal(size=(60, 8)), rng.normal(size=(60, 4)), rng.normal(size=(300, 8))
+    lam = 0.7 * np.mean(np.sum(x0 ** 2, axis=1))
+    w = np.linalg.solve(x0.T @ x0 + lam * np.eye(8), x0.T @ (z - z.mean(axis=0)))
+    np.testing.assert_array_equal(surrogate_labels(x0, z, x, ridge=0.7), (x @ w).argmax(axis=1))
+    # images are flattened: N×1×2×4 is the same as N×8
+    np.testing.assert_array_equal(surrogate_labels(x0.reshape(60, 1, 2, 4), z, x.reshape(300, 1, 2, 4), 0.7),
+                                  (x @ w).argmax(axis=1))
+
+
+def test_a_release_that_is_the_clients_labelling_gives_its_labels_and_noise_gives_the_floor():
+    """A client whose model is linear: its labels are argmax(x·W) and its release is X0·W. The surrogate
+    reads almost every label; a release independent of the client (pure noise) reads chance, within 4
+    binomial standard deviations of 1/C, below the floor (the most frequent label's share)."""
+    rng = np.random.default_rng(11)
+    d, classes, n0, n = 30, 5, 400, 2000
+    w = rng.normal(size=(d, classes))
+    x0, x = rng.normal(size=(n0, d)), rng.normal(size=(n, d))
+    labels = (x @ w).argmax(axis=1)
+    acc, floor = record_label_leak(x0, x0 @ w, x, labels)
+    assert floor == pytest.approx(np.bincount(labels).max() / n) and floor >= 1 / classes
+    assert acc > 0.95 > floor + 0.5
+    noise_acc, _ = record_label_leak(x0, rng.normal(size=(n0, classes)), x, labels)
+    assert abs(noise_acc - 1 / classes) < 4 * np.sqrt(0.2 * 0.8 / n) and noise_acc < floor
+    with pytest.raises(ValueError, match="one logit row per public input"):
+        record_label_leak(x0[:10], x0 @ w, x, labels)
+    with pytest.raises(ValueError, match="one label"):
+        record_label_leak(x0, x0 @ w, x, labels[:5])

@@ -14,7 +14,6 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 from flwr.common import Context, NDArrays, Scalar
 
 from pollen.clients.base import PollenClient
@@ -91,9 +90,9 @@ class LogitClient(PollenClient):
         metrics = dict(reply.metrics)
         if reply.logits is not None:  # the server refuses logits on a public set other than the federation's
             metrics[PUBLIC_DIGEST] = self.public.digest
-            if self.cfg.leak_audit:  # the released logits against the true label counts
-                metrics.update(logit_audit(reply.logits, np.bincount(self.data.y_train.numpy(),
-                                                                     minlength=self.task.num_classes)))
+            if self.cfg.leak_audit:  # the labels of the client's records, read through the released logits
+                metrics.update(logit_audit(self.public.inputs.numpy(), reply.logits, self.data.x_train.numpy(),
+                                           self.data.y_train.numpy()))
         return dataclasses.replace(reply, metrics={**self.base_metrics(), **metrics})
 
     def test(self, ins: LogitInstruction) -> Evaluation:

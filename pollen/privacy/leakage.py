@@ -1,8 +1,9 @@
 """What the server could learn from a client's release, measured against the truth. Pure numpy.
 
-Each measure comes with its *random-guess floor*: the score of a server that ignores the release and
-guesses (the uniform histogram; every class present). A release leaks what a measure gains over its
-floor; with ``dp-mode = payload`` the gain should shrink as σ grows. The ``*_audit`` functions name
+Each measure comes with its *floor*: the score of a server that ignores the release and guesses as
+well as it can without it (the uniform histogram; every class present; the client's most frequent
+label; the class-mean image; one of the task's K classes). A release leaks what a measure gains over
+its floor; with ``dp-mode = payload`` the gain should shrink as σ grows. The ``*_audit`` functions name
 the measures as the ``leak-*`` train metrics of ``leak-audit = true``.
 """
 
@@ -56,17 +57,6 @@ def presence_leak(true_counts: np.ndarray, released_counts: np.ndarray,
     return presence_f1(true_counts, released >= threshold), presence_f1(true_counts, np.ones(released.shape, bool))
 
 
-def softmax_histogram_leak(public_logits: np.ndarray, true_counts: np.ndarray) -> tuple[float, float]:
-    """(TV between the mean softmax of the public-set logits and the client's label histogram, TV of
-    the uniform guess: the floor). A model trained on skewed labels predicts them more often."""
-    z = np.asarray(public_logits, dtype=np.float64)
-    if z.ndim != 2 or z.shape[1] != np.size(true_counts) or not np.isfinite(z).all():
-        raise ValueError(f"public logits must be finite N0×{np.size(true_counts)}, got shape {z.shape}")
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    mean_softmax = (e / e.sum(axis=1, keepdims=True)).mean(axis=0)
-    return histogram_leak(true_counts, mean_softmax)
-
-
 def prototype_audit(true_counts: np.ndarray, released_counts: np.ndarray, held_at: float) -> dict[str, float]:
     """The ``leak-*`` metrics of a prototype release: the histogram and the held classes (count >=
     ``held_at``, the server's rule) read off its counts, each with its floor."""
@@ -76,10 +66,63 @@ def prototype_audit(true_counts: np.ndarray, released_counts: np.ndarray, held_a
             "leak-presence-f1": f1, "leak-presence-f1-floor": f1_floor}
 
 
-def logit_audit(public_logits: np.ndarray, true_counts: np.ndarray) -> dict[str, float]:
-    """The ``leak-*`` metrics of a public-logit release: the histogram read off its mean softmax, and its floor."""
-    tv, floor = softmax_histogram_leak(public_logits, true_counts)
-    return {"leak-softmax-tv": tv, "leak-softmax-tv-floor": floor}
+# --- public-set logits (FCCL, FedMD, FedDF): the labels of the client's records, read through a surrogate ---
+
+SURROGATE_RIDGE = 1.0  # the surrogate's ridge, in units of the public inputs' mean squared norm (scale-free)
+
+
+def _rows(a: np.ndarray, name: str) -> np.ndarray:
+    x = np.asarray(a, dtype=np.float64)
+    if x.ndim < 2 or len(x) == 0 or not np.isfinite(x).all():
+        raise ValueError(f"{name} must be N ≥ 1 finite rows (N×d or N×image), got shape {x.shape}")
+    return x.reshape(len(x), -1)
+
+
+def surrogate_labels(public_inputs: np.ndarray, released_logits: np.ndarray, inputs: np.ndarray,
+                     ridge: float = SURROGATE_RIDGE) -> np.ndarray:
+    """The labels a server gives ``inputs`` with a linear surrogate of the client's model calibrated on the
+    public set it holds: ridge regression from the public inputs (flattened) to the released logits
+    (centred per class), in its kernel form ``scores = X·X0ᵀ·(X0·X0ᵀ + λI)⁻¹·(Z − mean Z)`` so that inputs
+    larger than the public set cost N0×N0; ``λ = ridge × mean ‖x0‖²``; the label is the highest score."""
+    x0, x = _rows(public_inputs, "public_inputs"), _rows(inputs, "inputs")
+    z = _rows(released_logits, "released_logits")
+    if len(z) != len(x0) or x.shape[1] != x0.shape[1]:
+        raise ValueError(f"need one logit row per public input and inputs of the public inputs' size, got "
+                         f"{z.shape} logits, {x0.shape} public inputs and {x.shape} inputs")
+    if not ridge > 0:
+        raise ValueError(f"ridge must be > 0, got {ridge}")
+    k = x0 @ x0.T
+    lam = ridge * float(np.trace(k)) / len(k)
+    alpha = np.linalg.solve(k + lam * np.eye(len(k)), z - z.mean(axis=0))
+    return np.asarray((x @ x0.T @ alpha).argmax(axis=1))
+
+
+def record_label_leak(public_inputs: np.ndarray, released_logits: np.ndarray, inputs: np.ndarray,
+                      labels: np.ndarray) -> tuple[float, float]:
+    """(share of the client's records whose label the surrogate (:func:`surrogate_labels`) gets right, the
+    floor: the share of the client's most frequent label, what a server holding nothing from this client
+    gets by giving every record one label, the best one, at least 1/C).
+
+    Why this attack: a public-logit release is the client's model read on inputs the server holds, so the
+    server can rebuild the model's labelling and read the labels of the client's records (images it
+    might hold, e.g. a leaked or shared copy). The label histogram read off the mean softmax (the
+    attack this replaces) cannot beat its uniform floor when clients hold near-balanced labels: the
+    public set's own composition dominates the mean. The floor credits the server with the client's
+    best single label; a server holding other models of the task could do better without the release,
+    so the gain over the floor is what the release carries, not what the task itself gives away."""
+    y = np.asarray(labels).astype(np.int64).ravel()
+    if len(y) != len(np.asarray(inputs)) or y.min(initial=0) < 0:
+        raise ValueError(f"need one label >= 0 per input, got {np.shape(labels)} for {np.shape(inputs)}")
+    predicted = surrogate_labels(public_inputs, released_logits, inputs)
+    return float(np.mean(predicted == y)), float(np.bincount(y).max() / len(y))
+
+
+def logit_audit(public_inputs: np.ndarray, released_logits: np.ndarray, inputs: np.ndarray,
+                labels: np.ndarray) -> dict[str, float]:
+    """The ``leak-*`` metrics of a public-logit release: the client's record labels read through a
+    surrogate calibrated on the public set (:func:`record_label_leak`), and its floor."""
+    acc, floor = record_label_leak(public_inputs, released_logits, inputs, labels)
+    return {"leak-record-label-acc": acc, "leak-record-label-acc-floor": floor}
 
 
 # --- image reconstructions (GLFC's proxy inverts gradients into images) ------------------------------

@@ -239,6 +239,72 @@ def _client_replace_one(r: dict) -> float | None:
     return None
 
 
+def _replace_one_cell(group: list[dict]) -> str:
+    """The replace-one ε cell: as the runs recorded it, or marked ``(recomputed)`` for runs made before
+    Pollen recorded a client's dataset as replaced (their σ and release count, :func:`_client_replace_one`)."""
+    cell = _cell(group, _client_replace_one)
+    old = any(_terms(r)[0] == "client" and "dp-unit" not in r["privacy"] for r in group)
+    return f"{cell} (recomputed)" if old and cell != "—" else cell
+
+
+def _commits(group: list[dict]) -> str:
+    return ", ".join(sorted({r["commit"][:7] for r in group}))
+
+
+# The leak figures each family reports: (curve key, name, +1 when higher means more leaked, -1 when lower
+# does). Prototype and logit figures are per client (the round's mean over clients), GLFC's the server's.
+LEAKS = {"fedproto": (("leak-hist-tv-client-mean", "histogram TV", -1),
+                      ("leak-presence-f1-client-mean", "presence F1", +1)),
+         "glfc": (("leak-psnr", "proxy PSNR dB", +1), ("leak-ssim", "proxy SSIM", +1),
+                  ("leak-label-acc", "proxy label acc.", +1)),
+         "fccl": (("leak-record-label-acc-client-mean", "record labels", +1),)}
+CLEARLY = 2.0  # a leak is clear when the mean gain over the floor exceeds this many s.d. of one release's gain
+
+
+def _floor_key(key: str) -> str:
+    return key.replace("-client-mean", "-floor-client-mean") if key.endswith("-client-mean") else f"{key}-floor"
+
+
+def release_gains(group: list[dict], key: str, sign: int) -> list[float]:
+    """What each release gains over its floor (``sign`` × (score − floor)), pooled over the runs' rounds
+    that report both: positive = the server learns more than without the release."""
+    out = []
+    for r in group:
+        scores, floors = r["curves"].get(f"fit/{key}", []), r["curves"].get(f"fit/{_floor_key(key)}", [])
+        out += [sign * (a - b) for a, b in zip(scores, floors)
+                if isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(a - b)]
+    return out
+
+
+def leak_verdict(gains: list[float]) -> str:
+    """``clear leak`` when the mean gain over the floor exceeds CLEARLY s.d. of the per-release gains
+    (seeds and rounds pooled; with no spread, any positive gain), ``at the floor`` within that band,
+    ``below the floor`` under it."""
+    if not gains:
+        return "—"
+    mean = sum(gains) / len(gains)
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gains) / (len(gains) - 1)) if len(gains) > 1 else 0.0
+    if mean > CLEARLY * sd and mean > 0:
+        return "clear leak"
+    return "below the floor" if mean < -CLEARLY * sd else "at the floor"
+
+
+def verdict_rows(records: list[dict]) -> list[list[str]]:
+    rows = []
+    for family in FAMILIES:
+        for arm, group in _group(records, family).items():
+            for key, name, sign in LEAKS[family]:
+                gains = release_gains(group, key, sign)
+                if not gains:
+                    continue
+                mean = sum(gains) / len(gains)
+                sd = math.sqrt(sum((g - mean) ** 2 for g in gains) / (len(gains) - 1)) if len(gains) > 1 else 0.0
+                rows.append([family, arm, name, _cell(group, _fit_mean(key), 3),
+                             _cell(group, _fit_mean(_floor_key(key)), 3), f"{mean:+.3f}", f"{sd:.3f}",
+                             str(len(gains)), leak_verdict(gains), _seeds(group)])
+    return rows
+
+
 def _group(records: list[dict], family: str) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for arm, _ in arms(family):
@@ -273,15 +339,17 @@ def markdown(records: list[dict]) -> str:
     lines = ["# Privacy study: accuracy and measured leakage under differential privacy", "",
              "Written by `python -m bench.privacy` from `bench/results/privacy/*.json` (one file per run). Every run "
              "is a `flwr run` with `leak-audit = true`; `dp-clip` 1.0, `dp-delta` 1e-5. Figures are mean ± s.d. over "
-             "the seeds listed (one seed: the value). *ε spent*: `summary.json`'s `privacy.dp-epsilon-max`, the "
-             "worst-off client's ε after the last round, stated for its *unit / neighbour* (docs/privacy.md: `record` "
-             "and `client` figures are guarantees; `row-given-model` is one embedding row given a model trained "
-             "without DP, no record- or client-level guarantee). *ε replace-one*: a client's dataset replaced by "
-             "any other, for runs made before Pollen recorded it recomputed from the run's σ and releases (their "
-             "add/remove ε, the figure then recorded, reproduced to 1e-6). Leak figures are per release (each "
-             "round's mean over clients, averaged over the rounds), with the score of a server that ignores the "
-             "release (*floor*); a release leaks what it gains over its floor (TV below it, F1 above it). What "
-             "each figure means: [docs/privacy.md](../../docs/privacy.md#measured-leakage).", ""]
+             "the seeds listed (one seed: the value). *ε spent*: `summary.json`'s `privacy.dp-epsilon-max` (for "
+             "payload prototypes `dp-epsilon-row-given-model-max`), the worst-off client's ε after the last round, "
+             "for its *unit* and *neighbour* (docs/privacy.md: `record` and `client` figures are guarantees; "
+             "`row-given-model` is one embedding row given a model trained without DP, no record- or client-level "
+             "guarantee). *ε replace-one*: a client's dataset replaced by any other, as the run recorded it; "
+             "*(recomputed)* marks runs made before Pollen recorded it, recomputed from the run's σ and releases "
+             "(their add/remove ε, the figure then recorded, reproduced to 1e-6). *run at*: the commit each run "
+             "ran at. Leak figures are per release (each round's mean over clients, averaged over the rounds), "
+             "with the score of a server that guesses as well as it can without the release (*floor*); a release "
+             "leaks what it gains over its floor. What each figure and floor means: "
+             "[docs/privacy.md](../../docs/privacy.md#measured-leakage).", ""]
     fp = _group(records, "fedproto")
     if fp:
         cfg, nodes = base_config("fedproto")
@@ -294,7 +362,7 @@ def markdown(records: list[dict]) -> str:
         for arm, group in fp.items():
             mode, _, eps = arm.partition("-eps")
             unit, neighbour = _terms(group[0])
-            rows.append([mode if mode != "off" else "off (no DP)", eps or "∞", f"{unit} / {neighbour}",
+            rows.append([mode if mode != "off" else "off (no DP)", eps or "∞", unit, neighbour,
                          _cell(group, _eps),
                          _cell(group, _pct("accuracy-client-mean"), scale=100),
                          _cell(group, _pct("proto-accuracy-client-mean"), scale=100),
@@ -302,9 +370,9 @@ def markdown(records: list[dict]) -> str:
                          _cell(group, _fit_mean("leak-hist-tv-floor-client-mean"), 3),
                          _cell(group, _fit_mean("leak-presence-f1-client-mean"), 3),
                          _cell(group, _fit_mean("leak-presence-f1-floor-client-mean"), 3),
-                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group)])
-        lines += table(["dp-mode", "target ε", "unit / neighbour", "ε spent", "local acc. %", "proto acc. %",
-                        "histogram TV", "TV floor", "presence F1", "F1 floor", "wall s", "seeds"], rows)
+                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group), _commits(group)])
+        lines += table(["dp-mode", "target ε", "unit", "neighbour", "ε spent", "local acc. %", "proto acc. %",
+                        "histogram TV", "TV floor", "presence F1", "F1 floor", "wall s", "seeds", "run at"], rows)
         lines += ["", *_off_check(records)]
     gl = _group(records, "glfc")
     if gl:
@@ -317,37 +385,50 @@ def markdown(records: list[dict]) -> str:
         rows = []
         for arm, group in gl.items():
             unit, neighbour = _terms(group[0])
-            rows.append([arm.removeprefix("sigma"), f"{unit} / {neighbour}", _cell(group, _eps),
-                         _cell(group, _client_replace_one),
+            rows.append([arm.removeprefix("sigma"), unit, neighbour, _cell(group, _eps),
+                         _replace_one_cell(group),
                          _cell(group, lambda r: r["evaluate"].get("aia"), 3),
                          _cell(group, lambda r: r["evaluate"].get("forgetting"), 3),
                          _cell(group, _fit_mean("leak-psnr"), 1), _cell(group, _fit_mean("leak-psnr-floor"), 1),
                          _cell(group, _fit_mean("leak-ssim"), 3), _cell(group, _fit_mean("leak-ssim-floor"), 3),
                          _cell(group, _fit_mean("leak-label-acc"), 3),
                          _cell(group, _fit_mean("leak-label-acc-floor"), 3),
-                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group)])
-        lines += table(["σ", "unit / neighbour", "ε spent", "ε replace-one", "AIA", "forgetting", "proxy PSNR dB",
+                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group), _commits(group)])
+        lines += table(["σ", "unit", "neighbour", "ε spent", "ε replace-one", "AIA", "forgetting", "proxy PSNR dB",
                         "PSNR floor", "SSIM", "SSIM floor",
-                        "label acc.", "label floor", "wall s", "seeds"], rows)
+                        "label acc.", "label floor", "wall s", "seeds", "run at"], rows)
         lines += [""]
     fc = _group(records, "fccl")
     if fc:
         lines += ["## FCCL, offline Digits (the preset)", "",
                   "`conf/fccl-digits-offline.toml` (4 clients, one domain each, 10 rounds); each public-sample logit "
-                  "row clipped to 1, noise σ·√N0 (N0 = 1,000 public samples).", ""]
+                  "row clipped to 1, noise σ·√N0 (N0 = 1,000 public samples). *Record labels*: the share of a "
+                  "client's training records whose label a server reads through a ridge surrogate of the client's "
+                  "model fitted on the public set and its released logits; floor: the client's most frequent "
+                  "label's share. Runs before the attack existed show —.", ""]
         rows = []
         for arm, group in fc.items():
             unit, neighbour = _terms(group[0])
-            rows.append([arm.removeprefix("payload-eps") if arm != "off" else "∞ (off)", f"{unit} / {neighbour}",
-                         _cell(group, _eps), _cell(group, _client_replace_one),
+            rows.append([arm.removeprefix("payload-eps") if arm != "off" else "∞ (off)", unit, neighbour,
+                         _cell(group, _eps), _replace_one_cell(group),
                          _cell(group, _pct("inter-accuracy-client-mean"), scale=100),
                          _cell(group, _pct("intra-accuracy-client-mean"), scale=100),
                          _cell(group, _fit_mean("leak-record-label-acc-client-mean"), 3),
                          _cell(group, _fit_mean("leak-record-label-acc-floor-client-mean"), 3),
-                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group)])
-        lines += table(["target ε", "unit / neighbour", "ε spent", "ε replace-one", "inter AVG %", "intra AVG %",
-                        "record labels", "labels floor", "wall s",
-                        "seeds"], rows)
+                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group), _commits(group)])
+        lines += table(["target ε", "unit", "neighbour", "ε spent", "ε replace-one", "inter AVG %", "intra AVG %",
+                        "record labels", "labels floor", "wall s", "seeds", "run at"], rows)
+        lines += [""]
+    verdicts = verdict_rows(records)
+    if verdicts:
+        lines += ["## Leak against floor, per release", "",
+                  "*Gain*: a release's score minus its floor (for TV, floor minus score), averaged over every "
+                  "release of the cell (rounds × seeds; prototype and logit figures are the round's mean over "
+                  "clients); *s.d.*: the spread of one release's gain. A *clear leak*: the mean gain exceeds "
+                  f"{CLEARLY:g} s.d. (no spread: any positive gain); *at the floor*: within ±{CLEARLY:g} s.d.; "
+                  "*below the floor*: under it.", ""]
+        lines += table(["family", "arm", "leak figure", "score", "floor", "gain", "s.d.", "releases", "verdict",
+                        "seeds"], verdicts)
         lines += [""]
     missing = [f"{f} {a}" for f in FAMILIES for a, _ in arms(f) if not _group(records, f).get(a)]
     if missing:

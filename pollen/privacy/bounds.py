@@ -29,6 +29,7 @@ std a reply declares, which must be at least the floor the keys give).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -92,6 +93,33 @@ def _norm(arrays: Iterable[np.ndarray]) -> float:
         for a in arrays:
             total += float(np.square(np.asarray(a, dtype=np.float64)).sum())
     return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+COUNT_GRID = 2.0 ** 0.125  # record counts the count-noise cap rounds to (a calibration per grid step)
+
+
+def _grid_down(n: float) -> int:
+    """The largest grid point (``COUNT_GRID``'s powers, whole numbers, at least 1) at or below ``n``."""
+    point = math.floor(COUNT_GRID ** math.floor(math.log(max(n, 1.0), COUNT_GRID) + 1e-9))
+    return max(1, min(point, math.floor(n)))
+
+
+def _grid_up(n: float) -> int:
+    """The smallest grid point at or above ``n``."""
+    return max(math.ceil(COUNT_GRID ** math.ceil(math.log(max(n, 1.0), COUNT_GRID) - 1e-9)), math.ceil(n))
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrated_cap(target_epsilon: float, delta: float, rounds: int, rate: float, steps: int,
+                    full_per_round: int) -> float | None:
+    """σ of the DP-SGD plan a client would calibrate (:func:`pollen.privacy.accounting.calibrate_noise_multiplier`);
+    a pure function of its arguments, kept because each costs seconds and replies repeat it."""
+    from pollen.privacy.accounting import calibrate_noise_multiplier
+
+    try:
+        return calibrate_noise_multiplier(target_epsilon, delta, rounds, rate, steps, full_per_round)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -239,25 +267,26 @@ class DpBounds:
 
     def count_std_cap(self, counts: np.ndarray, count_std: float, max_count: int, failure: float) -> float | None:
         """The most count noise std an honest client can declare under ``sample`` with a target ε (``None``
-        where σ is not a floor). A client's σ pays for its DP-SGD steps at rate q = batch / n; a Poisson
-        sample is at least as private as all the records, so its σ is at most the σ of the same plan on all
-        the data (every step a full Gaussian: T of them are one Gaussian at σ/√T), which grows with the
-        steps, i.e. with n.
-        n itself is bounded by the released counts: their sum is n plus N(0, C·std²), so n ≤ Σ counts +
-        std·√C·√(2·ln(1/failure)), and n ≤ ``max_count``. 1 % on top for the accountants' precision."""
+        where σ is not a floor). A client calibrates σ for its record count n: ``epochs·⌈n / batch⌉`` DP-SGD
+        steps a round at rate q = min(1, batch / n), plus the full releases. The server does not know n, but
+        the released counts bound it: their sum is n plus N(0, C·std²), so n lies in
+        [Σ counts − k, Σ counts + k] (k = std·√C·√(2·ln(1/failure))), and in [1, ``max_count``]. A plan
+        with a higher rate and more steps than any n of that range costs more ε at every σ, so its σ (the
+        same calibration the clients run) is at least every honest client's: rate at the range's low end,
+        steps at its high end, each widened to a grid of 2^(1/8) so that replies of similar sizes share
+        one calibration (:func:`_calibrated_cap`). 1 % on top for the calibrations' precision (1e-3)."""
         if not self.sigma_is_floor or self.rounds < 1 or self.sgd_epochs < 1 or self.sgd_batch < 1:
             return None
-        from pollen.privacy.accounting import calibrate_noise_multiplier
-
         c = np.asarray(counts, dtype=np.float64)
-        n_max = float(c.sum()) + count_std * math.sqrt(c.size) * math.sqrt(2.0 * math.log(1.0 / failure))
-        n_max = max(1, min(int(max_count), math.ceil(n_max) if math.isfinite(n_max) else int(max_count)))
-        steps = self.sgd_epochs * math.ceil(n_max / self.sgd_batch)
-        try:  # T Gaussians at σ compose into one at σ/√T: one calibration serves every n
-            one = calibrate_noise_multiplier(self.target_epsilon, self.delta, 1)
-        except ValueError:
+        total, k = float(c.sum()), count_std * math.sqrt(c.size) * math.sqrt(2.0 * math.log(1.0 / failure))
+        if not (math.isfinite(total) and math.isfinite(k)):
             return None
-        return one * math.sqrt(self.rounds * (steps + self.full_per_round)) * PROTOTYPE_SENSITIVITY_UNITS * 1.01
+        n_low = _grid_down(max(1.0, min(float(max_count), total - k)))
+        n_high = _grid_up(max(1.0, min(float(max_count), total + k)))
+        rate = min(1.0, self.sgd_batch / n_low)
+        steps = self.sgd_epochs * math.ceil(n_high / self.sgd_batch)
+        sigma = _calibrated_cap(self.target_epsilon, self.delta, self.rounds, rate, steps, self.full_per_round)
+        return None if sigma is None else sigma * PROTOTYPE_SENSITIVITY_UNITS * 1.01
 
     def check_prototypes(self, sums: np.ndarray, counts: np.ndarray, count_std: float, max_count: int) -> str | None:
         """Noisy per-class sums (C×d) and counts (C), tied together: a class's true count is at most its

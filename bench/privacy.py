@@ -62,13 +62,18 @@ FOLDER = RESULTS / "privacy"
 REPORT_MD, REPORT_JSON, REPORT_PNG = RESULTS / "privacy.md", RESULTS / "privacy.json", RESULTS / "privacy.png"
 README_FEDPROTO = RESULTS / "readme_commands" / "fedproto.json"
 README_FCCL = RESULTS / "readme_commands" / "fccl.json"
-FAMILIES = ("fedproto", "glfc", "fccl")  # the order a study runs them: cheapest first
+FAMILIES = ("fedproto", "glfc", "fccl", "fccl-leak")  # the order a study runs them: cheapest first
 FEDPROTO_EPSILONS = (8.0, 4.0, 2.0, 1.0)
 FCCL_EPSILONS = (8.0, 4.0)
 GLFC_SIGMAS = (0.5, 1.0, 2.0)
 # GLFC's preset shortened to what the study can afford (2 tasks of 5 rounds: one task transition, so the
 # proxy inverts gradients and old models are kept)
 GLFC_SHORT = {"num-server-rounds": 10, "glfc-tasks": 2, "glfc-rounds-per-task": 5}
+# FCCL's leak per release, measured in 2 rounds of the preset (a 10-round run takes 40 min to hours on this
+# machine): without DP, and at the σ of the 10-round ε-8 budget (client-level, replace-one), so that each
+# release carries the noise it carries in the full ε-8 run
+FCCL_LEAK_SHORT = {"num-server-rounds": 2}
+FCCL_LEAK_EPSILON = 8.0
 
 
 def command_config(record_path: Path) -> tuple[dict[str, Any], int]:
@@ -103,7 +108,18 @@ def arms(family: str) -> list[tuple[str, dict[str, Any]]]:
     if family == "fccl":
         return [("off", audit)] + [(f"payload-eps{e:g}", {**private, "dp-mode": "payload", "dp-target-epsilon": e})
                                    for e in FCCL_EPSILONS]
+    if family == "fccl-leak":
+        sigma = fccl_leak_sigma()
+        return [("off", audit), (f"sigma{sigma:g}", {**private, "dp-mode": "payload", "dp-noise-multiplier": sigma})]
     raise ValueError(family)
+
+
+def fccl_leak_sigma() -> float:
+    """σ of the full FCCL preset's ε-8 budget (its rounds, δ 1e-5, client-level replace-one), to 4 digits."""
+    from pollen.privacy.accounting import calibrate_noise_multiplier
+
+    rounds = int(preset("fccl-digits-offline")["num-server-rounds"])
+    return round(calibrate_noise_multiplier(FCCL_LEAK_EPSILON, 1e-5, rounds, neighbour="replace-one"), 4)
 
 
 def base_config(family: str) -> tuple[dict[str, Any], int]:
@@ -114,6 +130,8 @@ def base_config(family: str) -> tuple[dict[str, Any], int]:
         return {**preset("glfc-mnist-fmnist"), **GLFC_SHORT}, 10
     if family == "fccl":
         return preset("fccl-digits-offline"), 4
+    if family == "fccl-leak":
+        return {**preset("fccl-digits-offline"), **FCCL_LEAK_SHORT}, 4
     raise ValueError(family)
 
 
@@ -257,7 +275,8 @@ LEAKS = {"fedproto": (("leak-hist-tv-client-mean", "histogram TV", -1),
                       ("leak-presence-f1-client-mean", "presence F1", +1)),
          "glfc": (("leak-psnr", "proxy PSNR dB", +1), ("leak-ssim", "proxy SSIM", +1),
                   ("leak-label-acc", "proxy label acc.", +1)),
-         "fccl": (("leak-record-label-acc-client-mean", "record labels", +1),)}
+         "fccl": (("leak-record-label-acc-client-mean", "record labels", +1),),
+         "fccl-leak": (("leak-record-label-acc-client-mean", "record labels", +1),)}
 CLEARLY = 2.0  # a leak is clear when the mean gain over the floor exceeds this many s.d. of one release's gain
 
 
@@ -419,6 +438,27 @@ def markdown(records: list[dict]) -> str:
         lines += table(["target ε", "unit", "neighbour", "ε spent", "ε replace-one", "inter AVG %", "intra AVG %",
                         "record labels", "labels floor", "wall s", "seeds", "run at"], rows)
         lines += [""]
+    fl = _group(records, "fccl-leak")
+    if fl:
+        lines += ["## FCCL's logit leak per release (the preset, 2 rounds)", "",
+                  f"`conf/fccl-digits-offline.toml` with {FCCL_LEAK_SHORT} (a full run takes 40 min to hours here): "
+                  f"without DP, and at σ {fccl_leak_sigma():g}, the σ of the full 10-round preset's ε-"
+                  f"{FCCL_LEAK_EPSILON:g} budget (client-level, replace-one), so that each release carries the noise "
+                  "it carries in a full ε-8 run; ε spent is that of these 2 releases. Accuracies are after 2 rounds.",
+                  ""]
+        rows = []
+        for arm, group in fl.items():
+            unit, neighbour = _terms(group[0])
+            rows.append([arm.removeprefix("sigma") if arm != "off" else "0 (off)", unit, neighbour, _cell(group, _eps),
+                         _replace_one_cell(group),
+                         _cell(group, _pct("inter-accuracy-client-mean"), scale=100),
+                         _cell(group, _pct("intra-accuracy-client-mean"), scale=100),
+                         _cell(group, _fit_mean("leak-record-label-acc-client-mean"), 3),
+                         _cell(group, _fit_mean("leak-record-label-acc-floor-client-mean"), 3),
+                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group), _commits(group)])
+        lines += table(["σ", "unit", "neighbour", "ε spent", "ε replace-one", "inter AVG %", "intra AVG %",
+                        "record labels", "labels floor", "wall s", "seeds", "run at"], rows)
+        lines += [""]
     verdicts = verdict_rows(records)
     if verdicts:
         lines += ["## Leak against floor, per release", "",
@@ -490,8 +530,12 @@ def plot(records: list[dict]) -> None:
         if ps:
             pts.append((s, sum(ps) / len(ps)))
         aia.append((s, sum(r["evaluate"].get("aia", math.nan) for r in group) / len(group)))
+    floors = [(float(arm.removeprefix("sigma")), v) for arm, group in _group(records, "glfc").items()
+              for v in map(_fit_mean("leak-psnr-floor"), group) if v is not None]
     if pts:
         ax.plot(*zip(*sorted(pts)), "-o", label="proxy PSNR (dB)")
+        if floors:
+            ax.axhline(sum(v for _, v in floors) / len(floors), color="grey", ls=":", label="floor (class mean)")
         ax.set_ylabel("PSNR dB")
         twin = ax.twinx()
         twin.plot(*zip(*sorted(aia)), "--s", color="C1", label="AIA")
@@ -507,6 +551,14 @@ def plot(records: list[dict]) -> None:
                       100 * sum(r["evaluate"][key] for r in group) / len(group)) for arm, group in fccl.items())
         if pts:
             ax.plot(*zip(*pts), style, label=key.split("-")[0] + " AVG")
+    leak = sorted((INF_X if arm == "off" else float(arm.removeprefix("payload-eps")), v)
+                  for arm, group in fccl.items()
+                  for v in [_mean([_fit_mean("leak-record-label-acc-client-mean")(r) for r in group])] if v is not None)
+    if leak:
+        twin = ax.twinx()
+        twin.plot(*zip(*leak), ":^", color="C3", label="record labels read")
+        twin.set_ylabel("share of record labels read")
+        twin.legend(loc="lower center", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("target ε over 10 rounds (rightmost: no DP)")
     ax.set_ylabel("test accuracy %")

@@ -368,7 +368,13 @@ def markdown(records: list[dict]) -> str:
              "ran at. Leak figures are per release (each round's mean over clients, averaged over the rounds), "
              "with the score of a server that guesses as well as it can without the release (*floor*); a release "
              "leaks what it gains over its floor. What each figure and floor means: "
-             "[docs/privacy.md](../../docs/privacy.md#measured-leakage).", ""]
+             "[docs/privacy.md](../../docs/privacy.md#measured-leakage).", "",
+             "Rows run at eb2b59a or 507789b predate the honest floors and the recorded neighbour (issue 40); they "
+             "are kept where a rerun did not fit in this machine's time: FedProto's (its leak figures and floors "
+             "are unchanged since, and payload rows are `row-given-model` / add-remove, sample rows `record` / "
+             "add-remove, as runs record them now) and FCCL's 10-round accuracy runs (no record-label attack "
+             "then: —; replace-one ε recomputed). GLFC and FCCL's per-release leak were rerun with the new floors "
+             "and attack.", ""]
     fp = _group(records, "fedproto")
     if fp:
         cfg, nodes = base_config("fedproto")

@@ -374,9 +374,10 @@ def markdown(records: list[dict]) -> str:
              "are unchanged since, and payload rows are `row-given-model` / add-remove, sample rows `record` / "
              "add-remove, as runs record them now) and FCCL's 10-round accuracy runs (no record-label attack "
              "then: —; replace-one ε recomputed). GLFC was rerun with the new floors (seeds 0–1; its rows name the "
-             "issue branch's commits before its rebase onto main: 1164127, 92e4594 and add6002 are 68bf8bb, c1a35f1 "
-             "and 8d1818e). FCCL's per-release leak arms (`fccl-leak`) were started and stopped unfinished: at this "
-             "machine's load (30+) a 2-round run needed more than 80 min; they are listed under *Not run yet*.", ""]
+             "issue branch's commits before its rebase onto main: 1164127, 92e4594 and add6002 are be2eb3d, 904fac3 "
+             "and 5b2d5cc on main). FCCL's per-release leak arms (`fccl-leak`) were started and stopped "
+             "unfinished: at this machine's load (30+) a 2-round run needed more than 80 min; they are listed under "
+             "*Not run yet*.", ""]
     fp = _group(records, "fedproto")
     if fp:
         cfg, nodes = base_config("fedproto")

@@ -354,6 +354,21 @@ def _off_check(records: list[dict]) -> list[str]:
             f"**{'equal to every digit' if same else 'DIFFERENT'}** ({shown}).", ""]
 
 
+
+FCCL_COLUMNS = ["unit", "neighbour", "ε spent", "ε replace-one", "inter AVG %", "intra AVG %", "record labels",
+                "labels floor", "wall s", "seeds", "run at"]
+
+
+def _fccl_row(label: str, group: list[dict]) -> list:
+    """One FCCL cell's row under ``FCCL_COLUMNS``, after its arm's ``label``."""
+    unit, neighbour = _terms(group[0])
+    return [label, unit, neighbour, _cell(group, _eps), _replace_one_cell(group),
+            _cell(group, _pct("inter-accuracy-client-mean"), scale=100),
+            _cell(group, _pct("intra-accuracy-client-mean"), scale=100),
+            _cell(group, _fit_mean("leak-record-label-acc-client-mean"), 3),
+            _cell(group, _fit_mean("leak-record-label-acc-floor-client-mean"), 3),
+            _cell(group, lambda r: r["wall-s"], 0), _seeds(group), _commits(group)]
+
 def markdown(records: list[dict]) -> str:
     lines = ["# Privacy study: accuracy and measured leakage under differential privacy", "",
              "Written by `python -m bench.privacy` from `bench/results/privacy/*.json` (one file per run). Every run "
@@ -434,18 +449,9 @@ def markdown(records: list[dict]) -> str:
                   "client's training records whose label a server reads through a ridge surrogate of the client's "
                   "model fitted on the public set and its released logits; floor: the client's most frequent "
                   "label's share. Runs before the attack existed show —.", ""]
-        rows = []
-        for arm, group in fc.items():
-            unit, neighbour = _terms(group[0])
-            rows.append([arm.removeprefix("payload-eps") if arm != "off" else "∞ (off)", unit, neighbour,
-                         _cell(group, _eps), _replace_one_cell(group),
-                         _cell(group, _pct("inter-accuracy-client-mean"), scale=100),
-                         _cell(group, _pct("intra-accuracy-client-mean"), scale=100),
-                         _cell(group, _fit_mean("leak-record-label-acc-client-mean"), 3),
-                         _cell(group, _fit_mean("leak-record-label-acc-floor-client-mean"), 3),
-                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group), _commits(group)])
-        lines += table(["target ε", "unit", "neighbour", "ε spent", "ε replace-one", "inter AVG %", "intra AVG %",
-                        "record labels", "labels floor", "wall s", "seeds", "run at"], rows)
+        rows = [_fccl_row(arm.removeprefix("payload-eps") if arm != "off" else "∞ (off)", group)
+                for arm, group in fc.items()]
+        lines += table(["target ε", *FCCL_COLUMNS], rows)
         lines += [""]
     fl = _group(records, "fccl-leak")
     if fl:
@@ -455,18 +461,8 @@ def markdown(records: list[dict]) -> str:
                   f"{FCCL_LEAK_EPSILON:g} budget (client-level, replace-one), so that each release carries the noise "
                   "it carries in a full ε-8 run; ε spent is that of these 2 releases. Accuracies are after 2 rounds.",
                   ""]
-        rows = []
-        for arm, group in fl.items():
-            unit, neighbour = _terms(group[0])
-            rows.append([arm.removeprefix("sigma") if arm != "off" else "0 (off)", unit, neighbour, _cell(group, _eps),
-                         _replace_one_cell(group),
-                         _cell(group, _pct("inter-accuracy-client-mean"), scale=100),
-                         _cell(group, _pct("intra-accuracy-client-mean"), scale=100),
-                         _cell(group, _fit_mean("leak-record-label-acc-client-mean"), 3),
-                         _cell(group, _fit_mean("leak-record-label-acc-floor-client-mean"), 3),
-                         _cell(group, lambda r: r["wall-s"], 0), _seeds(group), _commits(group)])
-        lines += table(["σ", "unit", "neighbour", "ε spent", "ε replace-one", "inter AVG %", "intra AVG %",
-                        "record labels", "labels floor", "wall s", "seeds", "run at"], rows)
+        rows = [_fccl_row(arm.removeprefix("sigma") if arm != "off" else "0 (off)", group) for arm, group in fl.items()]
+        lines += table(["σ", *FCCL_COLUMNS], rows)
         lines += [""]
     verdicts = verdict_rows(records)
     if verdicts:

@@ -40,3 +40,10 @@ def test_every_part_runs_on_the_cpu_and_writes_its_tables(tmp_path):
     run = data["fedproto-run"]
     assert run["status"] == "finished:completed" and run["clients"] == 3 and run["gpus-per-client"] == 0.0, run
     assert 0.0 <= run["final-accuracy"] <= 1.0 and run["round-1-s"] > 0
+
+
+def test_a_slow_throughput_keeps_three_significant_digits_and_never_reads_zero():
+    from bench.gpu import throughput_figure
+
+    assert throughput_figure(1234.56) == 1234.6 and throughput_figure(1.04) == 1.0
+    assert throughput_figure(0.0412345) == 0.0412 and throughput_figure(0.000123456) == 0.000123

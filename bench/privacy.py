@@ -456,7 +456,9 @@ def markdown(records: list[dict]) -> str:
     fl = _group(records, "fccl-leak")
     if fl:
         lines += ["## FCCL's logit leak per release (the preset, 2 rounds)", "",
-                  f"`conf/fccl-digits-offline.toml` with {FCCL_LEAK_SHORT} (a full run takes 40 min to hours here): "
+                  "`conf/fccl-digits-offline.toml` with "
+                  + ", ".join(f"`{k} = {v}`" for k, v in FCCL_LEAK_SHORT.items())
+                  + " (a full run takes 40 min to hours on this machine): "
                   f"without DP, and at σ {fccl_leak_sigma():g}, the σ of the full 10-round preset's ε-"
                   f"{FCCL_LEAK_EPSILON:g} budget (client-level, replace-one), so that each release carries the noise "
                   "it carries in a full ε-8 run; ε spent is that of these 2 releases. Accuracies are after 2 rounds.",

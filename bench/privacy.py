@@ -390,9 +390,8 @@ def markdown(records: list[dict]) -> str:
              "add-remove, as runs record them now) and FCCL's 10-round accuracy runs (no record-label attack "
              "then: —; replace-one ε recomputed). GLFC was rerun with the new floors (seeds 0–1; its rows name the "
              "issue branch's commits before its rebase onto main: 1164127, 92e4594 and add6002 are be2eb3d, 904fac3 "
-             "and 5b2d5cc on main). FCCL's per-release leak arms (`fccl-leak`) were started and stopped "
-             "unfinished: at this machine's load (30+) a 2-round run needed more than 80 min; they are listed under "
-             "*Not run yet*.", ""]
+             "and 5b2d5cc on main). FCCL's record-label attack is measured by its own per-release arms (`fccl-leak`, "
+             "the preset's first 2 rounds, at 7f5d20e and 30bb24e, whose pollen/ is the same).", ""]
     fp = _group(records, "fedproto")
     if fp:
         cfg, nodes = base_config("fedproto")

@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from pollen.launch.processes import proc_cmdline, proc_environ, proc_table
 
 
-class MarkedTree:
+class MarkedTree(ABC):
     """Every process whose environment carries ``<mark>=<token>``, with its role, while the block runs.
 
     ``classify`` names a process's role from its command line; ``fallback`` is the role it gives a
@@ -70,9 +71,9 @@ class MarkedTree:
             alive.append(pid)
         return alive
 
+    @abstractmethod
     def sample(self, pids: list[int]) -> None:
         """What a study measures of the members at each scan."""
-        raise NotImplementedError
 
     def wait(self, seconds: float) -> bool:
         """Sleep between samples; True once the block has ended."""

@@ -74,10 +74,8 @@ class SecureNetwork:
         return pid if pid is not None else node
 
     def begin(self, server_round: int, grid: Grid, nodes: Sequence[int]) -> None:
-        self.fleet = is_deployment(grid)
+        self.fleet = is_deployment(grid)  # simulated faults on a fleet were refused before (secure_grid)
         self.timed = not self.fleet
-        if self.fleet and self.model.faults:
-            raise ValueError(FLEET_FAULTS)
         self.strategy.identify(server_round, grid, [n for n in nodes if n not in self.strategy.partition_of])
         if self.fleet:
             self._round, self._arrivals, self._late, self._vanish = server_round, {}, {}, {}
@@ -149,7 +147,6 @@ class SecureNetwork:
                         server_round, len(missing), len(train),
                         ", ".join(f"{e['client']} {e['why']} at {e['stage']}" for e in missing[:8]), timing.round_s)
         return gone
-
 
     def _end_on_fleet(self, server_round: int, train: Sequence[Message], result: SecureSum | None) -> set[int]:
         """A fleet's round: who did not answer a stage within ``round-timeout`` is missing, late at that stage."""

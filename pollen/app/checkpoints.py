@@ -38,6 +38,7 @@ CHECKPOINT_DIR = "checkpoints"
 FINAL_MODEL = "final-model"  # <state-dir>/final-model.{safetensors,json}: a node's personal model
 SIDECAR = ".sha256"  # <file>.sha256 beside every verified file: "<hex>  <name>" (sha256sum -c reads it)
 SMALL_STATE = "small-state.json"
+KEY_ORDER = "pollen-key-order"  # safetensors metadata: the arrays' names in the order saved (JSON list)
 STATE_ROUND = re.compile(r"^round-(\d{4,})$")  # <state-dir>/round-NNNN/: a node's state after round NNNN
 
 
@@ -118,26 +119,41 @@ def read_verified(path: Path, *, allow_unverified: bool = False) -> bytes:
 
 
 def save_arrays(path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> str:
-    """Atomically write named arrays as safetensors (+ its sidecar); returns the file's SHA-256."""
+    """Atomically write named arrays as safetensors (+ its sidecar); returns the file's SHA-256. The names'
+    order goes into the file's metadata (``KEY_ORDER``): safetensors lays tensors out by dtype and name, and
+    a state loaded in another order sums its per-array terms (an update norm, a clip norm) in another order,
+    which moves the last bit of a float64 and breaks a bit-identical resume."""
     from safetensors.numpy import save
 
     data = save({k: np.ascontiguousarray(v) if v.ndim else v for k, v in arrays.items()},
-                metadata=dict(metadata or {}) or None)
+                metadata={**(metadata or {}), KEY_ORDER: json.dumps(list(arrays))})
     return write_verified(path, data)
+
+
+def arrays_from_bytes(data: bytes, name: str) -> dict[str, np.ndarray]:
+    """The named arrays of a safetensors file's bytes, in the order they were saved in (``KEY_ORDER``; a
+    file without it, e.g. written by another tool, in the file's own order); ``CheckpointError`` naming
+    ``name`` for bytes that are not a valid safetensors file."""
+    from safetensors.numpy import load
+
+    try:
+        arrays = dict(load(data))
+        header_size = int.from_bytes(data[:8], "little")  # the format: an 8-byte length, then a JSON header
+        order = json.loads(json.loads(data[8:8 + header_size]).get("__metadata__", {}).get(KEY_ORDER, "[]"))
+    except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
+        raise CheckpointError(f"{name}: not a valid safetensors file ({err})") from err
+    if isinstance(order, list) and sorted(order) == sorted(arrays):
+        return {k: arrays[k] for k in order}
+    return arrays
 
 
 def load_arrays(path: Path, *, allow_unverified: bool = False, sha256: str | None = None) -> dict[str, np.ndarray]:
     """Named arrays from a safetensors file, verified against its sidecar (``CheckpointError`` naming it) and,
     when given, against ``sha256`` (the digest recorded in the JSON that describes the file)."""
-    from safetensors.numpy import load
-
     data = read_verified(path, allow_unverified=allow_unverified)
     if sha256 is not None:
         check_digest(path, data, sha256, f"{Path(path).with_suffix('.json').name}'s sha256")
-    try:
-        return dict(load(data))
-    except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
-        raise CheckpointError(f"{path}: not a valid safetensors file ({err})") from err
+    return arrays_from_bytes(data, str(path))
 
 
 def write_json(path: Path, values: Mapping[str, Any]) -> None:
@@ -202,12 +218,7 @@ def read_checkpoint(run_dir: Path, server_round: int) -> Checkpoint:
     except (OSError, CheckpointError) as err:
         raise CheckpointError(f"{meta.name}: unreadable ({err})") from err
     check_digest(tensors, data, values.get("sha256"), meta.name)
-    from safetensors.numpy import load
-
-    try:
-        arrays = dict(load(data))
-    except Exception as err:
-        raise CheckpointError(f"{tensors.name}: not a valid safetensors file ({err})") from err
+    arrays = arrays_from_bytes(data, tensors.name)
     return Checkpoint(int(values["round"]), arrays, dict(values["strategy"]), dict(values["config"]), tensors)
 
 

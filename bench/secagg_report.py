@@ -1,4 +1,5 @@
-"""``bench/results/secagg.{md,json,png}`` from the study's per-run files (``python -m bench.secagg report``).
+"""``bench/results/secagg.{md,json,png}`` (and ``secagg_fedavg.png``, FedAvg's gap against m) from the study's
+per-run files (``python -m bench.secagg report``).
 
 Only numbers from those files are written; a cell that failed says why, a cell not run says so.
 """
@@ -12,7 +13,7 @@ from typing import Any
 
 from bench.kit import RESULTS, save_figure, table, write_atomic, write_json
 from bench.secagg import DP_CLIP
-from bench.secagg_utility import noise_multiplier, utility_lines, utility_summary
+from bench.secagg_utility import fedavg_summary, noise_multiplier, utility_lines, utility_summary, write_fedavg_plot
 
 COST_DIR = RESULTS / "secagg" / "cost"
 UTILITY_DIR = RESULTS / "secagg" / "utility"
@@ -156,7 +157,8 @@ def presence_rows() -> list[list[str]]:
     return rows
 
 
-def write_report() -> None:
+def markdown() -> str:
+    """``secagg.md``: the cost cells, the 20-client FedProto runs and the 100+-client runs, from their files."""
     runs = _load(COST_DIR)
     rows, summary = cost_rows(runs)
     header = ["graph", "N", "floats", "dropout", "seed"]
@@ -199,9 +201,17 @@ def write_report() -> None:
               "whatever N is, the signal grows as q·N.", ""]
     lines += table(["ε", "rounds", "q", "z", "clients N needed", "updates per round q·N"], presence_rows())
     lines += utility_lines()
-    write_atomic(RESULTS / "secagg.md", "\n".join(lines) + "\n")
-    write_json(RESULTS / "secagg.json", {"cost": summary, "utility": usummary, "utility-100": utility_summary()})
+    return "\n".join(lines) + "\n"
+
+
+def write_report() -> None:
+    write_atomic(RESULTS / "secagg.md", markdown())
+    summary = cost_rows(_load(COST_DIR))[1]
+    usummary = utility_rows()[1]
+    write_json(RESULTS / "secagg.json", {"cost": summary, "utility": usummary, "utility-100": utility_summary(),
+                                         "fedavg-gap": fedavg_summary()})
     _plot(summary, RESULTS / "secagg.png")
+    write_fedavg_plot(RESULTS / "secagg_fedavg.png")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ Ray, no network), one file per finished run under ``bench/results/secagg/utility
   q = ``FEDAVG_Q`` per round (m = q·N expected updates per round), ``FEDAVG_ROUNDS`` rounds, uniform client
   weights (distributed DP does not release sample counts; both arms use them). Arms: ``off`` and
   ``distributed-eps<ε>`` (dp-clip ``FEDAVG_CLIP``, dp-min-honest = N/2). The gap is measured against m.
+  ``distributed-z<z>`` gives the noise multiplier instead of ε (the ledger still reports the ε it costs): at
+  N = 100 it sets the noise on the mean update to what ε = 8 leaves only at m ≈ 119, so the best-trained
+  population shows what that noise costs in accuracy, a point on the same noise/clip axis as the ε arms.
 
 Accuracy is the clients' mean accuracy on their own test data at the last evaluation, read as the
 experimenter's measurement (``dp-evaluate = unprotected``, outside ε). Shorter than the privacy study (which
@@ -47,13 +50,25 @@ SECURE = {"secure-aggregation": True, "secagg-threshold": 0.6}
 # the order the study runs them (priority first): the done-when pair, FedAvg's gap against m, then the rest
 CELLS = ("fedproto100-off", "fedproto100-distributed-eps8",
          "fedavg-n100-off", "fedavg-n100-distributed-eps8", "fedavg-n500-off", "fedavg-n500-distributed-eps8",
-         "fedavg-n250-off", "fedavg-n250-distributed-eps8",
+         "fedavg-n250-off", "fedavg-n250-distributed-eps8", "fedavg-n100-distributed-z0.05",
          "fedproto100-secagg", "fedproto100-distributed-eps2", "fedproto100-distributed-eps4",
          "fedavg-n1000-off", "fedavg-n1000-distributed-eps8")
 
 
-def _distributed(eps: float, clip: float, honest: int) -> dict[str, Any]:
-    return {**SECURE, "dp-mode": "distributed", "dp-target-epsilon": eps, "dp-clip": clip, "dp-min-honest": honest,
+def arm_noise(arm: str) -> tuple[str, float]:
+    """``("dp-target-epsilon", ε)`` of a ``distributed-eps<ε>`` arm, ``("dp-noise-multiplier", z)`` of a
+    ``distributed-z<z>`` arm."""
+    noise = arm.removeprefix("distributed-")
+    for prefix, key in (("eps", "dp-target-epsilon"), ("z", "dp-noise-multiplier")):
+        value = noise.removeprefix(prefix)
+        if arm.startswith("distributed-") and noise.startswith(prefix) and value.replace(".", "", 1).isdigit():
+            return key, float(value)
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def _distributed(arm: str, clip: float, honest: int) -> dict[str, Any]:
+    key, value = arm_noise(arm)
+    return {**SECURE, "dp-mode": "distributed", key: value, "dp-clip": clip, "dp-min-honest": honest,
             "dp-evaluate": "unprotected"}  # accuracy is the study's measurement, outside ε
 
 
@@ -73,9 +88,9 @@ def arm_keys(family: str, clients: int, arm: str) -> dict[str, Any]:
         return {"leak-audit": True} if family == "fedproto" else {}
     if arm == "secagg":
         return dict(SECURE)
-    if arm.startswith("distributed-eps"):
+    if arm.startswith("distributed-"):
         clip = FEDPROTO_CLIP if family == "fedproto" else FEDAVG_CLIP
-        return _distributed(float(arm.removeprefix("distributed-eps")), clip, clients // 2)
+        return _distributed(arm, clip, clients // 2)
     raise ValueError(f"unknown arm {arm!r}")
 
 
@@ -205,26 +220,54 @@ def fedproto_rows(runs: list[dict]) -> list[list[str]]:
     return rows
 
 
-def fedavg_rows(runs: list[dict], dim: int) -> list[list[str]]:
+CHANCE = 0.1  # MNIST's ten classes: a model the noise has erased
+
+
+def _arm_noise_z(arm: str) -> tuple[float | None, float]:
+    """``(target ε or None, z)`` of a FedAvg DP arm: z calibrated as the run calibrates it, or given."""
+    key, value = arm_noise(arm)
+    if key == "dp-noise-multiplier":
+        return None, value
+    return value, noise_multiplier(value, FEDAVG_Q, FEDAVG_ROUNDS)
+
+
+def fedavg_points(runs: list[dict], dim: int) -> list[dict[str, Any]]:
+    """Each FedAvg DP run beside the no-DP run of its population and seed, with the computed noise on the mean
+    update (in dp-clip units) it ran under; most noise first."""
     by = _runs_by(runs)
-    rows = []
-    for r in sorted((r for r in runs if r["family"] == "fedavg" and r["arm"] != "off"),
-                    key=lambda r: (r["arm"], r["clients"], r["seed"])):
+    points = []
+    for r in (r for r in runs if r["family"] == "fedavg" and r["arm"] != "off"):
         base = by.get(("fedavg", r["clients"], "off", r["seed"]))
-        eps = float(r["arm"].removeprefix("distributed-eps"))
+        eps, z = _arm_noise_z(r["arm"])
         m = FEDAVG_Q * r["clients"]
-        z = noise_multiplier(eps, FEDAVG_Q, FEDAVG_ROUNDS)
-        ratio = mean_noise_ratio(z, m, dim)
-        gap = None if base is None or _acc(r) is None else 100 * (_acc(r) - _acc(base))
-        rows.append([str(r["clients"]), f"{m:g}", f"{eps:g}", f"{z:.3f}", f"{ratio:.2f}",
-                     _pct(_acc(base)), _pct(_acc(r)), "not run" if gap is None else f"{gap:+.2f}",
-                     f"{r['fit'].get('dp-epsilon', float('nan')):.3g}", str(r["seed"]),
-                     f"{r['wall-s']:.0f}" + ("" if base is None else f" / {base['wall-s']:.0f}")])
+        dp, off = _acc(r), _acc(base)
+        points.append({"clients": r["clients"], "m": m, "arm": r["arm"], "seed": r["seed"], "target-epsilon": eps,
+                       "z": z, "noise-over-clip": mean_noise_ratio(z, m, dim), "accuracy": dp,
+                       "accuracy-no-dp": off, "gap-points": None if dp is None or off is None else 100 * (dp - off),
+                       "lift-kept": None if dp is None or off is None or off <= CHANCE
+                       else (dp - CHANCE) / (off - CHANCE),
+                       "epsilon-spent": r["fit"].get("dp-epsilon"), "wall-s": r["wall-s"],
+                       "wall-s-no-dp": None if base is None else base["wall-s"]})
+    return sorted(points, key=lambda p: (-p["noise-over-clip"], p["clients"], p["seed"]))
+
+
+def fedavg_rows(runs: list[dict], dim: int) -> list[list[str]]:
+    rows = []
+    for p in fedavg_points(runs, dim):
+        eps = p["epsilon-spent"]
+        rows.append([str(p["clients"]), f"{p['m']:g}", "z given" if p["target-epsilon"] is None
+                     else f"{p['target-epsilon']:g}", f"{p['z']:.3g}", f"{p['noise-over-clip']:.2f}",
+                     _pct(p["accuracy-no-dp"]), _pct(p["accuracy"]),
+                     "not run" if p["gap-points"] is None else f"{p['gap-points']:+.2f}",
+                     "" if p["lift-kept"] is None else f"{100 * p['lift-kept']:.0f} %",
+                     f"{eps:.3g}" if isinstance(eps, (int, float)) else "—", str(p["seed"]),
+                     f"{p['wall-s']:.0f}" + ("" if p["wall-s-no-dp"] is None else f" / {p['wall-s-no-dp']:.0f}")])
+    by = _runs_by(runs)
     for r in sorted((r for r in runs if r["family"] == "fedavg" and r["arm"] == "off"),
                     key=lambda r: (r["clients"], r["seed"])):
         if not any(k[0] == "fedavg" and k[1] == r["clients"] and k[2] != "off" and k[3] == r["seed"] for k in by):
             rows.append([str(r["clients"]), f"{FEDAVG_Q * r['clients']:g}", "—", "—", "—", _pct(_acc(r)), "not run",
-                         "", "", str(r["seed"]), f"{r['wall-s']:.0f}"])
+                         "", "", "", str(r["seed"]), f"{r['wall-s']:.0f}"])
     return rows
 
 
@@ -238,15 +281,85 @@ def model_dim() -> int:
     return int(sum(a.numpy().size for a in arrays.values() if a.numpy().dtype.kind == "f"))
 
 
-def useful_rows(dim: int) -> list[list[str]]:
+EPSILONS = (8.0, 4.0, 2.0)
+
+
+def clients_for(eps: float, ratio: float, dim: int) -> float:
+    """The clients per round m at which ε's noise on the mean update is ``ratio`` × dp-clip (this setting's q
+    and rounds): the noise falls as 1/m."""
+    return mean_noise_ratio(noise_multiplier(eps, FEDAVG_Q, FEDAVG_ROUNDS), 1.0, dim) / ratio
+
+
+def useful_rows(dim: int, measured: float | None = None) -> list[list[str]]:
     """Computed: the clients per round m at which the noise on FedAvg's mean update is a given share of
-    dp-clip, by ε (this setting's rounds and q)."""
+    dp-clip, by ε (this setting's rounds and q); with ``measured``, also at that share (the least-noise
+    measured point)."""
+    targets = (1.0, 0.3, 0.1) + (() if measured is None else (measured,))
     rows = []
-    for eps in (8.0, 4.0, 2.0):
+    for eps in EPSILONS:
         z = noise_multiplier(eps, FEDAVG_Q, FEDAVG_ROUNDS)
-        need = [mean_noise_ratio(z, 1.0, dim) / target for target in (1.0, 0.3, 0.1)]
-        rows.append([f"{eps:g}", f"{z:.3f}"] + [f"{m:,.0f} (N = {m / FEDAVG_Q:,.0f})" for m in need])
+        rows.append([f"{eps:g}", f"{z:.3f}"] + [f"{m:,.0f} (N = {m / FEDAVG_Q:,.0f})"
+                                                for m in (clients_for(eps, t, dim) for t in targets)])
     return rows
+
+
+def _reading(points: list[dict], dim: int) -> list[str]:
+    """What the measured points say against the computed line, in numbers from the run files."""
+    measured = [p for p in points if p["gap-points"] is not None]
+    if not measured:
+        return []
+    said = "; ".join(f"N = {p['clients']} (m = {p['m']:g}), "
+                     + (f"ε = {p['target-epsilon']:g}" if p["target-epsilon"] is not None else f"z = {p['z']:g}")
+                     + f": noise {p['noise-over-clip']:.2f} × clip, gap {p['gap-points']:+.1f} points"
+                     + ("" if p["lift-kept"] is None else f" ({100 * p['lift-kept']:.0f} % of the lift kept)")
+                     for p in measured)
+    least = min(measured, key=lambda p: p["noise-over-clip"])
+    at = ", ".join(f"ε = {eps:g} at m ≈ {clients_for(eps, least['noise-over-clip'], dim):,.0f}" for eps in EPSILONS)
+    return ["", f"**Measured against the line** (seed {', '.join(sorted({str(p['seed']) for p in measured}))}, "
+            f"{FEDAVG_ROUNDS} rounds): {said}. The least noise measured, {least['noise-over-clip']:.2f} × clip, "
+            f"costs {least['gap-points']:+.1f} points at N = {least['clients']}; the computed line reaches that "
+            f"noise for {at} (the last column above): the population where a useful ε starts for this model, "
+            "read from one seed of short runs."]
+
+
+def fedavg_plot(points: list[dict], dim: int, path) -> None:
+    """Left: the computed noise on the mean update against m, by ε, with the measured points and their gaps.
+    Right: the measured DP and no-DP accuracy against that noise."""
+    from bench.kit import pyplot, save_figure
+
+    measured = [p for p in points if p["accuracy"] is not None]
+    if not measured:
+        return
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ms = [10 ** (k / 20) for k in range(0, 81)]  # m from 1 to 10^4
+    for eps, style in zip(EPSILONS, ("C0-", "C1--", "C2:")):
+        z = noise_multiplier(eps, FEDAVG_Q, FEDAVG_ROUNDS)
+        left.plot(ms, [mean_noise_ratio(z, m, dim) for m in ms], style, label=f"ε = {eps:g} (computed)")
+    for level in (1.0, 0.3):
+        left.axhline(level, color="grey", lw=0.6, ls=":")
+    for p in measured:
+        marker = "ko" if p["target-epsilon"] is not None else "ks"
+        left.plot(p["m"], p["noise-over-clip"], marker)
+        if p["gap-points"] is not None:
+            left.annotate(f"{p['gap-points']:+.0f} pt", (p["m"], p["noise-over-clip"]), textcoords="offset points",
+                          xytext=(5, 4), fontsize=8)
+    left.set_xscale("log"), left.set_yscale("log")
+    left.set_xlabel("clients per round m = q·N"), left.set_ylabel("noise on the mean update / dp-clip")
+    left.set_title(f"FedAvg, {FEDAVG_ROUNDS} rounds, q = {FEDAVG_Q:g}: measured gap (squares: z given)", fontsize=9)
+    left.legend(fontsize=8)
+    for p in measured:
+        x = p["noise-over-clip"]
+        right.plot(x, 100 * p["accuracy"], "C3o" if p["target-epsilon"] is not None else "C3s")
+        if p["accuracy-no-dp"] is not None:
+            right.plot(x, 100 * p["accuracy-no-dp"], "o", mfc="none", mec="k")
+        right.annotate(f"N = {p['clients']}", (x, 100 * p["accuracy"]), textcoords="offset points", xytext=(4, 4),
+                       fontsize=8)
+    right.axhline(100 * CHANCE, color="grey", lw=0.6, ls=":")
+    right.set_xscale("log"), right.set_xlabel("noise on the mean update / dp-clip")
+    right.set_ylabel("clients' mean accuracy %")
+    right.set_title("distributed DP (filled) and no DP (open), same N and seed", fontsize=9)
+    save_figure(fig, path, 110)
 
 
 def utility_lines() -> list[str]:
@@ -271,27 +384,51 @@ def utility_lines() -> list[str]:
              "it the server holds only the sum of all clients' contributions.", ""]
     lines += table(["arm", "secure aggregation", "local acc. %", "gap (points)", "proto acc. %", "classes kept",
                     "ε spent", "one client's histogram", "seed", "wall s"], fedproto_rows(runs))
+    points = fedavg_points(runs, dim)
     lines += ["", "## FedAvg, MNIST Dirichlet (α 0.5): the gap against clients per round", "",
               f"Each of N clients draws itself with q = {FEDAVG_Q:g} per round (m = q·N expected updates), "
               f"{FEDAVG_ROUNDS} rounds, cnn_mnist ({dim:,} floats), uniform client weights in both "
               f"arms, dp-clip {FEDAVG_CLIP:g}, dp-min-honest N/2. z: the noise multiplier ε calibrates to at q and "
-              "these rounds (δ 1e-5). *Noise / clip*: the expected L2 norm of the noise on the mean update in units "
-              "of dp-clip, √2·z·√d / m — the arithmetic the measured gap is set against (every client adds its "
-              "share, so the sum's noise does not grow with N while the signal grows as m). The no-DP accuracy itself "
-              "depends on N (the same data over more, smaller clients in the same rounds): the gap is read per N. "
-              "Wall: DP arm / no-DP arm.",
-              ""]
-    lines += table(["N", "m = q·N", "ε", "z", "noise / clip on the mean", "no-DP acc. %", "DP acc. %", "gap (points)",
-                    "ε spent", "seed", "wall s"], fedavg_rows(runs, dim))
+              "these rounds (δ 1e-5), or the one a `distributed-z` arm gives (its ε spent is then what that noise "
+              "costs: no privacy worth the name; the arm is there to measure what this noise does to accuracy at "
+              "the population that trains best). *Noise / clip*: the expected L2 norm of the noise on the mean "
+              "update in units of dp-clip, √2·z·√d / m — the arithmetic the measured gap is set against (every "
+              "client adds its share, so the sum's noise does not grow with N while the signal grows as m). "
+              "*Lift kept*: (DP acc. − 10 %) / (no-DP acc. − 10 %), the share of what the no-DP arm gains over "
+              "chance (ten classes) that the DP arm keeps. The no-DP accuracy itself falls with N here (the same "
+              "data over more, smaller clients in the same 5 rounds): the gap is read per N and against the "
+              "lift. One seed and 5 rounds per cell (the machine's time): seed-to-seed spread is not measured. "
+              "Rows: most noise first. Wall: DP arm / no-DP arm.", ""]
+    lines += table(["N", "m = q·N", "ε target", "z", "noise / clip on the mean", "no-DP acc. %", "DP acc. %",
+                    "gap (points)", "lift kept", "ε spent", "seed", "wall s"], fedavg_rows(runs, dim))
+    least = min((p["noise-over-clip"] for p in points if p["gap-points"] is not None), default=None)
     lines += ["", "Computed, not measured: the clients per round m (and population N = m/q) at which the noise "
-              "on the mean update falls to 1, 0.3 and 0.1 × dp-clip in this setting:", ""]
-    lines += table(["ε", "z", "noise = 1 × clip", "noise = 0.3 × clip", "noise = 0.1 × clip"], useful_rows(dim))
+              "on the mean update falls to 1, 0.3 and 0.1 × dp-clip in this setting"
+              + ("" if least is None else f", and to {least:.2f} × (the least noise measured)") + ":", ""]
+    lines += table(["ε", "z", "noise = 1 × clip", "noise = 0.3 × clip", "noise = 0.1 × clip"]
+                   + ([] if least is None else [f"noise = {least:.2f} × clip"]), useful_rows(dim, least))
+    lines += _reading(points, dim)
+    lines += ["", "![FedAvg: noise on the mean update against m, and accuracy against that noise]"
+              "(secagg_fedavg.png)"] if points else []
     return lines
+
+
+def write_fedavg_plot(path) -> None:
+    runs = _load()
+    if any(r["family"] == "fedavg" and r["arm"] != "off" for r in runs):
+        dim = model_dim()
+        fedavg_plot(fedavg_points(runs, dim), dim, path)
 
 
 def utility_summary() -> list[dict[str, Any]]:
     return [{k: r[k] for k in ("family", "clients", "arm", "seed", "evaluate", "wall-s", "rounds")}
             | {"epsilon": r["fit"].get("dp-epsilon")} for r in _load()]
+
+
+def fedavg_summary() -> list[dict[str, Any]]:
+    """The FedAvg points of the report (``secagg.json``: ``fedavg-gap``)."""
+    runs = _load()
+    return fedavg_points(runs, model_dim()) if any(r["family"] == "fedavg" for r in runs) else []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,7 +114,13 @@ def stragglers():
     return s.report(s.RunFiles(s.FOLDER).load(s.SETTING))
 
 
-REPORTS = {"privacy.md": privacy, "stragglers.md": stragglers, "fccl_digits_offline.md": fccl_study, "glfc_methods.md": glfc_study,
+def secagg():
+    from bench import secagg_report as s
+
+    return s.markdown()
+
+
+REPORTS = {"privacy.md": privacy, "secagg.md": secagg, "stragglers.md": stragglers, "fccl_digits_offline.md": fccl_study, "glfc_methods.md": glfc_study,
            "bd_fedproto_study.md": bd_fedproto_study, "bd_fedproto_alternatives.md": bd_fedproto_alternatives,
            "prototypes_mnist.md": prototypes_mnist, "prototypes_reference.md": prototypes_reference,
            "glfc_proxy_case.md": glfc_proxy_case, "glfc_regime.md": glfc_regime,

@@ -22,14 +22,51 @@ def test_every_cell_names_its_family_population_and_arm_and_the_private_arms_the
             assert "secure-aggregation" not in keys and "dp-mode" not in keys
         else:
             assert keys["secure-aggregation"] is True
-        if arm.startswith("distributed-eps"):
+        if arm.startswith("distributed-"):
             assert keys["dp-mode"] == "distributed" and keys["dp-min-honest"] == clients // 2
-            assert keys["dp-target-epsilon"] == float(arm.removeprefix("distributed-eps"))
             assert keys["dp-evaluate"] == "unprotected"
+            noise = {k: keys[k] for k in ("dp-target-epsilon", "dp-noise-multiplier") if k in keys}
+            assert noise == ({"dp-target-epsilon": float(arm.removeprefix("distributed-eps"))}
+                             if arm.startswith("distributed-eps")
+                             else {"dp-noise-multiplier": float(arm.removeprefix("distributed-z"))})
     assert u.parse_cell("fedavg-n500-distributed-eps8") == ("fedavg", 500, "distributed-eps8")
+    assert u.setting("fedavg-n100-distributed-z0.05")["run-config"]["dp-noise-multiplier"] == 0.05
     for bad in ("fedavg-nX-off", "fedavg-n100", "fedprox-n100-off"):
         with pytest.raises(ValueError, match="unknown cell"):
             u.parse_cell(bad)
+    for bad in ("fedavg-n100-distributed-eps", "fedavg-n100-distributed-zx", "fedavg-n100-distributed-q0.1",
+                "fedavg-n100-dp-eps8"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            u.setting(bad)
+
+
+def _run(clients: int, arm: str, accuracy: float, seed: int = 0) -> dict:
+    """A run file's record, as far as the FedAvg report reads it."""
+    return {"family": "fedavg", "clients": clients, "arm": arm, "seed": seed, "wall-s": 1.0,
+            "evaluate": {"accuracy-client-mean": accuracy}, "fit": {"dp-epsilon": None if arm == "off" else 8.0}}
+
+
+def test_each_fedavg_point_pairs_its_dp_run_with_the_no_dp_run_of_its_population_and_seed():
+    """The gap, the lift kept and the noise on the mean come from the pair and the arithmetic, never from another
+    population's or seed's no-DP run; a z arm's noise is its own z, an ε arm's the calibrated one."""
+    dim = 21_840
+    runs = [_run(100, "off", 0.80), _run(100, "distributed-eps8", 0.17), _run(100, "distributed-z0.05", 0.73),
+            _run(500, "off", 0.50), _run(500, "distributed-eps8", 0.30), _run(500, "off", 0.9, seed=1)]
+    points = u.fedavg_points(runs, dim)
+    assert [(p["clients"], p["arm"]) for p in points] == [(100, "distributed-eps8"), (500, "distributed-eps8"),
+                                                          (100, "distributed-z0.05")]  # most noise first
+    eps8, n500, z = points
+    z8 = u.noise_multiplier(8.0, u.FEDAVG_Q, u.FEDAVG_ROUNDS)
+    assert eps8["z"] == z8 and z["z"] == 0.05 and z["target-epsilon"] is None
+    assert eps8["noise-over-clip"] == pytest.approx(math.sqrt(2) * z8 * math.sqrt(dim) / 10)
+    assert n500["noise-over-clip"] == pytest.approx(eps8["noise-over-clip"] / 5)  # m 50 against 10
+    assert eps8["gap-points"] == pytest.approx(-63.0) and n500["gap-points"] == pytest.approx(-20.0)
+    assert eps8["lift-kept"] == pytest.approx(0.1) and n500["lift-kept"] == pytest.approx(0.5)
+    assert z["lift-kept"] == pytest.approx(0.9)
+    # the computed line meets each measured point's noise at that point's m
+    assert u.clients_for(8.0, n500["noise-over-clip"], dim) == pytest.approx(50)
+    unpaired = u.fedavg_points([_run(250, "distributed-eps8", 0.2)], dim)[0]
+    assert unpaired["gap-points"] is None and unpaired["lift-kept"] is None
 
 
 def test_the_reports_noise_on_the_mean_is_what_the_clients_shares_add_up_to():

@@ -13,9 +13,10 @@ Ray, no network), one file per finished run under ``bench/results/secagg/utility
   q = ``FEDAVG_Q`` per round (m = q·N expected updates per round), ``FEDAVG_ROUNDS`` rounds, uniform client
   weights (distributed DP does not release sample counts; both arms use them). Arms: ``off`` and
   ``distributed-eps<ε>`` (dp-clip ``FEDAVG_CLIP``, dp-min-honest = N/2). The gap is measured against m.
-  ``distributed-z<z>`` gives the noise multiplier instead of ε (the ledger still reports the ε it costs): at
-  N = 100 it sets the noise on the mean update to what ε = 8 leaves only at m ≈ 119, so the best-trained
-  population shows what that noise costs in accuracy, a point on the same noise/clip axis as the ε arms.
+  ``distributed-z<z>`` gives the noise multiplier instead of ε (the ledger still reports the ε it costs), so
+  the best-trained population (N = 100) shows what a noise level costs in accuracy, on the same noise/clip
+  axis as the ε arms: ``z0.05`` puts 1.04 × dp-clip of noise on the mean update (what ε = 8 leaves only at
+  m ≈ 119), ``z0.114`` 2.38 × (what ε = 8 leaves at N = 500).
 
 Accuracy is the clients' mean accuracy on their own test data at the last evaluation, read as the
 experimenter's measurement (``dp-evaluate = unprotected``, outside ε). Shorter than the privacy study (which
@@ -52,7 +53,9 @@ CELLS = ("fedproto100-off", "fedproto100-distributed-eps8",
          "fedavg-n100-off", "fedavg-n100-distributed-eps8", "fedavg-n500-off", "fedavg-n500-distributed-eps8",
          "fedavg-n250-off", "fedavg-n250-distributed-eps8", "fedavg-n100-distributed-z0.05",
          "fedproto100-secagg", "fedproto100-distributed-eps2", "fedproto100-distributed-eps4",
-         "fedavg-n1000-off", "fedavg-n1000-distributed-eps8")
+         "fedavg-n1000-off", "fedavg-n100-distributed-z0.114", "fedavg-n500-distributed-eps4",
+         "fedavg-n500-distributed-eps2", "fedavg-n100-distributed-eps4", "fedavg-n100-distributed-eps2",
+         "fedavg-n1000-distributed-eps8")
 
 
 def arm_noise(arm: str) -> tuple[str, float]:
@@ -246,9 +249,17 @@ def fedavg_points(runs: list[dict], dim: int) -> list[dict[str, Any]]:
                        "accuracy-no-dp": off, "gap-points": None if dp is None or off is None else 100 * (dp - off),
                        "lift-kept": None if dp is None or off is None or off <= CHANCE
                        else (dp - CHANCE) / (off - CHANCE),
-                       "epsilon-spent": r["fit"].get("dp-epsilon"), "wall-s": r["wall-s"],
-                       "wall-s-no-dp": None if base is None else base["wall-s"]})
+                       "epsilon-spent": r["fit"].get("dp-epsilon"), "cost": _cost(r),
+                       "cost-no-dp": None if base is None else _cost(base)})
     return sorted(points, key=lambda p: (-p["noise-over-clip"], p["clients"], p["seed"]))
+
+
+def _cost(r: dict) -> dict[str, float]:
+    return {"cpu-s": r["cpu-s"], "wall-s": r["wall-s"], "load": r["load-1min-at-start"]}
+
+
+def _cost_cell(c: dict[str, float]) -> str:
+    return f"{c['cpu-s']:.0f} ({c['wall-s']:.0f}, {c['load']:.0f})"
 
 
 def fedavg_rows(runs: list[dict], dim: int) -> list[list[str]]:
@@ -261,13 +272,13 @@ def fedavg_rows(runs: list[dict], dim: int) -> list[list[str]]:
                      "not run" if p["gap-points"] is None else f"{p['gap-points']:+.2f}",
                      "" if p["lift-kept"] is None else f"{100 * p['lift-kept']:.0f} %",
                      f"{eps:.3g}" if isinstance(eps, (int, float)) else "—", str(p["seed"]),
-                     f"{p['wall-s']:.0f}" + ("" if p["wall-s-no-dp"] is None else f" / {p['wall-s-no-dp']:.0f}")])
+                     _cost_cell(p["cost"]) + ("" if p["cost-no-dp"] is None else f" / {_cost_cell(p['cost-no-dp'])}")])
     by = _runs_by(runs)
     for r in sorted((r for r in runs if r["family"] == "fedavg" and r["arm"] == "off"),
                     key=lambda r: (r["clients"], r["seed"])):
         if not any(k[0] == "fedavg" and k[1] == r["clients"] and k[2] != "off" and k[3] == r["seed"] for k in by):
             rows.append([str(r["clients"]), f"{FEDAVG_Q * r['clients']:g}", "—", "—", "—", _pct(_acc(r)), "not run",
-                         "", "", "", str(r["seed"]), f"{r['wall-s']:.0f}"])
+                         "", "", "", str(r["seed"]), _cost_cell(_cost(r))])
     return rows
 
 
@@ -314,17 +325,19 @@ def _reading(points: list[dict], dim: int) -> list[str]:
                      + ("" if p["lift-kept"] is None else f" ({100 * p['lift-kept']:.0f} % of the lift kept)")
                      for p in measured)
     least = min(measured, key=lambda p: p["noise-over-clip"])
-    at = ", ".join(f"ε = {eps:g} at m ≈ {clients_for(eps, least['noise-over-clip'], dim):,.0f}" for eps in EPSILONS)
+    at = ", ".join(f"ε = {eps:g} from m ≈ {clients_for(eps, least['noise-over-clip'], dim):,.0f} "
+                   f"(N ≈ {clients_for(eps, least['noise-over-clip'], dim) / FEDAVG_Q:,.0f})" for eps in EPSILONS)
+    kept = "" if least["lift-kept"] is None else f", {100 * least['lift-kept']:.0f} % of the lift kept"
     return ["", f"**Measured against the line** (seed {', '.join(sorted({str(p['seed']) for p in measured}))}, "
-            f"{FEDAVG_ROUNDS} rounds): {said}. The least noise measured, {least['noise-over-clip']:.2f} × clip, "
-            f"costs {least['gap-points']:+.1f} points at N = {least['clients']}; the computed line reaches that "
-            f"noise for {at} (the last column above): the population where a useful ε starts for this model, "
-            "read from one seed of short runs."]
+            f"{FEDAVG_ROUNDS} rounds): {said}. The least noise measured, {least['noise-over-clip']:.2f} × clip "
+            f"(N = {least['clients']}, {least['arm']}), cost {least['gap-points']:+.1f} points{kept}; by the "
+            f"computed line each ε puts no more noise than that on the mean: {at} (the last column above). That "
+            "is where a useful ε starts for this model, as far as one seed of 5-round runs can say."]
 
 
 def fedavg_plot(points: list[dict], dim: int, path) -> None:
     """Left: the computed noise on the mean update against m, by ε, with the measured points and their gaps.
-    Right: the measured DP and no-DP accuracy against that noise."""
+    Right: the share of the no-DP arm's lift over chance each DP run kept, against that noise."""
     from bench.kit import pyplot, save_figure
 
     measured = [p for p in points if p["accuracy"] is not None]
@@ -333,32 +346,36 @@ def fedavg_plot(points: list[dict], dim: int, path) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     ms = [10 ** (k / 20) for k in range(0, 81)]  # m from 1 to 10^4
-    for eps, style in zip(EPSILONS, ("C0-", "C1--", "C2:")):
+    colour = dict(zip(EPSILONS, ("C0", "C1", "C2")))
+    for eps, style in zip(EPSILONS, ("-", "--", ":")):
         z = noise_multiplier(eps, FEDAVG_Q, FEDAVG_ROUNDS)
-        left.plot(ms, [mean_noise_ratio(z, m, dim) for m in ms], style, label=f"ε = {eps:g} (computed)")
+        left.plot(ms, [mean_noise_ratio(z, m, dim) for m in ms], style, color=colour[eps],
+                  label=f"ε = {eps:g} (computed)")
     for level in (1.0, 0.3):
         left.axhline(level, color="grey", lw=0.6, ls=":")
+
+    def style(p: dict) -> dict:
+        return {"marker": "o", "color": colour.get(p["target-epsilon"], "k")} if p["target-epsilon"] is not None \
+            else {"marker": "s", "color": "k"}
+
     for p in measured:
-        marker = "ko" if p["target-epsilon"] is not None else "ks"
-        left.plot(p["m"], p["noise-over-clip"], marker)
+        left.plot(p["m"], p["noise-over-clip"], ls="none", **style(p))
         if p["gap-points"] is not None:
             left.annotate(f"{p['gap-points']:+.0f} pt", (p["m"], p["noise-over-clip"]), textcoords="offset points",
                           xytext=(5, 4), fontsize=8)
     left.set_xscale("log"), left.set_yscale("log")
     left.set_xlabel("clients per round m = q·N"), left.set_ylabel("noise on the mean update / dp-clip")
-    left.set_title(f"FedAvg, {FEDAVG_ROUNDS} rounds, q = {FEDAVG_Q:g}: measured gap (squares: z given)", fontsize=9)
+    left.set_title(f"FedAvg, {FEDAVG_ROUNDS} rounds, q = {FEDAVG_Q:g}: computed noise, measured gap", fontsize=9)
     left.legend(fontsize=8)
-    for p in measured:
-        x = p["noise-over-clip"]
-        right.plot(x, 100 * p["accuracy"], "C3o" if p["target-epsilon"] is not None else "C3s")
-        if p["accuracy-no-dp"] is not None:
-            right.plot(x, 100 * p["accuracy-no-dp"], "o", mfc="none", mec="k")
-        right.annotate(f"N = {p['clients']}", (x, 100 * p["accuracy"]), textcoords="offset points", xytext=(4, 4),
-                       fontsize=8)
-    right.axhline(100 * CHANCE, color="grey", lw=0.6, ls=":")
+    kept = [p for p in measured if p["lift-kept"] is not None]
+    for p in kept:
+        x, y = p["noise-over-clip"], 100 * p["lift-kept"]
+        right.plot(x, y, ls="none", **style(p))
+        right.annotate(f"N = {p['clients']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    right.axhline(100, color="grey", lw=0.6, ls=":"), right.axhline(0, color="grey", lw=0.6, ls=":")
     right.set_xscale("log"), right.set_xlabel("noise on the mean update / dp-clip")
-    right.set_ylabel("clients' mean accuracy %")
-    right.set_title("distributed DP (filled) and no DP (open), same N and seed", fontsize=9)
+    right.set_ylabel("lift kept % (DP − chance) / (no DP − chance)")
+    right.set_title("measured, seed-paired with the no-DP run (squares: z given)", fontsize=9)
     save_figure(fig, path, 110)
 
 
@@ -398,9 +415,11 @@ def utility_lines() -> list[str]:
               "chance (ten classes) that the DP arm keeps. The no-DP accuracy itself falls with N here (the same "
               "data over more, smaller clients in the same 5 rounds): the gap is read per N and against the "
               "lift. One seed and 5 rounds per cell (the machine's time): seed-to-seed spread is not measured. "
-              "Rows: most noise first. Wall: DP arm / no-DP arm.", ""]
+              "Rows: most noise first. Cost: the run's process CPU, its wall time and the machine's 1-min load "
+              "average at its start, DP arm / no-DP arm (every one of the N clients runs the SecAgg+ stages each "
+              "round under secret sampling, the no-DP arm trains m).", ""]
     lines += table(["N", "m = q·N", "ε target", "z", "noise / clip on the mean", "no-DP acc. %", "DP acc. %",
-                    "gap (points)", "lift kept", "ε spent", "seed", "wall s"], fedavg_rows(runs, dim))
+                    "gap (points)", "lift kept", "ε spent", "seed", "CPU-s (wall s, load)"], fedavg_rows(runs, dim))
     least = min((p["noise-over-clip"] for p in points if p["gap-points"] is not None), default=None)
     lines += ["", "Computed, not measured: the clients per round m (and population N = m/q) at which the noise "
               "on the mean update falls to 1, 0.3 and 0.1 × dp-clip in this setting"

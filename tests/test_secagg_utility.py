@@ -42,7 +42,8 @@ def test_every_cell_names_its_family_population_and_arm_and_the_private_arms_the
 
 def _run(clients: int, arm: str, accuracy: float, seed: int = 0) -> dict:
     """A run file's record, as far as the FedAvg report reads it."""
-    return {"family": "fedavg", "clients": clients, "arm": arm, "seed": seed, "wall-s": 1.0,
+    return {"family": "fedavg", "clients": clients, "arm": arm, "seed": seed, "wall-s": 1.0, "cpu-s": 1.0,
+            "load-1min-at-start": 0.5,
             "evaluate": {"accuracy-client-mean": accuracy}, "fit": {"dp-epsilon": None if arm == "off" else 8.0}}
 
 

@@ -121,3 +121,18 @@ def test_the_kept_noise_multipliers_are_what_calibration_gives():
             assert calibrate(eps, delta, q, rounds) == pytest.approx(z, rel=1e-12), key
             checked += 1
     assert checked >= 2
+
+
+def test_the_reading_names_the_noisiest_point_that_kept_two_thirds_and_where_each_epsilon_reaches_it():
+    dim = 21_840
+    runs = [_run(100, "off", 0.80), _run(100, "distributed-eps8", 0.17), _run(100, "distributed-z0.05", 0.73),
+            _run(500, "off", 0.50), _run(500, "distributed-eps8", 0.30)]
+    points = u.fedavg_points(runs, dim)
+    text = u._reading(points, dim)[1]
+    edge = points[1]  # N = 500, ε 8: 50 % kept, below two thirds; z 0.05 kept 90 %
+    assert edge["lift-kept"] == pytest.approx(0.5)
+    assert "the noisiest useful point is 1.04 × clip (N = 100, z = 0.05, 90 % kept)" in text
+    assert "more noise kept 50 % (2.38 ×), 10 % (11.91 ×)" in text
+    assert f"{u.clients_for(8.0, points[2]['noise-over-clip'], dim):,.0f} (N = " in text
+    none = u._reading(u.fedavg_points(runs[:2], dim), dim)[1]
+    assert "no measured point is" in none

@@ -333,13 +333,23 @@ def measured_rows(points: list[dict], dim: int) -> list[list[str]]:
             for p in points if p["gap-points"] is not None]
 
 
+def _seeds_said(points: list[dict]) -> str:
+    """How many seeds the points have: one for all, or which cells have more."""
+    seeds: dict[tuple[int, str], set[int]] = {}
+    for p in points:
+        seeds.setdefault((p["clients"], p["arm"]), set()).add(p["seed"])
+    if all(len(v) == 1 for v in seeds.values()):
+        return f"one seed per cell (seed {', '.join(sorted({str(p['seed']) for p in points}))})"
+    more = [f"N = {n} {arm}" for (n, arm), v in sorted(seeds.items()) if len(v) > 1]
+    return f"seeds {', '.join(sorted({str(p['seed']) for p in points}))} for {', '.join(more)}, one seed elsewhere"
+
+
 def _reading(points: list[dict], dim: int) -> list[str]:
     """Where a useful ε starts by the measured points (:data:`USEFUL_LIFT`) and the computed line."""
     measured = [p for p in points if p["lift-kept"] is not None]
     useful = [p for p in measured if p["lift-kept"] >= USEFUL_LIFT]
-    seeds = ", ".join(sorted({str(p["seed"]) for p in measured}))
-    head = (f"**Where a useful ε starts** (one seed: {seeds}; {FEDAVG_ROUNDS} rounds). Reading *useful* as keeping "
-            f"at least {100 * USEFUL_LIFT:.0f} % of the no-DP lift over chance (a reading, not a standard): ")
+    head = (f"**Where a useful ε starts** ({_seeds_said(measured)}; {FEDAVG_ROUNDS} rounds). Reading *useful* as "
+            f"keeping at least {100 * USEFUL_LIFT:.0f} % of the no-DP lift over chance (a reading, not a standard): ")
     if not measured:
         return []
     if not useful:
@@ -364,8 +374,8 @@ def _reading(points: list[dict], dim: int) -> list[str]:
                                                   for p in sorted(above, key=lambda p: p["noise-over-clip"])))
     text += (". By the computed line each ε puts that little noise on the mean from m = "
              + ", ".join(f"{_where(eps, edge['noise-over-clip'], dim)} at ε = {eps:g}" for eps in EPSILONS)
-             + ". Seed-to-seed spread is not measured, and the DP noise is drawn from the operating system, so "
-             "a point is not repeatable to the digit; points a few points apart are not separated.")
+             + ". The DP noise is drawn from the operating system, so even one seed's point is not repeatable to "
+             "the digit; points a few points apart are not separated.")
     return ["", head + text]
 
 
@@ -448,7 +458,8 @@ def utility_lines() -> list[str]:
               "*Lift kept*: (DP acc. − 10 %) / (no-DP acc. − 10 %), the share of what the no-DP arm gains over "
               "chance (ten classes) that the DP arm keeps. The no-DP accuracy itself falls with N here (the same "
               "data over more, smaller clients in the same 5 rounds): the gap is read per N and against the "
-              "lift. One seed and 5 rounds per cell (the machine's time): seed-to-seed spread is not measured. "
+              f"lift. Cells: {_seeds_said(points) if points else 'no DP run yet'}, {FEDAVG_ROUNDS} rounds (the "
+              "machine's time); where a cell has one seed, its seed-to-seed spread is not measured. "
               "Rows: most noise first. Cost: the run's process CPU, its wall time and the machine's 1-min load "
               "average at its start, DP arm / no-DP arm (every one of the N clients runs the SecAgg+ stages each "
               "round under secret sampling, the no-DP arm trains m).", ""]

@@ -136,3 +136,6 @@ def test_the_reading_names_the_noisiest_point_that_kept_two_thirds_and_where_eac
     assert f"{u.clients_for(8.0, points[2]['noise-over-clip'], dim):,.0f} (N = " in text
     none = u._reading(u.fedavg_points(runs[:2], dim), dim)[1]
     assert "no measured point is" in none
+    assert u._seeds_said(points) == "one seed per cell (seed 0)"
+    twice = u.fedavg_points(runs + [_run(100, "off", 0.8, seed=1), _run(100, "distributed-eps8", 0.1, seed=1)], dim)
+    assert u._seeds_said(twice) == "seeds 0, 1 for N = 100 distributed-eps8, one seed elsewhere"

@@ -317,31 +317,6 @@ def test_supernode_killed_and_restarted_carries_on_from_its_state_dir(tmp_path, 
 
 
 @pytest.mark.e2e
-def test_supernode_with_unregistered_key_is_refused(tmp_path):
-    """A node whose key was never registered gets no node id: it logs Flower's exit code 305 with the
-    activation error and exits with status 1 (Flower's flwr_exit maps every error code to status 1), and
-    the SuperLink lists only the registered node."""
-    with Fleet(tmp_path / "work", tls=True, echo=False) as fleet:
-        member = fleet.add_supernode(plan_nodes(1)[0])
-        online = supernodes.wait_for_supernodes(fleet.connection, fleet.flwr_home, 1, timeout=120,
-                                            procs=[member.proc])
-        intruder = fleet.add_supernode(NodeSpec("intruder", {"partition-id": 0, "num-partitions": 1}),
-                                       register=False)
-        try:
-            code = intruder.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            pytest.fail("a SuperNode with an unregistered key kept running for 120 s")
-        listed = supernodes.list_supernodes(fleet.connection, fleet.flwr_home)
-        log = intruder.log_path.read_text(errors="replace")
-        groups = fleet.process_groups()
-    assert code == 1, log[-2000:]
-    assert "Exit Code: 305" in log and "Failed to activate SuperNode" in log, log[-2000:]
-    assert online == [str(member.registered_id)]
-    assert [(n["node-id"], n["status"]) for n in listed] == [(str(member.registered_id), "online")]
-    assert not groups_alive(groups)
-
-
-@pytest.mark.e2e
 def test_cli_tears_the_fleet_down_on_sigterm(tmp_path):
     """SIGTERM while the run is in progress: exit 128+15, and no SuperLink/SuperNode left behind."""
     log_path = tmp_path / "cli.log"
@@ -501,30 +476,6 @@ def test_cli_timeout_stops_the_fleet(tmp_path):
     # mid-run ("the fleet run did not finish within 30s") or, on a loaded machine, still bringing nodes up
     assert re.search(r"\): run \S+( \(Flower run \d+\))?: timeout: ", proc.stdout), proc.stdout[-3000:]
     assert pids and not groups_alive(pids)
-
-
-@pytest.mark.e2e
-def test_logit_family_on_a_four_domain_fleet(tmp_path):
-    """FCCL on a real fleet: four SuperNodes, one digit domain and one architecture each, 2 rounds.
-
-    Its own test (not a FLEET_CASES entry) because the digits task is defined for exactly 4 clients."""
-    data_root = require_real_data()  # the digits-offline task needs MNIST
-    out = tmp_path / "runs"
-    tiny = ("task='digits-offline' model-width=0.125 fccl-public='photo_patches' fccl-public-size=40 "
-            "fccl-public-batch-size=20 fccl-train-sizes='24,24,24,24' fccl-solo-epochs=1 fccl-local-epochs='1' "
-            "fccl-test-size=20 fccl-batch-size=12")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pollen.launch.cli", "fleet", "--method", "fccl", "--num-supernodes", "4", "--rounds", "2",
-         "--data-root", data_root, "--run-config", tiny, "--work-dir", str(tmp_path / "work"),
-         "--out-dir", str(out), "--quiet"],
-        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(next(out.glob("*/fleet.json")).read_text())
-    rounds = [json.loads(x) for x in (Path(report["results_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rounds] == [1, 2]
-    assert len(rounds[1]["fit-clients"]) == 4 and rounds[1]["failures"] == 0
-    assert rounds[0]["bytes-down"] < rounds[1]["bytes-down"]  # round 1 sends no consensus yet
-    assert not groups_alive([report["superlink_pid"]] + [n["pid"] for n in report["nodes"]])
 
 
 @pytest.mark.e2e

@@ -1,6 +1,7 @@
-"""Your own data on your own nodes, on a real fleet: a SuperLink and three SuperNodes, each SuperNode given
-only its own folder of real MNIST images (node config ``data-dir``); FedProto and FedAvg run to the end and
-every node's model classifies that node's own test images with ``pollen predict``.
+"""Your own data on your own nodes: each node given only its own folder of real MNIST images (node config
+``data-dir``). On a real fleet (``pollen fleet --data-dirs``: a SuperLink and three SuperNodes) FedProto
+runs to the end and every node's personal model classifies that node's own test images with ``pollen
+predict``; in process (the ServerApp and real ClientApps, no launch) FedAvg's global model does.
 
 That no node read another's folder is checked three ways: the run config carries no path at all (the
 only folder a node can know is the one in its own node config); the folders have different sizes, and
@@ -18,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from pollen.launch.fleet import Fleet, compose_run_config, format_config, plan_nodes
-from pollen.launch.processes import groups_alive
 from pollen.app.config import ConfigError
+from pollen.launch.fleet import format_config, plan_nodes
+from pollen.launch.processes import groups_alive
 from tests.conftest import PROJECT_ROOT
 from tests.test_user_data import write_image_folder
 
@@ -78,21 +79,21 @@ def _check_own_counts(run_dir: Path) -> dict:
 
 
 @pytest.mark.e2e
-def test_fedproto_fleet_where_every_node_trains_on_its_own_folder(folders, tmp_path):
+def test_fedproto_fleet_through_the_cli_where_every_node_trains_on_its_own_folder(folders, tmp_path):
+    """``pollen fleet --data-dirs``: each SuperNode is started with its own folder, trains and tests on it
+    alone, and its personal model classifies that folder's test images as the node's last evaluation did."""
     out = tmp_path / "runs"
-    values, _ = compose_run_config(method="fedproto", rounds=2, out_dir=out, data_root=None,
-                                   user=format_config(AGREED), num_supernodes=3)
-    with Fleet(tmp_path / "work", echo=False) as fleet:
-        for spec in plan_nodes(3, data_dirs=[str(f) for f in folders]):
-            fleet.add_supernode(spec)
-        fleet.wait_for_nodes(3, timeout=240)
-        outcome = fleet.run(values, timeout=900, echo=False)
-        groups = fleet.process_groups()
-        errors = fleet.client_errors()
-    assert not groups_alive(groups)
-    assert outcome.completed, outcome.log[-4000:]
-    assert errors == {}
-    run_dir = out / str(outcome.run_id)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pollen.launch.cli", "fleet", "--method", "fedproto", "--num-supernodes", "3",
+         "--rounds", "2", "--data-dirs", ",".join(str(f) for f in folders), "--run-config", format_config(AGREED),
+         "--work-dir", str(tmp_path / "work"), "--out-dir", str(out), "--quiet"],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(next(out.glob("*/fleet.json")).read_text())
+    assert [n["node-config"].count(f"data-dir='{f.resolve()}'") for n, f in zip(report["nodes"], folders)] == [1, 1, 1]
+    assert report["client_errors"] == {}
+    assert not groups_alive([report["superlink_pid"]] + [n["pid"] for n in report["nodes"]])
+    run_dir = Path(report["results_dir"])
     last = _check_own_counts(run_dir)
     task = json.loads((run_dir / "task.json").read_text())
     assert task["classes"] == ["zero", "one", "two"] and task["image-size"] == 28
@@ -107,23 +108,34 @@ def test_fedproto_fleet_where_every_node_trains_on_its_own_folder(folders, tmp_p
         assert acc > 1 / 3  # two rounds on 60-90 digits already beat chance
 
 
-@pytest.mark.e2e
-def test_fedavg_fleet_with_data_dirs_through_the_cli(folders, tmp_path):
-    # one round proves it (each node's counts and folder, predict = that round's evaluation); the FedProto
-    # fleet above runs two, for its better-than-chance check
-    out = tmp_path / "runs"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pollen.launch.cli", "fleet", "--method", "fedavg", "--num-supernodes", "3", "--rounds", "1",
-         "--data-dirs", ",".join(str(f) for f in folders), "--run-config", format_config(AGREED),
-         "--work-dir", str(tmp_path / "work"), "--out-dir", str(out), "--quiet"],
-        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(next(out.glob("*/fleet.json")).read_text())
-    assert [n["node-config"].count(f"data-dir='{f.resolve()}'") for n, f in zip(report["nodes"], folders)] == [1, 1, 1]
-    run_dir = Path(report["results_dir"])
+def test_fedavg_on_nodes_with_their_own_folders_and_its_global_model_on_each(folders, tmp_path, capsys):
+    """FedAvg, the ServerApp and three real ClientApps in this process, each node given only its own folder
+    by node config (the fleet above carries node config ``data-dir`` through Flower; a method's family does
+    not change how a node reads it): one round, each node's counts are its own folder's, and the global model
+    (``pollen predict --run``, its entry point called here) scores each folder's test split as that node's
+    evaluation did."""
+    from flwr.app import Context, RecordDict
+
+    from pollen.app.client_app import app as client_app
+    from pollen.app.server_app import main as server_main
+    from pollen.launch.predict import main as predict
+    from pollen.testing import InProcessGrid, clientapp_node
+
+    config = {**AGREED, "method": "fedavg", "num-server-rounds": 1}
+    grid = InProcessGrid({100 + i: clientapp_node(client_app, config, i, 3, state_dir=str(tmp_path / f"p{i}"),
+                                                  node_config={"data-dir": str(folder)})
+                          for i, folder in enumerate(folders)})
+    server_main(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(),
+                              run_config={**config, "out-dir": str(tmp_path / "runs"), "run-name": "fedavg"}))
+    run_dir = tmp_path / "runs" / "fedavg"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     last = _check_own_counts(run_dir)
+    capsys.readouterr()
     for i, folder in enumerate(folders):
-        acc, n = _predict("--run", run_dir, "--data-dir", folder)
+        assert predict(["--run", str(run_dir), "--data-dir", str(folder)]) == 0
+        said = capsys.readouterr().out
+        match = ACC.search(said)
+        assert match, said
+        acc, n = float(match.group(1)), int(match.group(3))
         assert n == 3 * TEST[i]
         assert abs(acc - last["evaluate-clients"][f"partition {i}"]["accuracy"]) <= 1e-6
-    assert not groups_alive([report["superlink_pid"]] + [n["pid"] for n in report["nodes"]])

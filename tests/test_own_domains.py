@@ -7,10 +7,11 @@ does not survive. The public set is a folder of real Fashion-MNIST images (no la
 * pure: reading, counting and fingerprinting a public folder; resolving the task; clear errors;
 * simulation (`flwr run`): run key ``data-dir`` holds the three domain folders, so every client also
   tests on the others (intra- and inter-domain accuracy);
-* fleet: a SuperLink and three SuperNodes, each given only its own domain folder and its own *copy* of
-  the public folder (node config ``data-dir``, ``public-dir``); FCCL runs to the end, each node's model
-  classifies its own test images with ``pollen predict``; a fourth run where one node's public
-  copy differs shows the server refusing that node's logits by name while the others train.
+* fleet: a SuperLink and three SuperNodes, each given only its own domain folder, its own *copy* of
+  the public folder and its own architecture (node config ``data-dir``, ``public-dir``, ``model``); FCCL
+  runs to the end, each node's model classifies its own test images with ``pollen predict``;
+* in process (the ServerApp and real ClientApps, no launch): one node's public copy differs, and the
+  server refuses that node's logits by name while the others train.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ def _predict(*argv) -> tuple[float, int]:
     return float(match.group(1)), int(match.group(3))
 
 
-def _fleet_run(tmp_path, data_dirs, public_dirs):
+def _fleet_run(tmp_path, data_dirs, public_dirs, models=()):
     from pollen.launch.fleet import Fleet, compose_run_config, format_config, plan_nodes
     from pollen.launch.processes import groups_alive
 
@@ -202,7 +203,8 @@ def _fleet_run(tmp_path, data_dirs, public_dirs):
     values, _ = compose_run_config(method="fccl", rounds=2, out_dir=out, data_root=None,
                                    user=format_config(AGREED), num_supernodes=3)
     with Fleet(tmp_path / "work", echo=False) as fleet:
-        for spec in plan_nodes(3, data_dirs=[str(d) for d in data_dirs], public_dirs=[str(p) for p in public_dirs]):
+        for spec in plan_nodes(3, data_dirs=[str(d) for d in data_dirs], public_dirs=[str(p) for p in public_dirs],
+                               models=models):
             fleet.add_supernode(spec)
         fleet.wait_for_nodes(3, timeout=240)
         outcome = fleet.run(values, timeout=900, echo=False)
@@ -214,40 +216,67 @@ def _fleet_run(tmp_path, data_dirs, public_dirs):
     return out / str(outcome.run_id)
 
 
+FLEET_MODELS = ("resnet10", "resnet12", "mobilenet_v2")  # node config `model`: one architecture per node
+
+
 @pytest.mark.e2e
-def test_fccl_fleet_where_every_node_holds_its_own_domain_and_public_copy(domains, public, tmp_path):
+def test_fccl_fleet_where_every_node_holds_its_own_domain_public_copy_and_architecture(domains, public, tmp_path):
+    """FCCL on a real fleet (its only fleet test): three SuperNodes, each with its own domain folder, its own copy
+    of the public folder and its own architecture, two rounds; each node's model scores its own test split with
+    ``pollen predict`` as its last evaluation did."""
     sites = []
     for i, domain in enumerate(DOMAINS):  # each site: its own domain folder and its own public copy
         site = tmp_path / f"site-{i}"
         shutil.copytree(domains / domain, site / domain)
         shutil.copytree(public, site / "public")
         sites.append(site)
-    run_dir = _fleet_run(tmp_path, [s / d for s, d in zip(sites, DOMAINS)], [s / "public" for s in sites])
+    run_dir = _fleet_run(tmp_path, [s / d for s, d in zip(sites, DOMAINS)], [s / "public" for s in sites],
+                         models=FLEET_MODELS)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["data-dir"] == "" and config["fccl-public-dir"] == ""  # no path travels with the run
     rounds = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["round"] for rec in rounds] == [1, 2]
     for rec in rounds:
-        assert rec["fit"]["accepted"] == 3 and rec["rejected"] == []
+        assert rec["fit"]["accepted"] == 3 and rec["rejected"] == [] and rec["failures"] == 0
         for i in range(3):
             fit, ev = rec["fit-clients"][f"partition {i}"], rec["evaluate-clients"][f"partition {i}"]
             assert fit["num-examples"] == 3 * TRAIN[i] and ev["num-examples"] == 3 * TEST[i]
             assert "inter-accuracy" not in ev  # other domains' test images never reach a node
     assert all("collab-loss" in c for c in rounds[1]["fit-clients"].values())
+    assert rounds[0]["bytes-down"] < rounds[1]["bytes-down"]  # round 1 sends no consensus yet
     last = rounds[-1]
     for i, (site, domain) in enumerate(zip(sites, DOMAINS)):
         state = run_dir / "nodes" / f"partition-{i}"
         meta = json.loads((state / "final-model.json").read_text())
         assert meta["data-dir"] == str((site / domain).resolve()) and meta["class-names"] == list(CLASSES)
+        assert meta["model"] == FLEET_MODELS[i]
         acc, n = _predict("--model", state / "final-model.safetensors", "--data-dir", site / domain)
         assert n == 3 * TEST[i]
         assert abs(acc - last["evaluate-clients"][f"partition {i}"]["intra-accuracy"]) <= 1e-6
 
 
-@pytest.mark.e2e
-def test_fccl_fleet_refuses_a_node_whose_public_copy_differs(domains, public, tmp_path):
+def test_the_server_refuses_by_name_the_logits_of_a_node_whose_public_copy_differs(domains, public, tmp_path):
+    """The ServerApp and three real ClientApps in this process (no launch: the refusal is the server's, and
+    the fleet test above already carries node config ``public-dir`` through Flower): node 2's node config
+    names a public folder of other Fashion-MNIST images, so each round its logits are refused by name while
+    the other two train."""
+    from flwr.app import Context, RecordDict
+
+    from pollen.app.client_app import app as client_app
+    from pollen.app.server_app import main as server_main
+    from pollen.testing import InProcessGrid, clientapp_node
+
     other = write_public(tmp_path / "other-public", N0, offset=1000)  # node 2: other Fashion-MNIST images
-    run_dir = _fleet_run(tmp_path, [domains / d for d in DOMAINS], [public, public, other])
+    config = {**AGREED, "num-server-rounds": 2}
+    grid = InProcessGrid({100 + i: clientapp_node(client_app, config, i, 3, state_dir=str(tmp_path / f"p{i}"),
+                                                  node_config={"data-dir": str(domains / d), "public-dir": str(pub)})
+                          for i, (d, pub) in enumerate(zip(DOMAINS, [public, public, other]))})
+    server_main(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(),
+                              run_config={**config, "out-dir": str(tmp_path / "runs"), "run-name": "refusal"}))
+    run_dir = tmp_path / "runs" / "refusal"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     rounds = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["round"] for rec in rounds] == [1, 2]
     for rec in rounds:
         assert rec["fit"]["accepted"] == 2 and sorted(rec["fit-clients"]) == ["partition 0", "partition 1"]
         [rejected] = rec["rejected"]

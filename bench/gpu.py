@@ -17,6 +17,8 @@ at whatever sizes you give, which is how the tests exercise it)::
 
     python -m bench.gpu --data-root ../shared/data            # about 5 minutes on one GPU
     python -m bench.gpu --device cpu --steps 2 --batch 8 --proxy-images 4 --skip-run --out /tmp/gpu
+    python -m bench.gpu --device cpu --steps 1 --batch 2 --clients 3 --rounds 1 --run-config "shot-shots=20" \
+        --ray-cpus 1 --threads 1 --out /tmp/gpu                        # the CPU check, smaller still
 """
 
 from __future__ import annotations
@@ -95,20 +97,24 @@ def part_throughput(args, device) -> list[dict]:
 def part_fedproto_run(args) -> dict:
     """One real 20-client FedProto simulation with Ray GPU fractions."""
     from pollen import launch
+    from pollen.launch import parse_run_config
 
     data_root = Path(args.data_root).expanduser() if args.data_root else None
     if data_root is None or not (data_root / "MNIST" / "raw").is_dir():
         return {"skipped": f"MNIST not found under --data-root {args.data_root!r}"}
     gpus = args.gpus_per_client if args.device == "cuda" else 0.0
     run_config = {"method": "fedproto", "task": "mnist-shot", "num-server-rounds": args.rounds,
-                  "seed": 0, "device": args.device}
+                  "seed": 0, "device": args.device, **parse_run_config(args.run_config)}
     out_dir = Path(args.out) / "gpu-runs"
     start = time.perf_counter()
     outcome = launch.simulate(num_supernodes=args.clients, gpus_per_client=gpus, run_config=run_config,
-                              timeout=args.run_timeout, echo=False, out_dir=out_dir, data_root=data_root)
+                              timeout=args.run_timeout, echo=False, out_dir=out_dir, data_root=data_root,
+                              ray_cpus=args.ray_cpus)
     wall = time.perf_counter() - start
     row = {"clients": args.clients, "rounds": args.rounds, "gpus-per-client": gpus, "status": outcome.status,
            "wall-s": round(wall, 1), "flwr-run-s": round(outcome.wall_time_s, 1)}
+    if args.run_config:
+        row["run-config"] = args.run_config
     if outcome.results_dir is not None and (outcome.results_dir / "metrics.jsonl").exists():
         lines = read_metrics(outcome.results_dir)
         times = [r["wall-time-s"] for r in lines if isinstance(r.get("wall-time-s"), (int, float))]
@@ -204,6 +210,11 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus-per-client", type=float, default=0.25)
     parser.add_argument("--run-timeout", type=float, default=420.0)
     parser.add_argument("--skip-run", action="store_true", help="skip the FedProto simulation")
+    parser.add_argument("--run-config", default="",
+                        help="run config keys merged over the FedProto run's (e.g. smaller shot-shots for a CPU check)")
+    parser.add_argument("--ray-cpus", type=int, default=None, help="CPUs of the run's private Ray (default: all)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads of the throughput and proxy parts (0: torch's default)")
     parser.add_argument("--proxy-images", type=int, default=256)
     parser.add_argument("--proxy-one-by-one", type=int, default=8)
     parser.add_argument("--proxy-iterations", type=int, default=10)
@@ -216,6 +227,8 @@ def main(argv=None) -> int:
               "--device cpu to exercise the script on the CPU)", flush=True)
         return 0
     device = torch.device(args.device)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"

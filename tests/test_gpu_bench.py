@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import PROJECT_ROOT, require_real_data
+from tests.conftest import PROJECT_ROOT, RAY_CPUS, require_real_data
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would measure")
@@ -28,7 +28,8 @@ def test_every_part_runs_on_the_cpu_and_writes_its_tables(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--device", "cpu", "--steps", "1", "--batch", "2",
                            "--width", "0.25", "--proxy-images", "2", "--proxy-one-by-one", "1",
                            "--proxy-iterations", "1", "--clients", "3", "--rounds", "1", "--data-root", data_root,
-                           "--out", str(tmp_path)],
+                           "--run-config", "shot-shots=20 shot-test-per-class=5", "--ray-cpus", str(RAY_CPUS),
+                           "--threads", "1", "--out", str(tmp_path)],
                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gpu.json").read_text())
@@ -40,6 +41,7 @@ def test_every_part_runs_on_the_cpu_and_writes_its_tables(tmp_path):
     run = data["fedproto-run"]
     assert run["status"] == "finished:completed" and run["clients"] == 3 and run["gpus-per-client"] == 0.0, run
     assert 0.0 <= run["final-accuracy"] <= 1.0 and run["round-1-s"] > 0
+    assert run["run-config"] == "shot-shots=20 shot-test-per-class=5"  # the run says what it was given
 
 
 def test_a_slow_throughput_keeps_three_significant_digits_and_never_reads_zero():

@@ -328,9 +328,27 @@ def test_two_glfc_runs_with_one_seed_write_the_same_metrics_whichever_node_answe
 
 
 # -- (c) end to end: `make run`'s shape at 2 rounds, twice, through the launcher's simulation -------------
+def _check_a_completed_simulation_and_its_files(outcome, run_dir: Path, clients: int) -> None:
+    """What every finished simulation writes and says: both rounds with every client, traffic both ways, a
+    summary well above chance, the curves, the console's round line, and the app's own summary ending the
+    launcher's wait (not Flower's wind-down) with its closing line still read."""
+    rounds = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all(len(r["fit-clients"]) == clients and len(r["evaluate-clients"]) == clients for r in rounds)
+    assert all(r["bytes-up"] > 0 and r["bytes-down"] > 0 for r in rounds)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["rejected-total"] == 0
+    assert 0.2 < summary["final-accuracy"]["mean"] <= 1.0  # 10 classes: well above chance after 2 rounds
+    assert (run_dir / "curves.png").stat().st_size > 0
+    assert "[pollen] round 2/2" in outcome.log
+    assert outcome.status_from == "app"  # the app's summary ended the wait, not Flower's wind-down
+    assert "[pollen] done in" in outcome.log  # its closing line was still read
+
+
 @pytest.mark.e2e
-def test_two_launches_of_make_runs_shape_write_the_same_metrics(tmp_path):
-    """Ray runs the 5 ClientApps on as many actors as there are cores: replies arrive as they finish."""
+def test_two_launches_of_make_runs_shape_complete_and_write_the_same_metrics(tmp_path):
+    """Ray runs the 5 ClientApps on as many actors as there are cores: replies arrive as they finish. Each
+    launch is also the suite's check of a completed simulation's results."""
     from pollen.launch import DEFAULT_SUPERNODES, simulate
     from tests.conftest import PROJECT_ROOT
 
@@ -340,6 +358,7 @@ def test_two_launches_of_make_runs_shape_write_the_same_metrics(tmp_path):
         outcome = simulate(app_dir=PROJECT_ROOT, flwr_home=tmp_path / f"flwr-{run}", num_supernodes=DEFAULT_SUPERNODES,
                            run_config=f"num-server-rounds=2 out-dir='{out}'", timeout=300, echo=False)
         assert outcome.completed, outcome.log[-4000:]
+        _check_a_completed_simulation_and_its_files(outcome, out / str(outcome.run_id), DEFAULT_SUPERNODES)
         (metrics,) = out.glob("*/metrics.jsonl")
         lines.append(metrics.read_text().splitlines())
     _assert_identical_apart_from_timing(lines[0], lines[1], rounds=2)

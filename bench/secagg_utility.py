@@ -324,15 +324,6 @@ def _label(p: dict) -> str:
     return f"ε = {p['target-epsilon']:g}" if p["target-epsilon"] is not None else f"z = {p['z']:g}"
 
 
-def measured_rows(points: list[dict], dim: int) -> list[list[str]]:
-    """Each measured point's noise, what it cost, and the clients per round at which each ε reaches that noise
-    (the computed line through the point)."""
-    return [[f"{p['noise-over-clip']:.2f}", f"N = {p['clients']}, {_label(p)}", f"{p['gap-points']:+.2f}",
-             "" if p["lift-kept"] is None else f"{100 * p['lift-kept']:.0f} %"]
-            + [_where(eps, p["noise-over-clip"], dim) for eps in EPSILONS]
-            for p in points if p["gap-points"] is not None]
-
-
 def _seeds_said(points: list[dict]) -> str:
     """How many seeds the points have: one for all, or which cells have more."""
     seeds: dict[tuple[int, str], set[int]] = {}
@@ -344,44 +335,76 @@ def _seeds_said(points: list[dict]) -> str:
     return f"seeds {', '.join(sorted({str(p['seed']) for p in points}))} for {', '.join(more)}, one seed elsewhere"
 
 
-def _reading(points: list[dict], dim: int) -> list[str]:
-    """Where a useful ε starts by the measured points (:data:`USEFUL_LIFT`) and the computed line."""
-    measured = [p for p in points if p["lift-kept"] is not None]
-    useful = [p for p in measured if p["lift-kept"] >= USEFUL_LIFT]
-    head = (f"**Where a useful ε starts** ({_seeds_said(measured)}; {FEDAVG_ROUNDS} rounds). Reading *useful* as "
-            f"keeping at least {100 * USEFUL_LIFT:.0f} % of the no-DP lift over chance (a reading, not a standard): ")
-    if not measured:
+def fedavg_cells(points: list[dict]) -> list[dict[str, Any]]:
+    """The seed-paired points of each cell (population, arm) together: the mean gap and lift kept over its
+    seeds, and their range; most noise first."""
+    cells: dict[tuple[int, str], list[dict]] = {}
+    for p in points:
+        if p["lift-kept"] is not None:
+            cells.setdefault((p["clients"], p["arm"]), []).append(p)
+    out = []
+    for same in cells.values():
+        gaps, lifts = [p["gap-points"] for p in same], [p["lift-kept"] for p in same]
+        out.append({k: same[0][k] for k in ("clients", "m", "arm", "target-epsilon", "z", "noise-over-clip")}
+                   | {"seeds": sorted(p["seed"] for p in same), "gap-points": sum(gaps) / len(gaps),
+                      "gap-range": (min(gaps), max(gaps)), "lift-kept": sum(lifts) / len(lifts),
+                      "lift-range": (min(lifts), max(lifts))})
+    return sorted(out, key=lambda c: (-c["noise-over-clip"], c["clients"]))
+
+
+def _spread(mean: float, low: float, high: float, scale: float, fmt: str, unit: str = "") -> str:
+    said = f"{scale * mean:{fmt}}{unit}"
+    return said if low == high else f"{said} [{scale * low:{fmt}}, {scale * high:{fmt}}]"
+
+
+def measured_rows(cells: list[dict], dim: int) -> list[list[str]]:
+    """Each measured cell's noise, what it cost over its seeds, and the clients per round at which each ε
+    reaches that noise (the computed line through the cell)."""
+    return [[f"{c['noise-over-clip']:.2f}", f"N = {c['clients']}, {_label(c)}", ", ".join(map(str, c["seeds"])),
+             _spread(c["gap-points"], *c["gap-range"], 1, "+.1f"), _spread(c["lift-kept"], *c["lift-range"], 100, ".0f",
+                                                                           " %")]
+            + [_where(eps, c["noise-over-clip"], dim) for eps in EPSILONS] for c in cells]
+
+
+def _reading(cells: list[dict], dim: int) -> list[str]:
+    """Where a useful ε starts by the measured cells' mean lift kept (:data:`USEFUL_LIFT`) and the computed
+    line."""
+    if not cells:
         return []
+    useful = [c for c in cells if c["lift-kept"] >= USEFUL_LIFT]
+    head = (f"**Where a useful ε starts** ({FEDAVG_ROUNDS} rounds; each cell's mean over its seeds). Reading "
+            f"*useful* as keeping at least {100 * USEFUL_LIFT:.0f} % of the no-DP lift over chance (a reading, not a "
+            "standard): ")
     if not useful:
-        least = min(p["noise-over-clip"] for p in measured)
-        return ["", head + f"no measured point is; below the least noise measured, {least:.2f} × clip, is where to "
+        least = min(c["noise-over-clip"] for c in cells)
+        return ["", head + f"no measured cell is; below the least noise measured, {least:.2f} × clip, is where to "
                 "measure next."]
-    edge = max(useful, key=lambda p: p["noise-over-clip"])
-    below = [p for p in measured if p["noise-over-clip"] <= edge["noise-over-clip"]]
-    above = [p for p in measured if p["noise-over-clip"] > edge["noise-over-clip"]]
-    text = (f"the noisiest useful point is {edge['noise-over-clip']:.2f} × clip (N = {edge['clients']}, "
+    edge = max(useful, key=lambda c: c["noise-over-clip"])
+    below = [c for c in cells if c["noise-over-clip"] <= edge["noise-over-clip"]]
+    above = [c for c in cells if c["noise-over-clip"] > edge["noise-over-clip"]]
+    text = (f"the noisiest useful cell is {edge['noise-over-clip']:.2f} × clip (N = {edge['clients']}, "
             f"{_label(edge)}, {100 * edge['lift-kept']:.0f} % kept)")
-    failed = [p for p in below if p["lift-kept"] < USEFUL_LIFT]
+    failed = [c for c in below if c["lift-kept"] < USEFUL_LIFT]
     if failed:
-        text += "; not every point with less noise was: " + ", ".join(
-            f"{p['noise-over-clip']:.2f} × at N = {p['clients']} kept {100 * p['lift-kept']:.0f} %" for p in failed)
+        text += "; not every cell with less noise was: " + ", ".join(
+            f"{c['noise-over-clip']:.2f} × at N = {c['clients']} kept {100 * c['lift-kept']:.0f} %" for c in failed)
     elif len(below) > 1:
-        gaps = [p["gap-points"] for p in below]
-        text += (f"; every point at that noise or less kept at least {100 * min(p['lift-kept'] for p in below):.0f} "
-                 f"% (gaps {min(gaps):+.1f} to {max(gaps):+.1f} points)")
+        low = min(c["lift-range"][0] for c in below)
+        text += f"; every cell at that noise or less kept at least {100 * min(c['lift-kept'] for c in below):.0f} % " \
+                f"on average (its seeds: at least {100 * low:.0f} %)"
     if above:
-        text += ("; more noise kept " + ", ".join(f"{100 * p['lift-kept']:.0f} % ({p['noise-over-clip']:.2f} ×)"
-                                                  for p in sorted(above, key=lambda p: p["noise-over-clip"])))
+        text += ("; more noise kept " + ", ".join(f"{100 * c['lift-kept']:.0f} % ({c['noise-over-clip']:.2f} ×)"
+                                                  for c in sorted(above, key=lambda c: c["noise-over-clip"])))
     text += (". By the computed line each ε puts that little noise on the mean from m = "
              + ", ".join(f"{_where(eps, edge['noise-over-clip'], dim)} at ε = {eps:g}" for eps in EPSILONS)
              + ". The DP noise is drawn from the operating system, so even one seed's point is not repeatable to "
-             "the digit; points a few points apart are not separated.")
+             "the digit; the ranges in brackets are the spread over a cell's seeds.")
     return ["", head + text]
 
 
 def fedavg_plot(points: list[dict], dim: int, path) -> None:
-    """Left: the computed noise on the mean update against m, by ε, with the measured points and their gaps.
-    Right: the share of the no-DP arm's lift over chance each DP run kept, against that noise."""
+    """Left: the computed noise on the mean update against m, by ε, with the measured cells and their mean gaps.
+    Right: the share of the no-DP arm's lift over chance each DP run (each seed) kept, against that noise."""
     from bench.kit import pyplot, save_figure
 
     measured = [p for p in points if p["accuracy"] is not None]
@@ -402,24 +425,26 @@ def fedavg_plot(points: list[dict], dim: int, path) -> None:
         return {"marker": "o", "color": colour.get(p["target-epsilon"], "k")} if p["target-epsilon"] is not None \
             else {"marker": "s", "color": "k"}
 
-    for p in measured:
-        left.plot(p["m"], p["noise-over-clip"], ls="none", **style(p))
-        if p["gap-points"] is not None:
-            left.annotate(f"{p['gap-points']:+.0f} pt", (p["m"], p["noise-over-clip"]), textcoords="offset points",
-                          xytext=(5, 4), fontsize=8)
+    for c in fedavg_cells(measured):
+        left.plot(c["m"], c["noise-over-clip"], ls="none", **style(c))
+        left.annotate(f"{c['gap-points']:+.0f} pt", (c["m"], c["noise-over-clip"]), textcoords="offset points",
+                      xytext=(5, 0), fontsize=7)
     left.set_xscale("log"), left.set_yscale("log")
     left.set_xlabel("clients per round m = q·N"), left.set_ylabel("noise on the mean update / dp-clip")
-    left.set_title(f"FedAvg, {FEDAVG_ROUNDS} rounds, q = {FEDAVG_Q:g}: computed noise, measured gap", fontsize=9)
+    left.set_title(f"FedAvg, {FEDAVG_ROUNDS} rounds, q = {FEDAVG_Q:g}: computed noise, measured mean gap", fontsize=9)
     left.legend(fontsize=8)
     kept = [p for p in measured if p["lift-kept"] is not None]
+    named = set()
     for p in kept:
         x, y = p["noise-over-clip"], 100 * p["lift-kept"]
         right.plot(x, y, ls="none", **style(p))
-        right.annotate(f"N = {p['clients']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        if (p["clients"], p["arm"]) not in named:
+            named.add((p["clients"], p["arm"]))
+            right.annotate(f"N = {p['clients']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     right.axhline(100, color="grey", lw=0.6, ls=":"), right.axhline(0, color="grey", lw=0.6, ls=":")
     right.set_xscale("log"), right.set_xlabel("noise on the mean update / dp-clip")
     right.set_ylabel("lift kept % (DP − chance) / (no DP − chance)")
-    right.set_title("measured, seed-paired with the no-DP run (squares: z given)", fontsize=9)
+    right.set_title("each seed, paired with its no-DP run (squares: z given)", fontsize=9)
     save_figure(fig, path, 110)
 
 
@@ -468,13 +493,14 @@ def utility_lines() -> list[str]:
     lines += ["", "Computed, not measured: the clients per round m (and population N = m/q) at which the noise "
               "on the mean update falls to 1, 0.3 and 0.1 × dp-clip in this setting:", ""]
     lines += table(["ε", "z", "noise = 1 × clip", "noise = 0.3 × clip", "noise = 0.1 × clip"], useful_rows(dim))
-    rows = measured_rows(points, dim)
-    if rows:
-        lines += ["", "The measured points on the computed line: each point's noise, what it cost, and the clients per "
-                  "round m (population N) at which each ε puts that noise on the mean:", ""]
-        lines += table(["noise / clip", "measured at", "gap (points)", "lift kept"]
-                       + [f"ε = {eps:g} reaches it at m =" for eps in EPSILONS], rows)
-    lines += _reading(points, dim)
+    cells = fedavg_cells(points)
+    if cells:
+        lines += ["", "The measured cells on the computed line: each cell's noise, what it cost (mean over its seeds, "
+                  "[min, max] when it has more than one), and the clients per round m (population N) at which each ε "
+                  "puts that noise on the mean:", ""]
+        lines += table(["noise / clip", "measured at", "seeds", "gap (points)", "lift kept"]
+                       + [f"ε = {eps:g} reaches it at m =" for eps in EPSILONS], measured_rows(cells, dim))
+    lines += _reading(cells, dim)
     lines += ["", "![FedAvg: noise on the mean update against m, and accuracy against that noise]"
               "(secagg_fedavg.png)"] if points else []
     return lines

@@ -123,19 +123,23 @@ def test_the_kept_noise_multipliers_are_what_calibration_gives():
     assert checked >= 2
 
 
-def test_the_reading_names_the_noisiest_point_that_kept_two_thirds_and_where_each_epsilon_reaches_it():
+def test_the_reading_names_the_noisiest_cell_that_kept_two_thirds_and_where_each_epsilon_reaches_it():
     dim = 21_840
     runs = [_run(100, "off", 0.80), _run(100, "distributed-eps8", 0.17), _run(100, "distributed-z0.05", 0.73),
             _run(500, "off", 0.50), _run(500, "distributed-eps8", 0.30)]
     points = u.fedavg_points(runs, dim)
-    text = u._reading(points, dim)[1]
-    edge = points[1]  # N = 500, ε 8: 50 % kept, below two thirds; z 0.05 kept 90 %
-    assert edge["lift-kept"] == pytest.approx(0.5)
-    assert "the noisiest useful point is 1.04 × clip (N = 100, z = 0.05, 90 % kept)" in text
+    cells = u.fedavg_cells(points)
+    text = u._reading(cells, dim)[1]
+    assert cells[1]["lift-kept"] == pytest.approx(0.5)  # N = 500, ε 8: below two thirds; z 0.05 kept 90 %
+    assert "the noisiest useful cell is 1.04 × clip (N = 100, z = 0.05, 90 % kept)" in text
     assert "more noise kept 50 % (2.38 ×), 10 % (11.91 ×)" in text
-    assert f"{u.clients_for(8.0, points[2]['noise-over-clip'], dim):,.0f} (N = " in text
-    none = u._reading(u.fedavg_points(runs[:2], dim), dim)[1]
-    assert "no measured point is" in none
+    assert f"{u.clients_for(8.0, cells[2]['noise-over-clip'], dim):,.0f} (N = " in text
+    assert "no measured cell is" in u._reading(u.fedavg_cells(u.fedavg_points(runs[:2], dim)), dim)[1]
     assert u._seeds_said(points) == "one seed per cell (seed 0)"
     twice = u.fedavg_points(runs + [_run(100, "off", 0.8, seed=1), _run(100, "distributed-eps8", 0.1, seed=1)], dim)
     assert u._seeds_said(twice) == "seeds 0, 1 for N = 100 distributed-eps8, one seed elsewhere"
+    # a cell's seeds together: the mean and the range of its seed-paired gaps and lifts
+    eps8 = next(c for c in u.fedavg_cells(twice) if (c["clients"], c["arm"]) == (100, "distributed-eps8"))
+    assert eps8["seeds"] == [0, 1] and eps8["gap-points"] == pytest.approx((-63 - 70) / 2)
+    assert eps8["lift-range"] == pytest.approx((0.0, 0.1)) and eps8["lift-kept"] == pytest.approx(0.05)
+    assert u.measured_rows([eps8], dim)[0][2:5] == ["0, 1", "-66.5 [-70.0, -63.0]", "5 % [0, 10]"]

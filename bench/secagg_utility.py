@@ -8,7 +8,9 @@ Ray, no network), one file per finished run under ``bench/results/secagg/utility
 * ``fedproto100-<arm>``: FedProto, MNIST 3-way shots (the privacy study's setting: batch 4, lr 0.01), **100
   clients**, every client every round, ``FEDPROTO_ROUNDS`` rounds. Arms: ``off`` (no secure aggregation, no
   DP, the label-histogram audit on), ``secagg`` (secure aggregation, no DP), ``distributed-eps{8,4,2}``
-  (client-level replace-one ε over the run, dp-clip 4, dp-min-honest = half the clients).
+  (client-level replace-one ε over the run, dp-clip 4, dp-min-honest = half the clients), and the local-DP
+  arms ``payload-eps<ε>`` / ``sample-eps<ε>`` (the privacy study's modes at 100 clients, no secure aggregation:
+  the server reads each client's noisy release).
 * ``fedavg-n<N>-<arm>``: FedAvg, MNIST Dirichlet (α 0.5), N clients of which each draws itself with
   q = ``FEDAVG_Q`` per round (m = q·N expected updates per round), ``FEDAVG_ROUNDS`` rounds, uniform client
   weights (distributed DP does not release sample counts; both arms use them). Arms: ``off`` and
@@ -47,6 +49,7 @@ FEDAVG_Q, FEDAVG_ROUNDS, FEDAVG_CLIP = 0.1, 5, 1.0
 FEDAVG_BASE = {"method": "fedavg", "task": "mnist-dirichlet", "num-server-rounds": FEDAVG_ROUNDS,
                "fraction-fit": FEDAVG_Q, "avg-weighting": "uniform", "fraction-evaluate": 1.0}
 SECURE = {"secure-aggregation": True, "secagg-threshold": 0.6}
+LOCAL_MODES = ("payload", "sample")  # local DP: each client's release noised on its own
 
 # the order the study runs them (priority first): the done-when pair, FedAvg's gap against m, then the rest
 CELLS = ("fedproto100-off", "fedproto100-distributed-eps8",
@@ -55,7 +58,8 @@ CELLS = ("fedproto100-off", "fedproto100-distributed-eps8",
          "fedproto100-secagg", "fedproto100-distributed-eps2", "fedproto100-distributed-eps4",
          "fedavg-n1000-off", "fedavg-n100-distributed-z0.114", "fedavg-n500-distributed-eps4",
          "fedavg-n500-distributed-eps2", "fedavg-n100-distributed-eps4", "fedavg-n100-distributed-eps2",
-         "fedavg-n1000-distributed-eps8")
+         "fedavg-n1000-distributed-eps8", "fedproto100-payload-eps8", "fedproto100-sample-eps8",
+         "fedproto100-payload-eps2", "fedproto100-sample-eps2")
 
 
 def arm_noise(arm: str) -> tuple[str, float]:
@@ -94,7 +98,21 @@ def arm_keys(family: str, clients: int, arm: str) -> dict[str, Any]:
     if arm.startswith("distributed-"):
         clip = FEDPROTO_CLIP if family == "fedproto" else FEDAVG_CLIP
         return _distributed(arm, clip, clients // 2)
+    mode, _, eps = arm.partition("-eps")
+    if family == "fedproto" and mode in LOCAL_MODES and eps:
+        return {"leak-audit": True, "dp-evaluate": "unprotected", "dp-mode": mode, "dp-target-epsilon": float(eps)}
     raise ValueError(f"unknown arm {arm!r}")
+
+
+def is_secure(arm: str) -> bool:
+    """Does the arm aggregate under secure aggregation (the server sees only the sum)?"""
+    return arm == "secagg" or arm.startswith("distributed-")
+
+
+def epsilon_unit(arm: str) -> str:
+    """What one unit of the arm's ε protects (docs/privacy.md): a client, one record, or one embedding row
+    given the model."""
+    return {"payload": "row given model", "sample": "record"}.get(arm.partition("-")[0], "client")
 
 
 def setting(cell: str) -> dict[str, Any]:
@@ -208,7 +226,7 @@ def fedproto_rows(runs: list[dict]) -> list[list[str]]:
                                                                                 r["arm"])):
         base = by.get(("fedproto", r["clients"], "off", r["seed"]))
         gap = None if base is None or base is r or _acc(r) is None else 100 * (_acc(r) - _acc(base))
-        ev, secure = r["evaluate"], r["arm"] != "off"
+        ev, secure = r["evaluate"], is_secure(r["arm"])
         tv = [v for v in r["curves"]["leak-hist-tv"] if v is not None]
         floor = r["fit"].get("leak-hist-tv-floor-client-mean")
         readable = (f"sum of {r['clients']} only" if secure else
@@ -218,7 +236,8 @@ def fedproto_rows(runs: list[dict]) -> list[list[str]]:
         rows.append([r["arm"], "yes" if secure else "no", _pct(_acc(r)), "" if gap is None else f"{gap:+.2f}",
                      _pct(ev.get("proto-accuracy-client-mean")) if "proto-accuracy-client-mean" in ev
                      else "no class kept", str(max(present)) if present else "—",
-                     f"{eps:.3g}" if isinstance(eps, (int, float)) else "—", readable, str(r["seed"]),
+                     f"{eps:.3g} ({epsilon_unit(r['arm'])})" if isinstance(eps, (int, float)) else "—", readable,
+                     str(r["seed"]),
                      f"{r['wall-s']:.0f}"])
     return rows
 
@@ -465,9 +484,11 @@ def utility_lines() -> list[str]:
              f"Batch 4, lr 0.01 (the privacy study's setting, {FEDPROTO_ROUNDS} rounds instead of 100). Distributed "
              f"arms: client-level replace-one ε over the run, dp-clip {FEDPROTO_CLIP:g}, dp-min-honest "
              f"{FEDPROTO_CLIENTS // 2}. *Classes kept*: the most global prototypes that passed the presence rule in "
-             "one round (10 = all). *One client's histogram*: without secure aggregation the audit's total variation "
-             "from the truth of the server's best guess from one client's reply (the prior guess in brackets); with "
-             "it the server holds only the sum of all clients' contributions.", ""]
+             "one round (10 = all). Local-DP arms (`payload-eps*`, `sample-eps*`: the privacy study's modes, no secure "
+             "aggregation) spend their ε per embedding row given the model or per record (docs/privacy.md); the "
+             "distributed arms per client. *One client's histogram*: without secure aggregation the audit's total "
+             "variation from the truth of the server's best guess from one client's reply (the prior guess in "
+             "brackets); with it the server holds only the sum of all clients' contributions.", ""]
     lines += table(["arm", "secure aggregation", "local acc. %", "gap (points)", "proto acc. %", "classes kept",
                     "ε spent", "one client's histogram", "seed", "wall s"], fedproto_rows(runs))
     points = fedavg_points(runs, dim)

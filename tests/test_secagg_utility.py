@@ -20,8 +20,13 @@ def test_every_cell_names_its_family_population_and_arm_and_the_private_arms_the
         keys = config["run-config"]
         if arm == "off":
             assert "secure-aggregation" not in keys and "dp-mode" not in keys
-        else:
+        elif u.is_secure(arm):
             assert keys["secure-aggregation"] is True
+        else:  # local DP: the server reads each noisy release, so the histogram audit stays on
+            mode, _, eps = arm.partition("-eps")
+            assert "secure-aggregation" not in keys and keys["leak-audit"] is True and family == "fedproto"
+            assert keys["dp-mode"] == mode and keys["dp-target-epsilon"] == float(eps)
+            assert keys["dp-evaluate"] == "unprotected"
         if arm.startswith("distributed-"):
             assert keys["dp-mode"] == "distributed" and keys["dp-min-honest"] == clients // 2
             assert keys["dp-evaluate"] == "unprotected"
@@ -34,8 +39,10 @@ def test_every_cell_names_its_family_population_and_arm_and_the_private_arms_the
     for bad in ("fedavg-nX-off", "fedavg-n100", "fedprox-n100-off"):
         with pytest.raises(ValueError, match="unknown cell"):
             u.parse_cell(bad)
+    assert [u.epsilon_unit(a) for a in ("payload-eps8", "sample-eps2", "distributed-eps8")] == [
+        "row given model", "record", "client"]
     for bad in ("fedavg-n100-distributed-eps", "fedavg-n100-distributed-zx", "fedavg-n100-distributed-q0.1",
-                "fedavg-n100-dp-eps8"):
+                "fedavg-n100-dp-eps8", "fedavg-n100-payload-eps8", "fedproto100-sample-eps", "fedproto100-ldp-eps8"):
         with pytest.raises(ValueError, match="unknown arm"):
             u.setting(bad)
 

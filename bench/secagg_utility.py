@@ -105,14 +105,18 @@ def arm_keys(family: str, clients: int, arm: str) -> dict[str, Any]:
 
 
 def is_secure(arm: str) -> bool:
-    """Does the arm aggregate under secure aggregation (the server sees only the sum)?"""
-    return arm == "secagg" or arm.startswith("distributed-")
+    """Does the FedProto arm aggregate under secure aggregation (the server sees only the sum)? Read off its
+    run keys (:func:`arm_keys`)."""
+    return bool(arm_keys("fedproto", FEDPROTO_CLIENTS, arm).get("secure-aggregation"))
 
 
 def epsilon_unit(arm: str) -> str:
-    """What one unit of the arm's ε protects (docs/privacy.md): a client, one record, or one embedding row
-    given the model."""
-    return {"payload": "row given model", "sample": "record"}.get(arm.partition("-")[0], "client")
+    """What one unit of the FedProto DP arm's ε protects, by Pollen's own rule
+    (:func:`pollen.privacy.config.release_unit`), as the report writes it: a client, one record, or one
+    embedding row given the model."""
+    from pollen.privacy.config import release_unit
+
+    return release_unit("prototypes", arm_keys("fedproto", FEDPROTO_CLIENTS, arm)["dp-mode"]).replace("-", " ")
 
 
 def setting(cell: str) -> dict[str, Any]:
